@@ -1,0 +1,27 @@
+"""kvcanary: run-time detection of silent KV-cache corruption in LLM serving engines."""
+
+from kvcanary.batch import StepBatch
+from kvcanary.canary import GroupCanary
+from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
+from kvcanary.ops import Backend
+from kvcanary.schema import Counter, Field, Phase, Reason, reason_names
+from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+
+__all__ = [
+    "Backend",
+    "CanaryGroup",
+    "Capacities",
+    "Counter",
+    "Field",
+    "GroupCanary",
+    "GroupKind",
+    "Phase",
+    "PlanWorkspace",
+    "Reason",
+    "RecordStore",
+    "StepBatch",
+    "ViolationLog",
+    "reason_names",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,137 @@
+"""The canonical batch an adapter fills for one group each forward step.
+
+Per batch row r: the request's table row ``rows[r]``, ``prefix_lens[r]`` tokens already in the cache
+and ``extend_lens[r]`` tokens written this step.  Per token of the step (flattened in batch-row
+order, ``extend_lens`` consecutive tokens per row): ``input_ids``, ``positions`` and ``out_cache_loc``
+(the slot written, in the table's index space).  Optional ground truth: ``truth[table_row, pos]``
+holds the token the scheduler believes sits at ``pos``, valid below ``truth_lens[r]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvcanary.layout import CanaryGroup
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass
+class StepBatch:
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    table: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    truth: torch.Tensor | None = None
+    truth_lens: torch.Tensor | None = None
+    lookup: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.rows.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _check_tensor(name: str, t: object, ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def validate_batch(
+    batch: StepBatch,
+    group: CanaryGroup,
+    *,
+    device: torch.device,
+    max_batch: int,
+    max_tokens: int,
+    check_values: bool,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument if ``batch`` breaks the contract.
+
+    Metadata (dtype, shape, device, capacities) is always checked.  Values are checked when
+    ``check_values`` is set; this reads the tensors on the host, so the per-step GPU path leaves it
+    off and relies on the kernels, which turn every bad value into a violation instead.
+    """
+    bs = _check_tensor("rows", batch.rows, 1, device).shape[0]
+    for name in ("prefix_lens", "extend_lens"):
+        if _check_tensor(name, getattr(batch, name), 1, device).shape[0] != bs:
+            raise ValueError(f"{name} has {getattr(batch, name).shape[0]} entries, rows has {bs}")
+    _check_tensor("table", batch.table, 2, device)
+    n = _check_tensor("input_ids", batch.input_ids, 1, device).shape[0]
+    for name in ("positions", "out_cache_loc"):
+        if _check_tensor(name, getattr(batch, name), 1, device).shape[0] != n:
+            raise ValueError(f"{name} has {getattr(batch, name).shape[0]} entries, input_ids has {n}")
+    if bs > max_batch:
+        raise ValueError(f"batch has {bs} rows, more than the declared capacity max_batch={max_batch}")
+    if n > max_tokens:
+        raise ValueError(f"batch has {n} tokens, more than the declared capacity max_tokens={max_tokens}")
+    if (batch.truth is None) != (batch.truth_lens is None):
+        raise ValueError("truth and truth_lens must be given together")
+    if batch.truth is not None:
+        _check_tensor("truth", batch.truth, 2, device)
+        if _check_tensor("truth_lens", batch.truth_lens, 1, device).shape[0] != bs:
+            raise ValueError(f"truth_lens has {batch.truth_lens.shape[0]} entries, rows has {bs}")  # type: ignore[union-attr]
+    if group.uses_lookup and batch.lookup is None:
+        raise ValueError(f"group {group.name!r} uses a lookup table but the batch has none")
+    if not group.uses_lookup and batch.lookup is not None:
+        raise ValueError(f"group {group.name!r} takes no lookup table but the batch has one")
+    if batch.lookup is not None:
+        _check_tensor("lookup", batch.lookup, 1, device)
+    if check_values:
+        _check_values(batch, group)
+
+
+def _check_values(batch: StepBatch, group: CanaryGroup) -> None:
+    rows = batch.rows.long()
+    prefix = batch.prefix_lens.long()
+    extend = batch.extend_lens.long()
+    live = torch.ones_like(rows, dtype=torch.bool)
+    if group.padding_row is not None:
+        live = rows != group.padding_row
+    if bool((prefix < 0).any()):
+        raise ValueError(f"prefix_lens has negative entries at batch rows {_where(prefix < 0)}")
+    if bool((extend < 0).any()):
+        raise ValueError(f"extend_lens has negative entries at batch rows {_where(extend < 0)}")
+    n_rows = batch.table.shape[0]
+    bad = live & ((rows < 0) | (rows >= n_rows))
+    if bool(bad.any()):
+        raise ValueError(f"rows has entries outside the table's {n_rows} rows at batch rows {_where(bad)}")
+    width = batch.table.shape[1] * group.page_size
+    too_long = live & (prefix + extend > width)
+    if bool(too_long.any()):
+        raise ValueError(
+            f"prefix_lens + extend_lens exceeds the table width {width} at batch rows {_where(too_long)}"
+        )
+    total = int(extend.sum())
+    if total > batch.num_tokens:
+        raise ValueError(f"extend_lens sums to {total} tokens, but input_ids holds {batch.num_tokens}")
+    if batch.truth_lens is not None and bool((batch.truth_lens < 0).any()):
+        raise ValueError(f"truth_lens has negative entries at batch rows {_where(batch.truth_lens < 0)}")
+
+
+def _where(mask: torch.Tensor) -> list[int]:
+    return [int(i) for i in mask.nonzero().flatten()[:8]]

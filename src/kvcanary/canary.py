@@ -1,0 +1,88 @@
+"""One group's canary: its records, its static workspace and the per-step plan/verify/stamp calls."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary.batch import StepBatch, validate_batch
+from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.ops import Backend
+from kvcanary.ops import reference as ref
+from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+
+
+class GroupCanary:
+    """Records and workspaces for one KV index space, allocated once from declared capacities.
+
+    Each step: :meth:`plan`, then :meth:`verify` (before attention reads), then :meth:`stamp` (the
+    slots written this step).  Every call validates the batch first and raises before any state
+    changes; ``check_values`` (default: on for CPU tensors) also checks the batch's values.
+    """
+
+    def __init__(
+        self,
+        group: CanaryGroup,
+        caps: Capacities,
+        device: torch.device | str = "cpu",
+        backend: Backend = Backend.AUTO,
+    ) -> None:
+        caps.check_covers(group.window)
+        self.group = group
+        self.caps = caps
+        self.device = torch.device(device)
+        self.backend = backend
+        self.records = RecordStore.allocate(group.num_slots, self.device)
+        self.workspace = PlanWorkspace.allocate(caps, self.device)
+
+    def new_log(self) -> ViolationLog:
+        return ViolationLog.allocate(self.caps.log_rows, self.device)
+
+    def validate(self, batch: StepBatch, check_values: bool | None = None) -> None:
+        if check_values is None:
+            check_values = self.device.type == "cpu"
+        validate_batch(
+            batch,
+            self.group,
+            device=self.device,
+            max_batch=self.caps.max_batch,
+            max_tokens=self.caps.max_tokens,
+            check_values=check_values,
+        )
+
+    def _use_kernels(self) -> bool:
+        if self.backend is Backend.REFERENCE:
+            return False
+        return self.backend is Backend.TRITON or self.device.type == "cuda"
+
+    def plan(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
+        self.validate(batch, check_values)
+        if self._use_kernels():
+            from kvcanary.ops import launchers
+
+            launchers.plan(self.group, batch, self.records, self.workspace, log)
+        else:
+            ref.plan(self.group, batch, self.records, self.workspace, log)
+
+    def verify(self, batch: StepBatch, log: ViolationLog) -> None:
+        """Check the entries of the last :meth:`plan` (same batch)."""
+        if self._use_kernels():
+            from kvcanary.ops import launchers
+
+            launchers.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
+        else:
+            ref.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
+
+    def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
+        """Stamp the tokens written this step (same batch as the last :meth:`plan`)."""
+        if self._use_kernels():
+            from kvcanary.ops import launchers
+
+            launchers.stamp(self.group, batch, self.records, self.workspace, log)
+        else:
+            ref.stamp(self.group, batch, self.records, self.workspace, log)
+
+    def step(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
+        """plan, verify and stamp in one call."""
+        self.plan(batch, log, check_values=check_values)
+        self.verify(batch, log)
+        self.stamp(batch, log)

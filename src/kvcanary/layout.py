@@ -1,0 +1,105 @@
+"""Canary groups (one KV index space each) and the per-slot record store."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+
+class GroupKind(enum.Enum):
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryGroup:
+    """One KV index space and how a request's table maps onto it.
+
+    ``page_size`` 1 means the table holds slots (a token table); larger means it holds blocks and
+    ``slot = table[row, pos // page_size] * page_size + pos % page_size``.  A sliding-window group
+    verifies only the last ``window`` positions of each prefix; when ``uses_lookup`` is set, table
+    entries are full-pool slots translated through a full->window lookup table handed in with each
+    batch.  ``token_offset`` is 1 for a speculative-draft pool, whose KV at position p holds the
+    token of position p + 1.  ``reserved_slots`` (padding, trash, sentinel) must never hold a live
+    token.  ``padding_row`` is the table row of padding batch rows (sglang's row 0), or None.
+    """
+
+    num_slots: int
+    group_id: int = 0
+    name: str = "full"
+    kind: GroupKind = GroupKind.FULL
+    window: int = 0
+    uses_lookup: bool = False
+    page_size: int = 1
+    token_offset: int = 0
+    reserved_slots: tuple[int, ...] = (0,)
+    padding_row: int | None = 0
+
+    MAX_RESERVED = 8
+
+    def __post_init__(self) -> None:
+        if self.num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {self.num_slots}")
+        if not 0 <= self.group_id < 2**31:
+            raise ValueError(f"group_id must be in [0, 2**31), got {self.group_id}")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {self.page_size}")
+        if self.kind is GroupKind.FULL and (self.window != 0 or self.uses_lookup):
+            raise ValueError("a FULL group takes no window and no lookup table")
+        if self.kind is GroupKind.SLIDING_WINDOW and self.window <= 0:
+            raise ValueError(f"a SLIDING_WINDOW group needs window > 0, got {self.window}")
+        if self.token_offset not in (0, 1):
+            raise ValueError(f"token_offset must be 0 (target) or 1 (draft), got {self.token_offset}")
+        if len(self.reserved_slots) > self.MAX_RESERVED:
+            raise ValueError(f"at most {self.MAX_RESERVED} reserved_slots, got {len(self.reserved_slots)}")
+        for s in self.reserved_slots:
+            if not 0 <= s < self.num_slots:
+                raise ValueError(f"reserved slot {s} is outside the pool [0, {self.num_slots})")
+        if self.padding_row is not None and self.padding_row < 0:
+            raise ValueError(f"padding_row must be >= 0 or None, got {self.padding_row}")
+
+
+@dataclasses.dataclass
+class RecordStore:
+    """Per-slot records: token (int32), position (int32), link (int64): 16 bytes a slot.
+
+    Structure of arrays so that kernels load each field coalesced.  A link of 0 means "never
+    written"; no written record can hold it (see :mod:`kvcanary.hashing`).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    links: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> RecordStore:
+        return cls(
+            tokens=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            positions=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            links=torch.zeros(num_slots, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.links.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.links.device
+
+    def bytes_per_slot(self) -> int:
+        return sum(t.element_size() for t in (self.tokens, self.positions, self.links))
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Mirror an engine's KV block copy (fork, offload restore): records move with the bytes."""
+        for t in (self.tokens, self.positions, self.links):
+            t[dst] = t[src]
+
+    def clear_slots(self, slots: torch.Tensor) -> None:
+        for t in (self.tokens, self.positions, self.links):
+            t[slots] = 0
+
+    def clone(self) -> RecordStore:
+        return RecordStore(self.tokens.clone(), self.positions.clone(), self.links.clone())

@@ -1,0 +1,332 @@
+"""PyTorch reference of plan, verify and stamp: the executable spec the kernels match byte for byte.
+
+Vectorised over requests and tokens (no Python loop over either); runs on any device.  It handles
+every input value, corrupt ones included: an index outside its table or pool becomes a violation
+with its own reason, never an out-of-bounds access.  Host-side validation of the batch happens
+before these functions are called (:mod:`kvcanary.batch`); they assume only well-formed metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcanary import hashing
+from kvcanary.batch import StepBatch
+from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.schema import NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
+from kvcanary.workspace import PlanWorkspace, ViolationLog
+
+_ANCHOR = hashing.to_signed64(hashing.LINK_ANCHOR)
+
+
+# --------------------------------------------------------------------------- index resolution
+
+
+def table_slots(group: CanaryGroup, table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Table entry for (row, pos), in the table's index space; rows and pos must be in range."""
+    if group.page_size == 1:
+        return table[rows, pos].long()
+    page = group.page_size
+    return table[rows, pos // page].long() * page + pos % page
+
+
+def translate(lookup: torch.Tensor | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map table indices into the group's pool; returns (slot, lookup_out_of_range)."""
+    if lookup is None:
+        return full, torch.zeros_like(full, dtype=torch.bool)
+    n = lookup.shape[0]
+    bad = (full < 0) | (full >= n)
+    slot = lookup[full.clamp(0, max(n - 1, 0))].long() if n > 0 else torch.zeros_like(full)
+    return torch.where(bad, torch.full_like(slot, -1), slot), bad
+
+
+def in_pool(slot: torch.Tensor, num_slots: int) -> torch.Tensor:
+    return (slot >= 0) & (slot < num_slots)
+
+
+def is_reserved(group: CanaryGroup, slot: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(slot, dtype=torch.bool)
+    for s in group.reserved_slots:
+        out |= slot == s
+    return out
+
+
+def expected_tokens(
+    group: CanaryGroup, batch: StepBatch, batch_rows: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
+    """Ground-truth token at ``pos + token_offset`` (int64, -1 = unknown) for each (batch row, pos)."""
+    if batch.truth is None or batch.truth_lens is None:
+        return torch.full_like(pos, UNKNOWN_TOKEN)
+    truth, lens = batch.truth, batch.truth_lens.long()
+    table_rows = batch.rows.long()[batch_rows]
+    idx = pos + group.token_offset
+    ok = (
+        (idx >= 0)
+        & (idx < lens[batch_rows])
+        & (idx < truth.shape[1])
+        & (table_rows >= 0)
+        & (table_rows < truth.shape[0])
+    )
+    if truth.numel() == 0:
+        return torch.full_like(pos, UNKNOWN_TOKEN)
+    tok = truth[table_rows.clamp(0, truth.shape[0] - 1), idx.clamp(0, truth.shape[1] - 1)]
+    return torch.where(ok, tok.to(torch.int32).long(), torch.full_like(pos, UNKNOWN_TOKEN))
+
+
+# --------------------------------------------------------------------------- the log
+
+
+def _new_rows(n: int, phase: Phase, group: CanaryGroup, device: torch.device) -> torch.Tensor:
+    rows = torch.zeros(n, ROW_WIDTH, dtype=torch.int64, device=device)
+    rows[:, Field.PHASE] = int(phase)
+    rows[:, Field.GROUP] = group.group_id
+    rows[:, Field.EXPECTED_TOKEN] = UNKNOWN_TOKEN
+    return rows
+
+
+def append_rows(log: ViolationLog, rows: torch.Tensor) -> None:
+    """Append rows (already in log order) to the log and count their reasons."""
+    m = int(rows.shape[0])
+    if m == 0:
+        return
+    k = log.capacity
+    n0 = int(log.counters[Counter.VIOLATIONS])
+    g = n0 + torch.arange(m, device=rows.device)
+    head = g < k
+    log.first[g[head]] = rows[head]
+    tail = g >= n0 + m - k
+    log.last[g[tail] % k] = rows[tail]
+    log.counters[Counter.VIOLATIONS] += m
+    bits = (rows[:, Field.REASONS].unsqueeze(1) >> torch.arange(NUM_REASONS, device=rows.device)) & 1
+    log.counters[:NUM_REASONS] += bits.sum(0)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
+    """Per batch row: classify it, size its verify span and write range, and resolve its chain seed."""
+    b = batch.batch_size
+    dev = batch.device
+    rows = batch.rows.long()
+    pre = batch.prefix_lens.long()
+    ext = batch.extend_lens.long()
+    n_rows = batch.table.shape[0]
+    width = batch.table.shape[1] * group.page_size
+
+    pad = rows == group.padding_row if group.padding_row is not None else torch.zeros_like(rows, dtype=torch.bool)
+    row_bad = ~pad & ((rows < 0) | (rows >= n_rows))
+    write_offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
+    write_offsets[1:] = torch.cumsum(ext.clamp(min=0), 0)
+    len_bad = ~pad & ~row_bad & ((pre < 0) | (ext < 0) | (pre + ext > width) | (write_offsets[1:] > batch.num_tokens))
+    active = ~(pad | row_bad | len_bad)
+
+    starts = (pre - group.window).clamp(min=0) if group.window > 0 else torch.zeros_like(pre)
+    starts = torch.where(active, starts, 0)
+    counts = torch.where(active, pre - starts, 0)
+    verify_offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
+    verify_offsets[1:] = torch.cumsum(counts, 0)
+
+    # Seed: the stored link of the slot at prefix_len - 1; the anchor when there is none to trust.
+    need_seed = active & (ext > 0) & (pre > 0)
+    srow = rows.clamp(0, max(n_rows - 1, 0))
+    spos = (pre - 1).clamp(0, max(width - 1, 0))
+    if width > 0 and n_rows > 0:
+        sfull = table_slots(group, batch.table, srow, spos)
+    else:
+        sfull = torch.zeros_like(rows)
+    sslot, slookup_bad = translate(batch.lookup, sfull)
+    slookup_bad &= need_seed
+    seed_oor = need_seed & ~slookup_bad & ~in_pool(sslot, records.num_slots)
+    slink = records.links[sslot.clamp(0, records.num_slots - 1)]
+    trusted = need_seed & ~slookup_bad & ~seed_oor & ~is_reserved(group, sslot) & (slink != hashing.EMPTY_LINK)
+    seed_links = torch.where(trusted, slink, _ANCHOR)
+
+    ws.write_offsets[: b + 1] = write_offsets
+    ws.verify_offsets[: b + 1] = verify_offsets
+    ws.window_starts[:b] = starts
+    ws.seed_links[:b] = seed_links
+    state = torch.where(pad, PlanWorkspace.ROW_PADDING, torch.where(active, PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_BAD))
+    ws.row_state[:b] = state.to(torch.int32)
+
+    reasons = (
+        row_bad.long() * Reason.ROW_OUT_OF_RANGE
+        | len_bad.long() * Reason.LENGTH_OUT_OF_RANGE
+        | slookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
+        | seed_oor.long() * Reason.SEED_OUT_OF_RANGE
+    )
+    bad_index = torch.where(row_bad, rows, torch.where(slookup_bad, sfull, torch.where(seed_oor, sslot, -1)))
+    hit = (reasons != 0).nonzero().flatten()
+    out = _new_rows(int(hit.shape[0]), Phase.PLAN, group, dev)
+    out[:, Field.REASONS] = reasons[hit]
+    out[:, Field.BATCH_ROW] = hit
+    out[:, Field.TABLE_ROW] = rows[hit]
+    out[:, Field.SLOT] = -1
+    out[:, Field.PRED] = -1
+    out[:, Field.EXPECTED_POSITION] = pre[hit]
+    out[:, Field.STORED_POSITION] = pre[hit] + ext[hit]
+    out[:, Field.BAD_INDEX] = bad_index[hit]
+    append_rows(log, out)
+    log.counters[Counter.CALLS] += 1
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+) -> None:
+    """Check every planned entry (up to ``capacity``; the rest are counted as skipped)."""
+    b = batch.batch_size
+    dev = batch.device
+    n_slots = records.num_slots
+    voff = ws.verify_offsets[: b + 1]
+    total = int(voff[b])
+    n = min(total, capacity)
+    e = torch.arange(n, dtype=torch.int64, device=dev)
+    r = torch.searchsorted(voff[1:], e, right=True)
+    pos = ws.window_starts[r] + e - voff[r]
+    trow = batch.rows.long()[r]
+
+    full = table_slots(group, batch.table, trow, pos)
+    slot, lookup_bad = translate(batch.lookup, full)
+    ok = in_pool(slot, n_slots) & ~lookup_bad
+    slot_oor = ~lookup_bad & ~ok
+    sc = slot.clamp(0, n_slots - 1)
+    tok32 = records.tokens[sc]
+    pos32 = records.positions[sc]
+    stored_tok = torch.where(ok, tok32.long(), 0)
+    stored_pos = torch.where(ok, pos32.long(), 0)
+    stored_link = torch.where(ok, records.links[sc], 0)
+    reserved = ok & is_reserved(group, slot)
+    never = ok & ~reserved & (stored_link == hashing.EMPTY_LINK)
+    checked = ok & ~reserved & ~never
+
+    exp_tok = expected_tokens(group, batch, r, pos)
+    pos_bad = checked & (stored_pos != pos)
+    tok_bad = checked & (exp_tok != UNKNOWN_TOKEN) & (stored_tok != exp_tok)
+
+    has_pred = pos > 0
+    pfull = table_slots(group, batch.table, trow, (pos - 1).clamp(min=0))
+    pslot, plookup_raw = translate(batch.lookup, pfull)
+    pred_resolved = has_pred & ~plookup_raw
+    plookup_bad = checked & has_pred & plookup_raw
+    pred_oor = checked & pred_resolved & ~in_pool(pslot, n_slots)
+    pred_usable = pred_resolved & in_pool(pslot, n_slots) & ~is_reserved(group, pslot)
+    prev_link = torch.where(has_pred, records.links[pslot.clamp(0, n_slots - 1)], _ANCHOR)
+    link_checked = checked & (~has_pred | pred_usable)
+    exp_link = torch.where(link_checked, hashing.link_step_t(prev_link, tok32, pos32), 0)
+    link_bad = link_checked & (exp_link != stored_link)
+
+    reasons = (
+        lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
+        | slot_oor.long() * Reason.SLOT_OUT_OF_RANGE
+        | reserved.long() * Reason.RESERVED_SLOT
+        | never.long() * Reason.NEVER_WRITTEN
+        | pos_bad.long() * Reason.POSITION_MISMATCH
+        | tok_bad.long() * Reason.TOKEN_MISMATCH
+        | link_bad.long() * Reason.LINK_MISMATCH
+        | plookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
+        | pred_oor.long() * Reason.PREDECESSOR_OUT_OF_RANGE
+    )
+    bad_index = torch.where(
+        lookup_bad,
+        full,
+        torch.where(slot_oor, slot, torch.where(plookup_bad, pfull, torch.where(pred_oor, pslot, -1))),
+    )
+    hit = (reasons != 0).nonzero().flatten()
+    out = _new_rows(int(hit.shape[0]), Phase.VERIFY, group, dev)
+    out[:, Field.REASONS] = reasons[hit]
+    out[:, Field.BATCH_ROW] = r[hit]
+    out[:, Field.TABLE_ROW] = trow[hit]
+    out[:, Field.SLOT] = slot[hit]
+    out[:, Field.PRED] = torch.where(pred_resolved, pslot, -1)[hit]
+    out[:, Field.EXPECTED_POSITION] = pos[hit]
+    out[:, Field.STORED_POSITION] = stored_pos[hit]
+    out[:, Field.EXPECTED_TOKEN] = exp_tok[hit]
+    out[:, Field.STORED_TOKEN] = stored_tok[hit]
+    out[:, Field.EXPECTED_LINK] = exp_link[hit]
+    out[:, Field.STORED_LINK] = stored_link[hit]
+    out[:, Field.BAD_INDEX] = bad_index[hit]
+    append_rows(log, out)
+    log.counters[Counter.VERIFIED] += n
+    log.counters[Counter.SKIPPED] += total - n
+    log.counters[Counter.CALLS] += 1
+
+
+# --------------------------------------------------------------------------- stamp
+
+
+def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
+    """Write (token, position, link) for every token of an active row, chaining from the row's seed.
+
+    Links follow the tokens actually written (so one bad input does not cascade).  Two tokens of one
+    step that write the same slot leave either record: which one is unspecified.
+    """
+    b = batch.batch_size
+    dev = batch.device
+    n_slots = records.num_slots
+    woff = ws.write_offsets[: b + 1]
+    n_tok = min(int(woff[b]), batch.num_tokens)
+    t = torch.arange(n_tok, dtype=torch.int64, device=dev)
+    r = torch.searchsorted(woff[1:], t, right=True)
+    live = ws.row_state[r] == PlanWorkspace.ROW_ACTIVE
+    t, r = t[live], r[live]
+    i = t - woff[r]
+    exp_pos = batch.prefix_lens.long()[r] + i
+    tok32 = batch.input_ids[t].to(torch.int32)
+    pos64 = batch.positions[t].long()
+    pos32 = batch.positions[t].to(torch.int32)
+
+    # Closed form of the affine scan: link_t = M**(i+1) * seed + M**t * sum_{j=s..t} mix_j * M**-j.
+    m = hashing.mix_t(tok32, pos32)
+    w = m * ws.inv_powers[t]
+    csum = torch.cumsum(w, 0)
+    k = torch.arange(t.shape[0], device=dev)
+    seg = csum - (csum - w)[k - i] if t.shape[0] else csum
+    links = ws.mult_powers[i + 1] * ws.seed_links[r] + ws.mult_powers[t] * seg
+
+    slot, lookup_bad = translate(batch.lookup, batch.out_cache_loc[t].long())
+    ok = in_pool(slot, n_slots) & ~lookup_bad
+    slot_oor = ~lookup_bad & ~ok
+    reserved = ok & is_reserved(group, slot)
+    writable = ok & ~reserved
+    exp_tok = expected_tokens(group, batch, r, exp_pos)
+    wpos_bad = pos64 != exp_pos
+    wtok_bad = (exp_tok != UNKNOWN_TOKEN) & (tok32.long() != exp_tok)
+
+    dst = slot[writable]
+    records.tokens[dst] = tok32[writable]
+    records.positions[dst] = pos32[writable]
+    records.links[dst] = links[writable]
+
+    reasons = (
+        lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
+        | slot_oor.long() * Reason.SLOT_OUT_OF_RANGE
+        | reserved.long() * Reason.RESERVED_SLOT
+        | wpos_bad.long() * Reason.WRITE_POSITION_MISMATCH
+        | wtok_bad.long() * Reason.WRITE_TOKEN_MISMATCH
+    )
+    full = batch.out_cache_loc[t].long()
+    bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, -1))
+    hit = (reasons != 0).nonzero().flatten()
+    out = _new_rows(int(hit.shape[0]), Phase.STAMP, group, dev)
+    out[:, Field.REASONS] = reasons[hit]
+    out[:, Field.BATCH_ROW] = r[hit]
+    out[:, Field.TABLE_ROW] = batch.rows.long()[r][hit]
+    out[:, Field.SLOT] = slot[hit]
+    out[:, Field.PRED] = -1
+    out[:, Field.EXPECTED_POSITION] = exp_pos[hit]
+    out[:, Field.STORED_POSITION] = pos64[hit]
+    out[:, Field.EXPECTED_TOKEN] = exp_tok[hit]
+    out[:, Field.STORED_TOKEN] = tok32.long()[hit]
+    out[:, Field.STORED_LINK] = links[hit]
+    out[:, Field.BAD_INDEX] = bad_index[hit]
+    append_rows(log, out)
+    log.counters[Counter.STAMPED] += int(writable.sum())
+    log.counters[Counter.CALLS] += 1

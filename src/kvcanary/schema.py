@@ -1,0 +1,78 @@
+"""The violation vocabulary shared by the reference, the kernels and the runtime.
+
+Reasons are bits: one row may fail several checks.  Rows are int64 vectors with the fields below.
+The counters vector holds one count per reason, then the totals.  ``docs/design.md`` explains each.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.IntFlag):
+    LINK_MISMATCH = 1 << 0
+    POSITION_MISMATCH = 1 << 1
+    TOKEN_MISMATCH = 1 << 2
+    NEVER_WRITTEN = 1 << 3
+    RESERVED_SLOT = 1 << 4
+    SLOT_OUT_OF_RANGE = 1 << 5
+    PREDECESSOR_OUT_OF_RANGE = 1 << 6
+    LOOKUP_OUT_OF_RANGE = 1 << 7
+    SEED_OUT_OF_RANGE = 1 << 8
+    WRITE_POSITION_MISMATCH = 1 << 9
+    WRITE_TOKEN_MISMATCH = 1 << 10
+    ROW_OUT_OF_RANGE = 1 << 11
+    LENGTH_OUT_OF_RANGE = 1 << 12
+
+
+REASONS: tuple[Reason, ...] = tuple(Reason)
+NUM_REASONS = len(REASONS)
+
+
+def reason_names(bits: int) -> list[str]:
+    """Lower-case names of the reasons set in ``bits``, in bit order."""
+    return [str(r.name).lower() for r in REASONS if bits & r]
+
+
+class Phase(enum.IntEnum):
+    PLAN = 0
+    VERIFY = 1
+    STAMP = 2
+
+
+class Field(enum.IntEnum):
+    """Columns of a violation row (int64)."""
+
+    REASONS = 0
+    PHASE = 1
+    GROUP = 2
+    BATCH_ROW = 3  # index into the step's batch
+    TABLE_ROW = 4  # the request's row in the token/block table
+    SLOT = 5  # resolved pool slot, -1 when it could not be resolved
+    PRED = 6  # resolved predecessor slot (verify), -1 when none
+    EXPECTED_POSITION = 7  # plan rows: prefix_len
+    STORED_POSITION = 8  # stamp rows: the written position; plan rows: prefix_len + extend_len
+    EXPECTED_TOKEN = 9  # -1 when unknown
+    STORED_TOKEN = 10  # stamp rows: the written token
+    EXPECTED_LINK = 11  # verify rows: link recomputed from the predecessor, 0 when not computed
+    STORED_LINK = 12  # stamp rows: the written link
+    BAD_INDEX = 13  # the index that was out of range, -1 when none
+
+
+ROW_WIDTH = len(Field)
+
+
+class Counter(enum.IntEnum):
+    """Slots after the per-reason counts in the counters vector."""
+
+    VIOLATIONS = NUM_REASONS  # rows appended to the log
+    VERIFIED = NUM_REASONS + 1  # verify entries checked
+    SKIPPED = NUM_REASONS + 2  # verify entries over capacity, not checked
+    STAMPED = NUM_REASONS + 3  # records written
+    CALLS = NUM_REASONS + 4  # plan/verify/stamp calls that ran
+
+
+NUM_COUNTERS = NUM_REASONS + 5
+
+UNKNOWN_TOKEN = -1
+NO_SLOT = -1
