@@ -1,6 +1,7 @@
 """kvcanary: run-time detection of silent KV-cache corruption in LLM serving engines."""
 
 from kvcanary.batch import StepBatch
+from kvcanary.config import CanaryConfig, Mode
 from kvcanary.canary import GroupCanary
 from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
 from kvcanary.ops import Backend
@@ -10,11 +11,13 @@ from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
 __all__ = [
     "Backend",
     "CanaryGroup",
+    "CanaryConfig",
     "Capacities",
     "Counter",
     "Field",
     "GroupCanary",
     "GroupKind",
+    "Mode",
     "Phase",
     "PlanWorkspace",
     "Reason",

@@ -1,0 +1,46 @@
+"""Frozen run-time configuration of the canary."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Mode(enum.Enum):
+    OFF = "off"  # nothing runs
+    LOG = "log"  # log violations, keep serving
+    RAISE = "raise"  # raise CanaryViolation with all rows of the step
+    FAIL_REQUEST = "fail-request"  # hand the affected request ids to a callback
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryConfig:
+    mode: Mode = Mode.LOG
+    log_rows: int = 64  # K: the violation log keeps the first K and the last K rows per step
+    log_rate_limit_per_s: float = 10.0  # human-readable log blocks per second, at most
+    stats_every: int = 0  # steps between stats lines; 0 = never
+    health_every: int = 100  # steps between "kernels actually ran" checks; 0 = never
+    health_warmup: int = 1  # steps before the first health check
+    events_path: str | None = None  # JSON-lines event log, when set
+    check_values: bool | None = None  # host-side value checks of each batch (default: CPU only)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, Mode):
+            raise TypeError(f"mode must be a kvcanary.Mode, got {self.mode!r}")
+        for name in ("log_rows",):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("stats_every", "health_every", "health_warmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.log_rate_limit_per_s <= 0:
+            raise ValueError(f"log_rate_limit_per_s must be positive, got {self.log_rate_limit_per_s}")
+
+    @classmethod
+    def from_mode_name(cls, name: str, **kw: object) -> CanaryConfig:
+        try:
+            mode = Mode(name)
+        except ValueError:
+            choices = ", ".join(m.value for m in Mode)
+            raise ValueError(f"unknown canary mode {name!r}; choose one of: {choices}") from None
+        return cls(mode=mode, **kw)  # type: ignore[arg-type]
