@@ -1,8 +1,8 @@
 """kvcanary: run-time detection of silent KV-cache corruption in LLM serving engines."""
 
 from kvcanary.batch import StepBatch
-from kvcanary.config import CanaryConfig, Mode
 from kvcanary.canary import GroupCanary
+from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
 from kvcanary.ops import Backend
 from kvcanary.schema import Counter, Field, Phase, Reason, reason_names

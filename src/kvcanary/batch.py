@@ -123,9 +123,7 @@ def _check_values(batch: StepBatch, group: CanaryGroup) -> None:
     width = batch.table.shape[1] * group.page_size
     too_long = live & (prefix + extend > width)
     if bool(too_long.any()):
-        raise ValueError(
-            f"prefix_lens + extend_lens exceeds the table width {width} at batch rows {_where(too_long)}"
-        )
+        raise ValueError(f"prefix_lens + extend_lens exceeds the table width {width} at batch rows {_where(too_long)}")
     total = int(extend.sum())
     if total > batch.num_tokens:
         raise ValueError(f"extend_lens sums to {total} tokens, but input_ids holds {batch.num_tokens}")

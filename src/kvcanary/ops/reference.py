@@ -51,9 +51,7 @@ def is_reserved(group: CanaryGroup, slot: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def expected_tokens(
-    group: CanaryGroup, batch: StepBatch, batch_rows: torch.Tensor, pos: torch.Tensor
-) -> torch.Tensor:
+def expected_tokens(group: CanaryGroup, batch: StepBatch, batch_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Ground-truth token at ``pos + token_offset`` (int64, -1 = unknown) for each (batch row, pos)."""
     if batch.truth is None or batch.truth_lens is None:
         return torch.full_like(pos, UNKNOWN_TOKEN)
@@ -146,7 +144,9 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     ws.verify_offsets[: b + 1] = verify_offsets
     ws.window_starts[:b] = starts
     ws.seed_links[:b] = seed_links
-    state = torch.where(pad, PlanWorkspace.ROW_PADDING, torch.where(active, PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_BAD))
+    state = torch.where(
+        pad, PlanWorkspace.ROW_PADDING, torch.where(active, PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_BAD)
+    )
     ws.row_state[:b] = state.to(torch.int32)
 
     reasons = (
