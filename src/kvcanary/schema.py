@@ -76,3 +76,4 @@ NUM_COUNTERS = NUM_REASONS + 5
 
 UNKNOWN_TOKEN = -1
 NO_SLOT = -1
+NOT_STORED = -1  # out_cache_loc value of a token that is computed but not kept in the pool

@@ -13,7 +13,7 @@ import torch
 from kvcanary import hashing
 from kvcanary.batch import StepBatch
 from kvcanary.layout import CanaryGroup, RecordStore
-from kvcanary.schema import NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
+from kvcanary.schema import NOT_STORED, NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
 from kvcanary.workspace import PlanWorkspace, ViolationLog
 
 _ANCHOR = hashing.to_signed64(hashing.LINK_ANCHOR)
@@ -265,8 +265,11 @@ def verify(
 def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
     """Write (token, position, link) for every token of an active row, chaining from the row's seed.
 
-    Links follow the tokens actually written (so one bad input does not cascade).  Two tokens of one
-    step that write the same slot leave either record: which one is unspecified.
+    Links follow the tokens actually written (so one bad input does not cascade).  A token whose
+    ``out_cache_loc`` is ``NOT_STORED`` (-1, e.g. vLLM's padding slot id, a window's trash write) is
+    not stored and raises no slot violation, but still advances its row's chain and is still checked
+    for position and token.  Two tokens of one step that write the same slot leave either record:
+    which one is unspecified.
     """
     b = batch.batch_size
     dev = batch.device
@@ -291,9 +294,12 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     seg = csum - (csum - w)[k - i] if t.shape[0] else csum
     links = ws.mult_powers[i + 1] * ws.seed_links[r] + ws.mult_powers[t] * seg
 
-    slot, lookup_bad = translate(batch.lookup, batch.out_cache_loc[t].long())
+    full = batch.out_cache_loc[t].long()
+    stored = full != NOT_STORED
+    slot, lookup_bad = translate(batch.lookup, full)
+    lookup_bad &= stored
     ok = in_pool(slot, n_slots) & ~lookup_bad
-    slot_oor = ~lookup_bad & ~ok
+    slot_oor = stored & ~lookup_bad & ~ok
     reserved = ok & is_reserved(group, slot)
     writable = ok & ~reserved
     exp_tok = expected_tokens(group, batch, r, exp_pos)
@@ -312,7 +318,6 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
         | wpos_bad.long() * Reason.WRITE_POSITION_MISMATCH
         | wtok_bad.long() * Reason.WRITE_TOKEN_MISMATCH
     )
-    full = batch.out_cache_loc[t].long()
     bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, -1))
     hit = (reasons != 0).nonzero().flatten()
     out = _new_rows(int(hit.shape[0]), Phase.STAMP, group, dev)
