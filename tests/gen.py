@@ -523,3 +523,38 @@ def _prefill_log(rng: random.Random, log: ViolationLog) -> None:
     log.last.copy_(torch.randint(-1000, 1000, (k, ROW_WIDTH)))
     if int(log.counters.shape[0]) != NUM_COUNTERS:
         raise RuntimeError("counters layout changed")
+
+
+# --------------------------------------------------------------------------- comparing outputs
+
+
+def diff_outputs(a: Case, b: Case, *, skip_slots: set[int] | frozenset[int] = frozenset()) -> list[str]:
+    """Every difference between two runs of the same case: records (except ``skip_slots``, e.g. slots
+    written twice in one step, whose winner is unspecified), workspace prefixes and the whole log."""
+    diffs: list[str] = []
+    keep = torch.ones(a.records.num_slots, dtype=torch.bool)
+    for s in skip_slots:
+        if 0 <= s < a.records.num_slots:
+            keep[s] = False
+    for name in ("tokens", "positions", "links"):
+        x, y = getattr(a.records, name), getattr(b.records, name)
+        bad = ((x != y) & keep).nonzero().flatten().tolist()
+        if bad:
+            diffs.append(f"records.{name} differ at slots {bad[:8]}: {x[bad[:8]].tolist()} vs {y[bad[:8]].tolist()}")
+    bs = a.batch.batch_size
+    for name, n in (
+        ("verify_offsets", bs + 1),
+        ("write_offsets", bs + 1),
+        ("window_starts", bs),
+        ("seed_links", bs),
+        ("row_state", bs),
+    ):
+        x, y = getattr(a.ws, name)[:n], getattr(b.ws, name)[:n]
+        if not torch.equal(x, y):
+            diffs.append(f"workspace.{name}[:{n}] differ: {x.tolist()} vs {y.tolist()}")
+    for name in ("counters", "first", "last"):
+        x, y = getattr(a.log, name), getattr(b.log, name)
+        if not torch.equal(x, y):
+            rows = (x != y).reshape(x.shape[0], -1).any(1).nonzero().flatten().tolist()
+            diffs.append(f"log.{name} differ at {rows[:8]}: {x[rows[:4]].tolist()} vs {y[rows[:4]].tolist()}")
+    return diffs
