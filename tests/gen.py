@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterable
 
 import torch
 
@@ -528,7 +529,7 @@ def _prefill_log(rng: random.Random, log: ViolationLog) -> None:
 # --------------------------------------------------------------------------- comparing outputs
 
 
-def diff_outputs(a: Case, b: Case, *, skip_slots: set[int] | frozenset[int] = frozenset()) -> list[str]:
+def diff_outputs(a: Case, b: Case, *, skip_slots: Iterable[int] = ()) -> list[str]:
     """Every difference between two runs of the same case: records (except ``skip_slots``, e.g. slots
     written twice in one step, whose winner is unspecified), workspace prefixes and the whole log."""
     diffs: list[str] = []

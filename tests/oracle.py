@@ -19,6 +19,8 @@ from kvcanary.layout import CanaryGroup, RecordStore
 from kvcanary.schema import NOT_STORED, REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
 from kvcanary.workspace import PlanWorkspace, ViolationLog
 
+Rewrites = dict[int, list[tuple[int, int, int]]]  # slot -> every (token, position, link) stamped into it
+
 ROW_ACTIVE, ROW_PADDING, ROW_BAD = PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_PADDING, PlanWorkspace.ROW_BAD
 
 
@@ -327,8 +329,12 @@ def verify(
 # --------------------------------------------------------------------------- stamp
 
 
-def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> set[int]:
-    """Stamp the step's tokens one at a time; returns the slots written more than once (winner unspecified)."""
+def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> Rewrites:
+    """Stamp the step's tokens one at a time.
+
+    Returns the slots written more than once, each with every (token, position, link) written to it:
+    which of them the slot ends up holding is unspecified.
+    """
     b = _Batch.read(batch)
     bs = len(b.rows)
     tokens, positions, links = _list(records.tokens), _list(records.positions), _list(records.links)
@@ -338,7 +344,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     seeds = _list(ws.seed_links[:bs])
     states = _list(ws.row_state[:bs])
     out = _Log(log)
-    written: dict[int, int] = {}
+    written: Rewrites = {}
 
     for r in range(bs):
         if states[r] != ROW_ACTIVE:
@@ -368,7 +374,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
                     reasons |= Reason.RESERVED_SLOT
                 else:
                     tokens[slot], positions[slot], links[slot] = tok, _i32(pos), to_signed64(link)
-                    written[slot] = written.get(slot, 0) + 1
+                    written.setdefault(slot, []).append((tok, _i32(pos), to_signed64(link)))
             if pos != exp_pos:
                 reasons |= Reason.WRITE_POSITION_MISMATCH
             if exp_tok != UNKNOWN_TOKEN and tok != exp_tok:
@@ -391,13 +397,13 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
                         BAD_INDEX=bad_index,
                     )
                 )
-    out.counters[Counter.STAMPED] += sum(written.values())
+    out.counters[Counter.STAMPED] += sum(len(w) for w in written.values())
     out.counters[Counter.CALLS] += 1
     out.write_back(log)
     records.tokens.copy_(torch.tensor(tokens, dtype=torch.int32))
     records.positions.copy_(torch.tensor(positions, dtype=torch.int32))
     records.links.copy_(torch.tensor(links, dtype=torch.int64))
-    return {s for s, n in written.items() if n > 1}
+    return {s: w for s, w in written.items() if len(w) > 1}
 
 
 def step(
@@ -407,8 +413,8 @@ def step(
     ws: PlanWorkspace,
     log: ViolationLog,
     capacity: int,
-) -> set[int]:
-    """plan, verify, stamp; returns the slots stamped more than once this step."""
+) -> Rewrites:
+    """plan, verify, stamp; returns the slots stamped more than once this step (see :func:`stamp`)."""
     plan(group, batch, records, ws, log)
     verify(group, batch, records, ws, log, capacity)
     return stamp(group, batch, records, ws, log)
