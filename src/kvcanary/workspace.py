@@ -119,7 +119,7 @@ class ViolationLog:
     def rows(self) -> torch.Tensor:
         """The kept rows in log order (host copy): all of them when total <= 2K, else first K then last K."""
         total, k = self.total(), self.capacity
-        first = self.first[: min(total, k)].cpu()
+        first = self.first[: min(total, k)].to("cpu", copy=True)  # .cpu() aliases a CPU log: clear() would wipe it
         if total <= k:
             return first
         tail_start = max(k, total - k)
