@@ -5,11 +5,15 @@ from kvcanary.canary import GroupCanary
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
 from kvcanary.ops import Backend
+from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, StepReport, Violation
 from kvcanary.schema import Counter, Field, Phase, Reason, reason_names
 from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
 
 __all__ = [
     "Backend",
+    "CanaryHealthError",
+    "CanaryManager",
+    "CanaryViolation",
     "CanaryGroup",
     "CanaryConfig",
     "Capacities",
@@ -23,6 +27,8 @@ __all__ = [
     "Reason",
     "RecordStore",
     "StepBatch",
+    "StepReport",
+    "Violation",
     "ViolationLog",
     "reason_names",
 ]

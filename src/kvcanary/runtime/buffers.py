@@ -1,0 +1,94 @@
+"""The manager's device buffers and the per-step device work around the model forward.
+
+Two flat int64 device tensors, allocated once:
+
+* ``live``: every group's violation log (first K rows, last K rows) followed by every group's
+  counters ``[G, NUM_COUNTERS]``.  The kernels/reference append to it during ``before``.
+* ``outbox``: ``snapshot`` (a copy of ``live``, taken by ``after``), then ``totals``
+  ``[G, NUM_COUNTERS]`` (counters summed over all forwards since install), then ``phase``
+  ``[before_count, after_count]``.  One device-to-host copy of ``outbox`` per host step carries
+  everything the host needs.
+
+``after`` snapshots and clears the live log on device, so the whole per-step device work is four
+in-place ops plus the group kernels: graph-capturable, nothing allocated, nothing read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcanary.batch import StepBatch
+from kvcanary.canary import GroupCanary
+from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
+from kvcanary.workspace import ViolationLog
+
+PHASE_BEFORE = 0
+PHASE_AFTER = 1
+
+
+class Layout:
+    """Offsets of each group's log inside ``live`` (and its copy, the snapshot)."""
+
+    def __init__(self, log_rows: Sequence[int]) -> None:
+        self.log_rows = tuple(log_rows)
+        self.num_groups = len(self.log_rows)
+        self.row_offsets: list[int] = []
+        off = 0
+        for k in self.log_rows:
+            self.row_offsets.append(off)
+            off += 2 * k * ROW_WIDTH
+        self.counters_offset = off
+        self.live_size = off + self.num_groups * NUM_COUNTERS
+        self.totals_offset = self.live_size
+        self.phase_offset = self.totals_offset + self.num_groups * NUM_COUNTERS
+        self.outbox_size = self.phase_offset + 2
+
+    def logs(self, flat: torch.Tensor) -> list[ViolationLog]:
+        """Views of each group's log inside ``flat`` (``live``, a snapshot, or a host copy)."""
+        counters = self.counters(flat)
+        out = []
+        for g, (off, k) in enumerate(zip(self.row_offsets, self.log_rows, strict=True)):
+            first = flat[off : off + k * ROW_WIDTH].view(k, ROW_WIDTH)
+            last = flat[off + k * ROW_WIDTH : off + 2 * k * ROW_WIDTH].view(k, ROW_WIDTH)
+            out.append(ViolationLog(first=first, last=last, counters=counters[g]))
+        return out
+
+    def counters(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.counters_offset : self.live_size].view(self.num_groups, NUM_COUNTERS)
+
+    def totals(self, outbox: torch.Tensor) -> torch.Tensor:
+        return outbox[self.totals_offset : self.phase_offset].view(self.num_groups, NUM_COUNTERS)
+
+    def phase(self, outbox: torch.Tensor) -> torch.Tensor:
+        return outbox[self.phase_offset : self.outbox_size]
+
+
+class StepWork:
+    """The device work of one forward: ``before`` (phase mark, plan/verify/stamp), ``after`` (snapshot)."""
+
+    def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
+        self.canaries = tuple(canaries)
+        self.layout = layout
+        self.live = torch.zeros(layout.live_size, dtype=torch.int64, device=device)
+        self.outbox = torch.zeros(layout.outbox_size, dtype=torch.int64, device=device)
+        self.logs = layout.logs(self.live)
+        self._live_counters = layout.counters(self.live)
+        self._snapshot = self.outbox[: layout.live_size]
+        self._totals = layout.totals(self.outbox)
+        phase = layout.phase(self.outbox)
+        self._phase_before = phase[PHASE_BEFORE : PHASE_BEFORE + 1]
+        self._phase_after = phase[PHASE_AFTER : PHASE_AFTER + 1]
+
+    def before(self, batches: Sequence[StepBatch], check_values: bool | None) -> None:
+        """Batches in group order, already validated by the caller."""
+        self._phase_before.add_(1)
+        for canary, log, batch in zip(self.canaries, self.logs, batches, strict=True):
+            canary.step(batch, log, check_values=check_values)
+
+    def after(self) -> None:
+        self._snapshot.copy_(self.live)
+        self._totals.add_(self._live_counters)
+        self.live.zero_()
+        self._phase_after.add_(1)
