@@ -17,6 +17,9 @@ from kvcanary.schema import NOT_STORED, NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, C
 from kvcanary.workspace import PlanWorkspace, ViolationLog
 
 _ANCHOR = hashing.to_signed64(hashing.LINK_ANCHOR)
+# extend_lens saturate here before their row sums: no real step writes 2**32 tokens, and a corrupt int64
+# length must not wrap the sums (a wrapped sum would make a bad row look active).
+MAX_EXTEND = 1 << 32
 
 
 # --------------------------------------------------------------------------- index resolution
@@ -103,7 +106,13 @@ def append_rows(log: ViolationLog, rows: torch.Tensor) -> None:
 
 
 def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
-    """Per batch row: classify it, size its verify span and write range, and resolve its chain seed."""
+    """Per batch row: classify it, size its verify span and write range, and resolve its chain seed.
+
+    ``write_offsets`` is the exclusive prefix sum of ``extend_lens`` clamped to ``[0, MAX_EXTEND]`` (padding
+    and bad rows included: their tokens still occupy the flat token arrays).  A row is LENGTH_OUT_OF_RANGE
+    when a length is negative, ``prefix_len + extend_len`` exceeds the table width, or its write range
+    ends past ``num_tokens``; both tests are exact for any int64 value (no wrap).
+    """
     b = batch.batch_size
     dev = batch.device
     rows = batch.rows.long()
@@ -115,8 +124,10 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     pad = rows == group.padding_row if group.padding_row is not None else torch.zeros_like(rows, dtype=torch.bool)
     row_bad = ~pad & ((rows < 0) | (rows >= n_rows))
     write_offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
-    write_offsets[1:] = torch.cumsum(ext.clamp(min=0), 0)
-    len_bad = ~pad & ~row_bad & ((pre < 0) | (ext < 0) | (pre + ext > width) | (write_offsets[1:] > batch.num_tokens))
+    write_offsets[1:] = torch.cumsum(ext.clamp(0, MAX_EXTEND), 0)
+    # pre > width - ext, not pre + ext > width: exact for non-negative lengths, no int64 wrap.
+    too_long = pre > width - ext
+    len_bad = ~pad & ~row_bad & ((pre < 0) | (ext < 0) | too_long | (write_offsets[1:] > batch.num_tokens))
     active = ~(pad | row_bad | len_bad)
 
     starts = (pre - group.window).clamp(min=0) if group.window > 0 else torch.zeros_like(pre)
