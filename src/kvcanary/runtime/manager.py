@@ -126,10 +126,11 @@ class CanaryManager:
         layout = Layout([config.log_rows] * len(groups))
         self._work = StepWork(list(self.canaries.values()), layout, self.device)
         self._pump = LaggedPump(self._work.outbox, layout)
-        self._phase_before_at = layout.phase_offset + PHASE_BEFORE
-        self._phase_after_at = layout.phase_offset + PHASE_AFTER
         self._seen = np.zeros((len(groups), NUM_COUNTERS), dtype=np.int64)  # totals as of the last decoded step
-        self._rows_at = [layout.totals_offset + g * NUM_COUNTERS + Counter.VIOLATIONS for g in range(len(groups))]
+        # What the per-step fast path reads: the two phase marks, then each group's violation total.
+        rows_at = [layout.totals_offset + g * NUM_COUNTERS + Counter.VIOLATIONS for g in range(len(groups))]
+        self._watch = np.array([layout.phase_offset + PHASE_BEFORE, layout.phase_offset + PHASE_AFTER, *rows_at])
+        self._seen_rows = [0] * len(groups)
         self._phase = PhaseCheck()
         self._health = KernelHealth(len(groups), config.health_every, config.health_warmup)
         self._log_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
@@ -295,6 +296,8 @@ class CanaryManager:
     def _check_request_ids(request_ids: Sequence[object] | None) -> tuple[object, ...] | None:
         if request_ids is None:
             return None
+        if type(request_ids) is list or type(request_ids) is tuple:  # the common cases, checked cheaply
+            return tuple(request_ids)
         if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, Sequence):
             raise TypeError(f"request_ids must be a sequence (one id per batch row), got {type(request_ids)}")
         return tuple(request_ids)
@@ -307,10 +310,13 @@ class CanaryManager:
         flat, step = buf.flat, buf.step
         self._steps_decoded += 1
         problems: list[tuple[str, str | None, str]] = []
-        phase_problem = self._phase.advance(int(flat[self._phase_before_at]), int(flat[self._phase_after_at]))
+        watched = flat[self._watch].tolist()
+        phase_problem = self._phase.advance(watched[0], watched[1])
         if phase_problem is not None:
             problems.append(("phase", None, phase_problem))
-        new_rows = any(int(flat[i]) != self._seen[g, Counter.VIOLATIONS] for g, i in enumerate(self._rows_at))
+        rows = watched[2:]
+        new_rows = rows != self._seen_rows
+        self._seen_rows = rows
         report = self._build_report(buf, reported_at) if new_rows else None
         previous = self._seen.copy() if self._health.due(step) else None
         np.copyto(self._seen, buf.totals)

@@ -1,0 +1,209 @@
+"""Host (Python) time of ``CanaryManager.host_step`` per step on the GPU path with CUDA graphs.
+
+The canary's device work (before_forward + after_forward for a decode batch) is captured once in a
+CUDA graph; each step replays it, synchronises (as a serving loop does on its sampled tokens) and
+then times ``host_step(request_ids)`` alone: the asynchronous device-to-host copy of the outbox,
+the event, and decoding the previous step (clean run: no violations).  Target: <= 15 us.
+
+Writes ``{"scenario": "host_step_overhead", "median_us", "p20_us", "p80_us", ...}`` into
+``<results-dir>/<gpu>-<commit>.json`` (``{"meta": {...}, "records": [...]}``), replacing records of
+the same scenario and keeping the others (the kernels benchmark writes the same file).
+
+Usage: ``PYTHONPATH=src python benchmarks/bench_host_step.py --commit <sha> [--results-dir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcanary import CanaryConfig, CanaryGroup, Capacities, Mode, StepBatch
+from kvcanary.runtime import CanaryManager
+
+
+def gpu_slug() -> str:
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def meta(commit: str) -> dict[str, str]:
+    try:
+        import triton
+
+        triton_version = str(triton.__version__)
+    except ImportError:
+        triton_version = "none"
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "driver": driver_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def merge_results(path: Path, new_meta: dict[str, str], records: list[dict[str, object]]) -> None:
+    """Replace records of the same scenario in ``path`` (created if absent), keep the rest."""
+    data: dict[str, Any] = {"meta": new_meta, "records": []}
+    if path.exists():
+        data = json.loads(path.read_text())
+    scenarios = {r["scenario"] for r in records}
+    kept = [r for r in data.get("records", []) if r.get("scenario") not in scenarios]
+    data["records"] = kept + records
+    data.setdefault("meta", new_meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def decode_batch(batch: int, prefix: int, page: int, device: str) -> tuple[CanaryGroup, Capacities, StepBatch]:
+    """A clean decode step: ``batch`` requests with ``prefix`` tokens each, one new token each."""
+    width = -(-(prefix + 1) // page)  # table columns
+    rows = torch.arange(1, batch + 1, dtype=torch.int32)
+    table = torch.zeros(batch + 1, width, dtype=torch.int32)
+    table[1:] = (1 + torch.arange(batch * width, dtype=torch.int32)).view(batch, width)
+    pos = torch.full((batch,), prefix, dtype=torch.int32)
+    loc = (table[1:, prefix // page].long() * page + prefix % page).to(torch.int32)
+    group = CanaryGroup(num_slots=(1 + batch * width) * page, name=f"page{page}", page_size=page)
+    caps = Capacities(
+        max_batch=batch, max_tokens=batch * prefix, verify_entries=batch * (prefix + 1), max_context=prefix + 1
+    )
+    b = StepBatch(
+        rows=rows.to(device),
+        prefix_lens=pos.to(device),
+        extend_lens=torch.ones(batch, dtype=torch.int32, device=device),
+        table=table.to(device),
+        input_ids=(rows * 1000 + pos).to(device),
+        positions=pos.to(device),
+        out_cache_loc=loc.to(device),
+    )
+    return group, caps, b
+
+
+def prefill_batch(decode: StepBatch, page: int, prefix: int) -> StepBatch:
+    """The prefill that writes each request's ``prefix`` tokens, so the decode step verifies clean."""
+    n = decode.batch_size
+    rows, table, dev = decode.rows.cpu(), decode.table.cpu(), decode.device
+    pos = torch.arange(prefix, dtype=torch.int32).repeat(n)
+    req = rows.repeat_interleave(prefix)
+    loc = (table[req.long(), (pos // page).long()].long() * page + pos % page).to(torch.int32)
+    return StepBatch(
+        rows=decode.rows,
+        prefix_lens=torch.zeros(n, dtype=torch.int32, device=dev),
+        extend_lens=torch.full((n,), prefix, dtype=torch.int32, device=dev),
+        table=decode.table,
+        input_ids=(req * 1000 + pos).to(dev),
+        positions=pos.to(dev),
+        out_cache_loc=loc.to(dev),
+    )
+
+
+def measure(groups: int, batch: int, prefix: int, steps: int, warmup: int, device: str) -> dict[str, object]:
+    built = [decode_batch(batch, prefix, page, device) for page in (1, 16)[:groups]]
+    mgr = CanaryManager(
+        [g for g, _, _ in built],
+        {g.name: c for g, c, _ in built},
+        CanaryConfig(mode=Mode.LOG),
+        device=device,
+    )
+    batches = {g.name: b for g, _, b in built}
+    ids = [f"req-{i}" for i in range(batch)]
+    mgr.before_forward({g.name: prefill_batch(b, g.page_size, prefix) for g, _, b in built})
+    mgr.after_forward()
+    mgr.host_step(ids)
+
+    def step() -> None:
+        mgr.before_forward(batches)
+        mgr.after_forward()
+
+    step()  # eager: compiles the kernels
+    mgr.host_step(ids)
+    cuda = device == "cuda"
+    graph = torch.cuda.CUDAGraph() if cuda else None
+    if graph is not None:
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            step()
+    times: list[float] = []
+    for i in range(warmup + steps):
+        if graph is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            step()  # CPU dry run: eager, reference path
+        t0 = time.perf_counter_ns()
+        report = mgr.host_step(ids)
+        t1 = time.perf_counter_ns()
+        if report is not None:
+            raise RuntimeError(f"the benchmark workload is not clean: {report.block()}")
+        if i >= warmup:
+            times.append((t1 - t0) / 1000.0)
+    if mgr.flush() is not None or mgr.stats()["health_failures"]:
+        raise RuntimeError("the benchmark workload is not clean")
+    q = statistics.quantiles(times, n=10)
+    return {
+        "scenario": "host_step_overhead" if groups == 1 else f"host_step_overhead_{groups}groups",
+        "median_us": round(statistics.median(times), 3),
+        "p20_us": round(q[1], 3),
+        "p80_us": round(q[7], 3),
+        "groups": groups,
+        "batch": batch,
+        "prefix": prefix,
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--commit", default=os.environ.get("KVCANARY_COMMIT") or git_commit())
+    ap.add_argument("--results-dir", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--cpu-dry-run", action="store_true", help="check the script on CPU (eager, no graphs, no file)")
+    args = ap.parse_args()
+    device = "cpu" if args.cpu_dry_run else "cuda"
+    records = [measure(g, args.batch, args.prefix, args.steps, args.warmup, device) for g in (1, 2)]
+    for r in records:
+        print(json.dumps(r))
+    if args.cpu_dry_run:
+        return
+    path = Path(args.results_dir) / f"{gpu_slug()}-{args.commit}.json"
+    merge_results(path, meta(args.commit), records)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
