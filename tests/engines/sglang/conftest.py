@@ -7,6 +7,7 @@ notices), since the project's pytest config turns warnings into errors.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import warnings
 
@@ -15,3 +16,10 @@ if importlib.util.find_spec("sglang") is None:
 else:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        for module in (
+            "sglang.srt.layers.attention.torch_native_backend",
+            "sglang.srt.mem_cache.radix_cache",
+            "sglang.srt.mem_cache.swa_memory_pool",
+            "sglang.srt.speculative.eagle_info",
+        ):
+            importlib.import_module(module)
