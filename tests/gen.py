@@ -301,10 +301,12 @@ def _corrupt(rng: random.Random, world: _World, raw: _RawBatch, records: RecordS
         "table_elsewhere",
         "table_negative",
         "table_huge",
+        "table_reserved",
         "record_token",
         "record_position",
         "record_link",
         "record_cleared",
+        "record_reserved",
         "row_out_of_range",
         "row_other_request",
         "bad_length",
@@ -340,6 +342,29 @@ def _corrupt(rng: random.Random, world: _World, raw: _RawBatch, records: RecordS
     elif kind == "table_huge":
         r, c = table_cell()
         raw.table[r][c] = rng.choice([table_space // page + rng.randint(0, 3), 2**31 - 1])
+    elif kind == "table_reserved":
+        # A live cell aimed at a reserved slot (its successor's predecessor is then reserved too).
+        if not group.reserved_slots:
+            return "none"
+        slot = rng.choice(group.reserved_slots)
+        if raw.lookup is not None:
+            hits = [i for i, s in enumerate(raw.lookup) if s == slot and i % page == 0]
+            if not hits:
+                return "none"
+            slot = rng.choice(hits)
+        r, c = table_cell()
+        seeded = [b for b in live if raw.prefix[b] > 0 and raw.extend[b] > 0 and 0 <= raw.rows[b] < n_rows]
+        if seeded and rng.random() < 0.4:  # the cell of a chain seed (position prefix - 1)
+            b = rng.choice(seeded)
+            r, c = raw.rows[b], min((raw.prefix[b] - 1) // page, len(raw.table[0]) - 1)
+        raw.table[r][c] = slot // page
+        if rng.random() < 0.5:
+            _junk_reserved(rng, group, records)
+    elif kind == "record_reserved":
+        # Junk in a reserved slot's record (an engine's padding write mirrored by a block copy).
+        if not group.reserved_slots:
+            return "none"
+        _junk_reserved(rng, group, records)
     elif kind == "table_beyond_lookup":
         r, c = table_cell()
         raw.table[r][c] = len(raw.lookup or []) // page + rng.randint(0, 2)
@@ -420,6 +445,13 @@ def _corrupt(rng: random.Random, world: _World, raw: _RawBatch, records: RecordS
         col = rng.randrange(len(truth[row]))
         truth[row][col] = (truth[row][col] + rng.randint(1, 100)) % VOCAB
     return kind
+
+
+def _junk_reserved(rng: random.Random, group: CanaryGroup, records: RecordStore) -> None:
+    """Junk in every reserved slot's record (an engine's padding write mirrored by a block copy)."""
+    for s in group.reserved_slots:
+        records.tokens[s], records.positions[s] = rng.randrange(VOCAB), rng.randint(0, 50)
+        records.links[s] = rng.randrange(-(2**63), 2**63) | 1
 
 
 # --------------------------------------------------------------------------- the case
