@@ -43,7 +43,8 @@ class Case:
 
     def clone(self) -> Case:
         """Independent copies of every mutable input (records, log, workspace, batch tensors)."""
-        batch = StepBatch(**{k: (None if v is None else v.clone()) for k, v in self.batch.tensors().items()})
+        clones = {k: (None if v is None else v.clone()) for k, v in self.batch.tensors().items()}
+        batch = StepBatch(**clones)  # type: ignore[arg-type]
         ws = PlanWorkspace(**{f.name: getattr(self.ws, f.name).clone() for f in dataclasses.fields(self.ws)})
         return dataclasses.replace(self, batch=batch, records=self.records.clone(), log=self.log.clone(), ws=ws)
 

@@ -70,7 +70,8 @@ def _snapshot(canary: GroupCanary, log: ViolationLog) -> list[torch.Tensor]:
 
 def _replace(**kw: object) -> Callable[[StepBatch], StepBatch]:
     def edit(b: StepBatch) -> StepBatch:
-        return dataclasses.replace(b, **{k: (v(b) if callable(v) else v) for k, v in kw.items()})
+        values = {k: (v(b) if callable(v) else v) for k, v in kw.items()}
+        return dataclasses.replace(b, **values)  # type: ignore[arg-type]
 
     return edit
 
