@@ -1,0 +1,519 @@
+"""The transformers continuous-batching adapter: one call installs it on a model, one call removes it.
+
+Where it hooks (transformers 5.24.0, ``transformers.generation.continuous_batching``):
+
+* ``ContinuousBatchingIOs.prepare_batch_tensors`` -- the host's view of the step (request ids, past
+  and query lengths, ground-truth tokens), read just before the engine advances the requests.
+* ``ModelRunner.compute_batch`` -- the step tap.  Right after the engine launched the forward, the
+  kwargs the model received (``read_index``/``write_index``/``cu_seq_lens_k``/``position_ids``/
+  ``input_ids`` or the ``block_table``) are translated and handed to the :class:`CanaryManager` on the
+  engine's compute stream.  Running after the launch keeps the tap outside compiled code and CUDA
+  graphs (the static buffers the graph replayed are the ones read) and sees the carried-over tokens of
+  asynchronous batching; the records only change through the canary, so nothing is lost by verifying
+  after the forward was enqueued.
+* a forward pre-hook on the model -- only counts paged forwards, so a forward that ran without the tap
+  (the engine changed its call path) is noticed: the adapter is then not in effect.
+* bulk KV moves mirrored into the records: ``CacheAllocator.copy_blocks`` (forks),
+  ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore).
+* feature counters: ``search_prefix_match`` (prefix hits), ``BlockLedger.acquire`` (cached block
+  reuse), ``mark_complete_blocks`` (in-place de-duplication), ``prepare_fork_request`` (forks).
+* ``OffloadingManager.__init__`` on hosts without an accelerator: see :mod:`.cpu_offload`.
+
+One adapter at a time per process: the patches are on engine classes (the wrappers ignore caches that
+do not belong to the adapter's model).  A new paged cache (a new continuous-batching manager) gets a
+fresh canary; totals accumulate across caches.  Call :meth:`TransformersCBAdapter.flush` after a run
+(the canary reports step k at step k + 1) and :meth:`uninstall` when done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcanary.adapters.transformers_cb import mirror
+from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
+from kvcanary.adapters.transformers_cb.features import FeatureCounters
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.patches import PatchSet
+from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.version import check_version
+from kvcanary.config import CanaryConfig, Mode
+from kvcanary.ops import Backend
+from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.workspace import Capacities
+
+logger = logging.getLogger("kvcanary")
+
+StepCallback = Callable[[int, Translation], None]  # (steps run on the current cache, the step's translation)
+FailRequestCallback = Callable[[list[object], StepReport], None]
+
+_TABLE_BUDGET_BYTES = 512 << 20  # default cap on the adapter's token tables (all groups + truth)
+_STAT_KEYS = ("steps", "forwards", "verified_slots", "violations", "skipped_entries", "stamped", "health_failures")
+
+
+class _Binding:
+    """The canary of one ``PagedAttentionCache``."""
+
+    def __init__(
+        self, cache: Any, geometries: Sequence[GroupGeometry], translator: StepTranslator, manager: CanaryManager
+    ) -> None:
+        self.cache = cache
+        self.geometries = {g.name: g for g in geometries}
+        self.translator = translator
+        self.manager = manager
+        self.shadow = mirror.OffloadShadow()
+        self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
+
+    def owns_allocator(self, allocator: Any) -> bool:
+        return any(a is allocator for a in self.cache.cache_allocators.values())
+
+    def owns_ledger(self, ledger: Any) -> bool:
+        return any(a.ledger is ledger for a in self.cache.cache_allocators.values())
+
+    def records(self, name: str) -> Any:
+        return self.manager.canaries[name].records
+
+
+class TransformersCBAdapter:
+    """Handle of the canary installed on one transformers model (see the module docstring)."""
+
+    name = "transformers-cb"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: CanaryConfig | None = None,
+        *,
+        backend: Backend = Backend.AUTO,
+        max_context: int | None = None,
+        on_fail_request: FailRequestCallback | None = None,
+        on_step: StepCallback | None = None,
+        unpinned_cpu_offload: bool = True,
+        allow_untested_version: bool = False,
+        max_kept_reports: int = 32,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate_batch", None)):
+            raise TypeError(
+                f"model must be a transformers model with continuous batching (generate_batch), got {type(model)}"
+            )
+        config = CanaryConfig() if config is None else config
+        if not isinstance(config, CanaryConfig):
+            raise TypeError(f"config must be a kvcanary.CanaryConfig, got {type(config).__name__}")
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a kvcanary.Backend, got {backend!r}")
+        if max_context is not None and (not isinstance(max_context, int) or max_context <= 0):
+            raise ValueError(f"max_context must be a positive int or None, got {max_context!r}")
+        if max_kept_reports < 0:
+            raise ValueError(f"max_kept_reports must be >= 0, got {max_kept_reports}")
+        if config.mode is Mode.FAIL_REQUEST and on_fail_request is None:
+            raise ValueError("mode fail-request needs an on_fail_request callback")
+        self.engine_version = check_version(allow_untested=allow_untested_version)
+        self._model = model
+        self._config = config
+        self._backend = backend
+        self._max_context = max_context
+        self._on_fail_request = on_fail_request
+        self._on_step = on_step
+        self._unpinned_cpu_offload = unpinned_cpu_offload
+        self._max_kept_reports = max_kept_reports
+        self._patches = PatchSet()
+        self._hook: Any = None
+        self._binding: _Binding | None = None
+        self._pending: tuple[Any, HostBatch] | None = None
+        self._features = FeatureCounters()
+        self._retired = dict.fromkeys(_STAT_KEYS, 0)
+        self._reports: list[StepReport] = []
+        self._reports_total = 0
+        self._first_report_step: int | None = None
+        self._forwards_seen = 0
+        self._taps = 0
+        self._adapter_errors = 0
+        self._hook_misses = 0
+        self._warned_long_rows = False
+
+    # ------------------------------------------------------------------ install / uninstall
+
+    def install(self) -> TransformersCBAdapter:
+        if len(self._patches) or self._hook is not None:
+            raise RuntimeError("this adapter is already installed")
+        try:
+            self._apply_patches()
+            self._hook = self._model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        except BaseException:
+            self._patches.restore()
+            raise
+        return self
+
+    def uninstall(self) -> None:
+        """Flush the last step, then remove the hook and restore every patched function (idempotent)."""
+        try:
+            if self._binding is not None:
+                self._retire_binding()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._patches.restore()
+
+    def __enter__(self) -> TransformersCBAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    @property
+    def installed(self) -> bool:
+        return self._hook is not None
+
+    # ------------------------------------------------------------------ results
+
+    def flush(self) -> StepReport | None:
+        """Decode the last step (call after ``generate_batch`` returned, not while it runs)."""
+        if self._binding is None:
+            return None
+        report = self._binding.manager.flush()
+        self._collect(report)
+        return report
+
+    def check_effective(self) -> None:
+        """Raise if a paged forward of the model ran without the canary's step tap."""
+        if self._forwards_seen > self._taps or self._hook_misses:
+            raise RuntimeError(
+                f"kvcanary is not in effect: {self._forwards_seen} paged forwards ran but the step tap ran "
+                f"{self._taps} times (ModelRunner.compute_batch was bypassed)"
+            )
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._retired)
+        if self._binding is not None:
+            for k, v in self._binding.manager.stats().items():
+                out[k] = out.get(k, 0) + v
+        out.update(
+            reports=self._reports_total,
+            adapter_errors=self._adapter_errors,
+            hook_misses=self._hook_misses,
+            taps=self._taps,
+        )
+        return out
+
+    def features(self) -> dict[str, int]:
+        return self._features.as_dict()
+
+    @property
+    def reports(self) -> list[StepReport]:
+        """The first ``max_kept_reports`` reports with violations (all reports are counted in stats)."""
+        return list(self._reports)
+
+    @property
+    def first_report_step(self) -> int | None:
+        """The canary step of the first violation seen, or None."""
+        return self._first_report_step
+
+    @property
+    def pending_batch(self) -> HostBatch | None:
+        """The host batch of the step being run (for fault injection and debugging)."""
+        return None if self._pending is None else self._pending[1]
+
+    @property
+    def next_step(self) -> int:
+        """The canary step number the next verified forward will get (as in :attr:`StepReport.step`)."""
+        return 0 if self._binding is None else self._binding.steps
+
+    @property
+    def manager(self) -> CanaryManager | None:
+        return None if self._binding is None else self._binding.manager
+
+    # ------------------------------------------------------------------ patches
+
+    def _apply_patches(self) -> None:
+        from transformers.generation.continuous_batching import (
+            cache,
+            input_outputs,
+            model_runner,
+            offloading_manager,
+        )
+        from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+
+        p = self._patches
+        p.wrap(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", self._wrap_prepare)
+        p.wrap(model_runner.ModelRunner, "compute_batch", self._wrap_compute)
+        p.wrap(cache_allocator.CacheAllocator, "copy_blocks", self._wrap_copy_blocks)
+        p.wrap(cache_allocator.CacheAllocator, "mark_complete_blocks", self._wrap_mark_complete)
+        p.wrap(cache_allocator.BlockLedger, "acquire", self._wrap_ledger_acquire)
+        p.wrap(cache.PagedAttentionCache, "search_prefix_match", self._wrap_prefix_match)
+        p.wrap(cache.PagedAttentionCache, "prepare_fork_request", self._wrap_fork)
+        om = offloading_manager.OffloadingManager
+        p.wrap(om, "_offload_to_cpu", self._wrap_offload)
+        p.wrap(om, "restore_scheduled_requests", self._wrap_restore)
+        p.wrap(om, "free_request_cpu_cache", self._wrap_free_cpu_cache)
+        if self._unpinned_cpu_offload:
+            p.wrap(om, "__init__", lambda orig: wrap_offloading_init(orig, offloading_manager))
+
+    def _wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+            # Before the engine advances position_offset: past lengths are read here.
+            self._pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
+            return original(io, requests_in_batch, *args, **kwargs)
+
+        return prepare_batch_tensors
+
+    def _wrap_compute(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def compute_batch(runner: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+            out = original(runner, model, batch_data)
+            if model is self._model:
+                self._tap(runner, batch_data)
+            return out
+
+        return compute_batch
+
+    def _wrap_copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
+            out = original(allocator, source_block_ids, dest_block_ids)
+            b = self._binding
+            if b is not None and b.owns_allocator(allocator):
+                name = str(allocator.layer_type)
+                mirror.copy_blocks(b.geometries[name], b.records(name), list(source_block_ids), list(dest_block_ids))
+                self._features.fork_block_copies += len(source_block_ids)
+            return out
+
+        return copy_blocks
+
+    def _wrap_mark_complete(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def mark_complete_blocks(allocator: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
+            before = list(allocator.block_table.get(request_id, ()))
+            out = original(allocator, request_id, token_ids, new_new_blocks)
+            b = self._binding
+            if b is not None and b.owns_allocator(allocator):
+                after = allocator.block_table.get(request_id, ())
+                self._features.dedup_swaps += sum(1 for x, y in zip(before, after, strict=False) if x != y)
+            return out
+
+        return mark_complete_blocks
+
+    def _wrap_ledger_acquire(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def acquire(ledger: Any, block_id: int) -> Any:
+            was_cached = block_id in ledger.cached_blocks
+            out = original(ledger, block_id)
+            b = self._binding
+            if was_cached and b is not None and b.owns_ledger(ledger):
+                self._features.cached_block_reuse += 1
+            return out
+
+        return acquire
+
+    def _wrap_prefix_match(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def search_prefix_match(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
+            n = int(original(cache, request_id, prompt_ids))
+            if n > 0 and self._binding is not None and self._binding.cache is cache:
+                self._features.prefix_hits += 1
+                self._features.prefix_tokens += n
+            return n
+
+        return search_prefix_match
+
+    def _wrap_fork(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_fork_request(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            forked = original(cache, *args, **kwargs)
+            if self._binding is not None and self._binding.cache is cache:
+                self._features.forks += len(forked)
+            return forked
+
+        return prepare_fork_request
+
+    def _wrap_offload(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _offload_to_cpu(om: Any, victims: list[Any], victim_block_tables: dict[str, dict[str, list[int]]]) -> Any:
+            done = original(om, victims, victim_block_tables)
+            b = self._binding
+            if b is not None and b.cache is om.cache:
+                with _stream(om._compute_stream):
+                    for rid in done:
+                        for name, blocks in victim_block_tables[rid].items():
+                            if blocks:
+                                b.shadow.save(rid, b.geometries[name], b.records(name), list(blocks))
+                self._features.offloads += len(done)
+                self._features.soft_resets += len(victims) - len(done)
+            return done
+
+        return _offload_to_cpu
+
+    def _wrap_restore(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
+            b = self._binding
+            mine = b is not None and b.cache is om.cache
+            rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded] if mine else []
+            out = original(om, requests_in_batch)
+            if b is not None and rids:
+                with _stream(om._compute_stream):
+                    for rid in rids:
+                        for name, allocator in om.cache.cache_allocators.items():
+                            blocks = list(allocator.block_table.get(rid, ()))
+                            b.shadow.restore(rid, b.geometries[name], b.records(name), blocks)
+                self._features.restores += len(rids)
+            return out
+
+        return restore_scheduled_requests
+
+    def _wrap_free_cpu_cache(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def free_request_cpu_cache(om: Any, state: Any) -> Any:
+            if self._binding is not None and self._binding.cache is om.cache:
+                self._binding.shadow.drop(state.request_id)
+            return original(om, state)
+
+        return free_request_cpu_cache
+
+    # ------------------------------------------------------------------ per step
+
+    def _pre_hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("cache") is None or "write_index" not in kwargs:
+            return  # not a paged continuous-batching forward
+        self._forwards_seen += 1
+        if self._forwards_seen - 1 > self._taps:
+            self._hook_misses += 1
+            msg = (
+                "kvcanary: a paged forward ran without the canary's step tap (ModelRunner.compute_batch was "
+                "bypassed); the canary is not in effect"
+            )
+            if self._config.mode is Mode.RAISE:
+                raise RuntimeError(msg)
+            if self._hook_misses == 1:
+                logger.error(msg)
+            self._taps = self._forwards_seen - 1  # report each miss once
+
+    def _tap(self, runner: Any, batch_data: dict[str, Any]) -> None:
+        self._taps += 1
+        pending, self._pending = self._pending, None
+        if self._config.mode is Mode.OFF:
+            return
+        try:
+            if pending is None or pending[0] is not runner.cache:
+                raise RuntimeError("the forward ran without a host batch prepared for its cache")
+            host = pending[1]
+            if host.is_warmup:
+                self._features.warmup_steps += 1
+                return
+            binding = self._bind(runner)
+            tr = binding.translator.translate(batch_data, host)
+        except Exception as exc:
+            self._adapter_error("could not translate the step", exc)
+            return
+        with _stream(getattr(runner.inputs_and_outputs, "compute_stream", None)):
+            try:
+                binding.manager.before_forward(tr.batches)
+            except Exception as exc:
+                self._adapter_error("the canary refused the step's batch", exc)
+                return
+            binding.manager.after_forward()
+        self._count(tr)
+        report = binding.manager.host_step(list(tr.request_ids))
+        binding.steps += 1
+        self._collect(report)
+        if self._on_step is not None:
+            self._on_step(binding.steps, tr)
+
+    def _count(self, tr: Translation) -> None:
+        f = self._features
+        f.ring_wraps += tr.ring_wraps
+        f.padded_steps += int(tr.padded)
+        f.block_table_steps += int(tr.block_table)
+        f.rows_too_long += tr.rows_too_long
+        if tr.rows_too_long and not self._warned_long_rows:
+            self._warned_long_rows = True
+            logger.warning(
+                "kvcanary: %d request(s) are longer than the adapter's table (max_context) and are not verified; "
+                "pass a larger max_context to install()",
+                tr.rows_too_long,
+            )
+
+    def _collect(self, report: StepReport | None) -> None:
+        if report is None:
+            return
+        self._reports_total += 1
+        if self._first_report_step is None:
+            self._first_report_step = report.step
+        if len(self._reports) < self._max_kept_reports:
+            self._reports.append(report)
+
+    def _adapter_error(self, what: str, exc: Exception) -> None:
+        """A bug or an unsupported engine state: raise in raise mode, else log (first time) and skip the step."""
+        self._adapter_errors += 1
+        if self._config.mode is Mode.RAISE:
+            raise exc
+        if self._adapter_errors == 1:
+            logger.error("kvcanary transformers adapter: %s; the step is not verified", what, exc_info=exc)
+
+    # ------------------------------------------------------------------ binding
+
+    def _bind(self, runner: Any) -> _Binding:
+        cache = runner.cache
+        if self._binding is not None and self._binding.cache is cache:
+            return self._binding
+        if self._binding is not None:
+            self._retire_binding()
+        geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
+        max_batch = int(runner.cb_config.max_requests_per_batch)
+        max_tokens = int(cache.max_batch_tokens)
+        reads = int(cache.max_tokens_read) + max_tokens  # the read-index storage: bounds a step's verify entries
+        width = self._max_context or self._default_width(reads, max_batch, len(geometries))
+        caps = Capacities(
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            verify_entries=max(reads, width),
+            max_context=width,
+            log_rows=self._config.log_rows,
+        )
+        device = torch.device(cache.device)
+        manager = CanaryManager(
+            [g.canary_group(i) for i, g in enumerate(geometries)],
+            caps,
+            self._config,
+            device=device,
+            backend=self._backend,
+            on_fail_request=self._on_fail_request,
+        )
+        translator = StepTranslator(geometries, max_batch=max_batch, max_context=width, device=device)
+        self._binding = _Binding(cache, geometries, translator, manager)
+        self._features.caches_bound += 1
+        return self._binding
+
+    def _default_width(self, reads: int, max_batch: int, n_groups: int) -> int:
+        width = reads
+        positions = getattr(self._model.config, "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            width = min(width, positions)
+        budget = _TABLE_BUDGET_BYTES // ((max_batch + 1) * 4 * (n_groups + 1))
+        if width > budget:
+            logger.warning(
+                "kvcanary: verifying requests up to %d tokens (table memory budget); pass max_context to change it",
+                budget,
+            )
+            width = budget
+        return max(width, 1)
+
+    def _retire_binding(self) -> None:
+        b = self._binding
+        if b is None:
+            return
+        try:
+            self._collect(b.manager.flush())
+        finally:
+            for k, v in b.manager.stats().items():
+                self._retired[k] = self._retired.get(k, 0) + v
+            b.manager.close()
+            self._binding = None
+
+
+def _stream(stream: Any) -> Any:
+    from transformers.generation.continuous_batching.utils import stream_context
+
+    return stream_context(stream)
+
+
+def install(model: torch.nn.Module, config: CanaryConfig | None = None, **options: Any) -> TransformersCBAdapter:
+    """Install the canary on ``model`` (a transformers model used with ``generate_batch`` or the
+    continuous-batching manager) and return its handle; ``options`` are
+    :class:`TransformersCBAdapter`'s keyword arguments."""
+    return TransformersCBAdapter(model, config, **options).install()

@@ -1,0 +1,96 @@
+"""The ``kvcanary`` command line.
+
+Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run).
+
+Exit codes:
+
+* 0 -- success (``demo``: the clean run raised no violation and the injected fault was caught);
+* 1 -- the check failed (``demo``: a violation in the clean run, or the fault went unnoticed);
+* 2 -- bad command-line usage;
+* 3 -- the environment cannot run the command (an engine missing or of an unsupported version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kvcanary.adapters.transformers_cb.faults import FAULTS
+    from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
+
+    parser = argparse.ArgumentParser(prog="kvcanary", description="Run-time detection of silent KV-cache corruption.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="run the canary on transformers continuous batching: a clean run, then one with an injected fault",
+        description="Builds a tiny random-weight model (no download), runs 64+ requests through transformers' "
+        "generate_batch with the canary on, then reruns with one injected index fault.",
+    )
+    demo.add_argument("--model", choices=MODEL_KINDS, default="dense", help="model kind (default: dense)")
+    demo.add_argument("--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject ({DEFAULT_FAULT})")
+    demo.add_argument(
+        "--fault-group",
+        choices=("full_attention", "sliding_attention"),
+        default=None,
+        help="allocator group to corrupt (default: full attention when the model has it)",
+    )
+    demo.add_argument("--requests", type=int, default=64, help="number of prompts (default: 64)")
+    demo.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
+    demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
+    demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvcanary.adapters.base import UnsupportedEngineVersion
+    from kvcanary.demo import DemoOptions, run_demo, summary
+
+    try:
+        options = DemoOptions(
+            model=args.model,
+            fault=args.fault,
+            fault_group=args.fault_group,
+            requests=args.requests,
+            device=args.device,
+            baseline=args.baseline,
+        )
+    except ValueError as exc:
+        print(f"kvcanary demo: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        result = run_demo(options, progress=None if args.quiet else sys.stderr)
+    except (ImportError, UnsupportedEngineVersion) as exc:
+        print(f"kvcanary demo needs transformers (pip install 'kvcanary[transformers]'): {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        print(summary(result))
+    return EXIT_OK if result.passed else EXIT_CHECK_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = _parser()
+    except ImportError as exc:  # the demo's choices come from kvcanary modules that import torch
+        print(f"kvcanary: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_USAGE  # not reached: parser.error exits
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""``kvcanary demo``: the canary on a real paged-KV engine, a clean run and a faulted one.
+
+The engine is HF transformers continuous batching (``generate_batch``) on a tiny random-weight model
+built in code (no download).  The workload is sized to exercise the engine's block reuse: 64 prompts
+of mixed lengths, many sharing a prefix (prefix hits, cached blocks, in-place de-duplication), two
+sampled sequences per prompt (forks copy blocks), a cache small enough that requests are offloaded to
+the CPU swap pool and restored, and, for the sliding-window models, sequences longer than the window
+(the ring wraps around).  The clean run must raise no violation; the rerun injects one index
+corruption into what the engine hands to attention (:mod:`kvcanary.adapters.transformers_cb.faults`)
+and must be caught, with the affected request named.
+
+Prefix sharing is impossible for the hybrid and sliding models: transformers turns it off whenever a
+sliding-window group exists, so their runs show no prefix hits, cached reuse or de-duplication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO, cast
+
+import torch
+
+from kvcanary.config import CanaryConfig, Mode
+from kvcanary.ops import Backend
+from kvcanary.runtime import StepReport
+
+MODEL_KINDS: tuple[str, ...] = ("dense", "hybrid", "sliding")
+DEFAULT_FAULT = "read-swap"
+SLIDING_WINDOW = 12  # smaller than most sequences, and not a multiple of the page size
+PAGE_SIZE = 8
+_NUM_BLOCKS = {"dense": 48, "hybrid": 48, "sliding": 14}  # tight enough to force offloading
+_PROGRESS_EVERY = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    model: str = "dense"
+    fault: str = DEFAULT_FAULT
+    fault_group: str | None = None  # None: the full-attention group when there is one
+    fault_after_step: int = 30
+    requests: int = 64
+    new_tokens: int = 24
+    seed: int = 0
+    device: str = "cpu"
+    backend: Backend = Backend.AUTO
+    baseline: bool = False  # also time the workload without the canary (the canary's share of step time)
+
+    def __post_init__(self) -> None:
+        from kvcanary.adapters.transformers_cb.faults import FAULTS
+
+        if self.model not in MODEL_KINDS:
+            raise ValueError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
+        if self.requests < 1 or self.new_tokens < 2:
+            raise ValueError(f"need requests >= 1 and new_tokens >= 2, got {self.requests} and {self.new_tokens}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    stats: dict[str, int]
+    features: dict[str, int]
+    seconds: float
+    outputs: int
+    reports: list[StepReport]
+    first_detection_step: int | None = None
+    injected: Any = None  # faults.InjectedFault | None
+
+    @property
+    def detected(self) -> bool:
+        """The fault was injected and a report at or after its step names the corrupted request."""
+        if self.injected is None:
+            return False
+        return any(
+            r.step >= self.injected.step and self.injected.request_id in r.affected_request_ids for r in self.reports
+        )
+
+
+@dataclasses.dataclass
+class DemoResult:
+    options: DemoOptions
+    engine: str
+    clean: RunResult
+    faulted: RunResult
+    baseline_seconds: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.clean.stats["violations"] == 0 and self.clean.stats["steps"] > 0 and self.faulted.detected
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "clean": {k: self.clean.stats[k] for k in ("steps", "verified_slots", "violations")},
+            "faulted": {
+                "fault": self.options.fault,
+                "detected": self.faulted.detected,
+                "first_detection_step": self.faulted.first_detection_step,
+                "violations": self.faulted.stats["violations"],
+            },
+        }
+
+
+# ---------------------------------------------------------------------------- model and workload
+
+
+def build_model(kind: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """A 2-layer random-weight model: Llama (dense), Qwen2 sliding+full (hybrid) or Mistral (sliding)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    common: dict[str, Any] = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1000, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model: torch.nn.Module
+    if kind == "dense":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "hybrid":
+        layer_types = ["sliding_attention", "full_attention"]
+        cfg = Qwen2Config(**common, layer_types=layer_types, sliding_window=SLIDING_WINDOW, use_sliding_window=True)
+        model = Qwen2ForCausalLM(cfg)
+    elif kind == "sliding":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=SLIDING_WINDOW))
+    else:
+        raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
+    model.config._attn_implementation = "sdpa"
+    moved: torch.nn.Module = cast(Any, model).to(device)
+    return moved.eval()
+
+
+def build_prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    """Mixed lengths (about 8 to 70 tokens); three in four prompts start with one of three shared prefixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, vocab) for _ in range(length)] for length in (16, 24, 40)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 30))]
+        prompts.append(tail + tail[:6] if i % 4 == 3 else prefixes[i % 4] + tail)
+    return prompts
+
+
+def engine_configs(kind: str, new_tokens: int, seed: int) -> tuple[Any, Any]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(  # type: ignore[no-untyped-call]
+        max_new_tokens=new_tokens, do_sample=True, num_return_sequences=2, eos_token_id=-1
+    )
+    cb = ContinuousBatchingConfig(
+        page_size=PAGE_SIZE,
+        num_blocks=_NUM_BLOCKS[kind],
+        max_batch_tokens=64,
+        max_requests_per_batch=16,
+        cpu_offload_space=0.01,  # GiB: a few sectors of CPU swap space, enough for every offload
+        use_async_batching=False,
+        seed=seed,
+    )
+    return gen, cb
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def generate_batch(model: Any, prompts: list[list[int]], gen: Any, cb: Any) -> dict[str, Any]:
+    return dict(model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb))
+
+
+@contextlib.contextmanager
+def quiet_engine_logs() -> Iterator[None]:
+    """The demo prints its own report: silence transformers' and the canary's per-step log lines."""
+    names = ("transformers", "kvcanary")
+    levels = {n: logging.getLogger(n).level for n in names}
+    try:
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        logging.getLogger("kvcanary").setLevel(logging.ERROR)
+        yield
+    finally:
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def run_workload(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    options: DemoOptions,
+    *,
+    label: str,
+    fault: str | None = None,
+    progress: TextIO | None = None,
+) -> RunResult:
+    """One ``generate_batch`` over the workload with the canary installed (and a fault, if named)."""
+    from kvcanary.adapters.transformers_cb import install
+    from kvcanary.adapters.transformers_cb.faults import FaultInjector
+
+    def on_step(step: int, _: object) -> None:
+        if progress is not None and step % _PROGRESS_EVERY == 0:
+            s = canary.stats()
+            print(
+                f"  [{label}] step {step}: {s['verified_slots']:,} slots verified, {s['violations']} violations",
+                file=progress,
+                flush=True,
+            )
+
+    gen, cb = engine_configs(options.model, options.new_tokens, options.seed)
+    canary = install(model, CanaryConfig(mode=Mode.LOG), backend=options.backend, on_step=on_step)
+    injector = None
+    try:
+        if fault is not None:
+            injector = FaultInjector(canary, fault, group=options.fault_group, after_step=options.fault_after_step)
+            injector.attach(model)
+        start = time.perf_counter()
+        out = generate_batch(model, prompts, gen, cb)
+        seconds = time.perf_counter() - start
+        canary.flush()
+        canary.check_effective()
+        return RunResult(
+            stats=canary.stats(),
+            features=canary.features(),
+            seconds=seconds,
+            outputs=len(out),
+            reports=canary.reports,
+            first_detection_step=canary.first_report_step,
+            injected=None if injector is None else injector.injected,
+        )
+    finally:
+        if injector is not None:
+            injector.detach()
+        canary.uninstall()
+
+
+def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> float:
+    gen, cb = engine_configs(options.model, options.new_tokens, options.seed)
+    start = time.perf_counter()
+    generate_batch(model, prompts, gen, cb)
+    return time.perf_counter() - start
+
+
+def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> DemoResult:
+    from kvcanary.adapters.transformers_cb.version import check_version
+
+    engine = check_version()
+    model = build_model(options.model, options.seed, options.device)
+    prompts = build_prompts(options.requests, options.seed)
+    with quiet_engine_logs():
+        baseline = None
+        if options.baseline:
+            time_baseline(model, prompts, options)  # warm-up (kernels, allocator)
+            baseline = time_baseline(model, prompts, options)
+        clean = run_workload(model, prompts, options, label="clean", progress=progress)
+        faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
+    return DemoResult(options, engine, clean, faulted, baseline)
+
+
+# ---------------------------------------------------------------------------- the summary
+
+
+def _features_line(kind: str, f: dict[str, int]) -> str:
+    parts = []
+    if kind == "dense":
+        parts.append(f"prefix hits {f['prefix_hits']} ({f['prefix_tokens']:,} tokens)")
+        parts.append(f"cached block reuse {f['cached_block_reuse']}")
+        parts.append(f"in-place de-dup {f['dedup_swaps']}")
+    else:
+        parts.append("prefix sharing n/a (transformers disables it with a sliding group)")
+    parts.append(f"forks {f['forks']} ({f['fork_block_copies']} block copies)")
+    parts.append(f"offloads {f['offloads']} / restores {f['restores']}")
+    if kind != "dense":
+        parts.append(f"ring wrap-arounds {f['ring_wraps']:,}")
+    return "; ".join(parts)
+
+
+def summary(result: DemoResult) -> str:
+    o, c, x = result.options, result.clean, result.faulted
+    lines = [
+        f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
+        f"device {o.device}",
+        f"workload: {o.requests} prompts (mixed lengths, shared prefixes) x 2 sampled sequences, "
+        f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {_NUM_BLOCKS[o.model]} blocks, CPU offload on",
+        "",
+        f"clean run: {c.stats['steps']:,} steps, {c.stats['verified_slots']:,} slots verified, "
+        f"{c.stats['stamped']:,} stamped, {c.stats['violations']} violations "
+        f"({c.seconds:.1f} s, {c.outputs} sequences)",
+        f"  engine features exercised: {_features_line(o.model, c.features)}",
+    ]
+    if result.baseline_seconds is not None:
+        share = max(c.seconds - result.baseline_seconds, 0.0) / c.seconds if c.seconds else 0.0
+        lines.append(
+            f"  without the canary: {result.baseline_seconds:.2f} s; the canary's share of step time: {share:.1%}"
+        )
+    lines.append("")
+    inj = x.injected
+    if inj is None:
+        lines.append(f"faulted run ({o.fault}): no step was eligible for the fault; nothing was injected")
+    else:
+        lines.append(f"faulted run ({o.fault}): at step {inj.step}, request {inj.request_id!r}: {inj.detail}")
+        if x.detected:
+            lines.append(
+                f"  caught at step {x.first_detection_step} ({x.stats['violations']} violation rows over the run); "
+                "the first report:"
+            )
+            first = next(r for r in x.reports if inj.request_id in r.affected_request_ids)
+            lines.extend("  " + line for line in first.block().splitlines())
+        else:
+            lines.append(f"  NOT caught ({x.stats['violations']} violation rows)")
+    lines.append("")
+    if result.passed:
+        lines.append("result: PASS (the clean run raised no violation and the injected fault was caught)")
+    else:
+        why = []
+        if c.stats["violations"]:
+            why.append(f"the clean run raised {c.stats['violations']} violations")
+        if not x.detected:
+            why.append("the injected fault was not caught")
+        if not c.stats["steps"]:
+            why.append("the canary verified no step")
+        lines.append("result: FAIL (" + "; ".join(why) + ")")
+    return "\n".join(lines)
+
+
+def _model_desc(kind: str) -> str:
+    return {
+        "dense": "Llama, 2 full-attention layers",
+        "hybrid": f"Qwen2, 1 sliding-window (W={SLIDING_WINDOW}) + 1 full-attention layer",
+        "sliding": f"Mistral, 2 sliding-window layers (W={SLIDING_WINDOW})",
+    }[kind]

@@ -1,0 +1,339 @@
+"""The transformers adapter's translation pieces, without running the engine (fast).
+
+A small hand-written model of transformers' index layout (physical index = block * stride + offset;
+full groups read every past token then the new ones, sliding groups read min(past, W - 1) ring slots
+then sentinel copies) drives the translator and the reference canary over a few steps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from kvcanary import Capacities, GroupCanary, Reason, ViolationLog
+from kvcanary.adapters import ADAPTERS, UnsupportedEngineVersion, load_adapter
+from kvcanary.adapters.transformers_cb import cpu_offload, mirror
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.patches import AlreadyPatched, PatchSet
+from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
+from kvcanary.layout import GroupKind, RecordStore
+from kvcanary.schema import NOT_STORED, Counter, Field, Phase
+
+PAGE, STRIDE, BPS = 4, 8, 2  # page size, physical stride (2 rows x 1 layer x page), blocks per sector
+
+
+def geometry(window: int = 0) -> GroupGeometry:
+    return GroupGeometry(
+        name="sliding_attention" if window else "full_attention",
+        index=0,
+        sliding_window=window,
+        page_size=PAGE,
+        stride=STRIDE,
+        num_blocks=BPS * 6,
+        read_trash_index=0,
+        sentinel_index=1,
+        write_trash_index=STRIDE * BPS,
+    )
+
+
+class FakeEngine:
+    """Index lists the way transformers builds them, for requests with fixed block tables."""
+
+    def __init__(self, g: GroupGeometry, tables: dict[str, list[int]], tokens: dict[str, list[int]]) -> None:
+        self.g, self.tables, self.tokens = g, tables, tokens
+        self.past = dict.fromkeys(tables, 0)
+
+    def phys(self, rid: str, pos: int) -> int:
+        ring = pos % self.g.sliding_window if self.g.is_sliding else pos
+        return self.tables[rid][ring // PAGE] * STRIDE + ring % PAGE
+
+    def step(self, queries: dict[str, int]) -> tuple[dict[str, Any], HostBatch]:
+        g = self.g
+        ids, pos, read, write, cu_q, cu_k = [], [], [], [], [0], [0]
+        has_past = any(self.past[r] for r in queries)  # else transformers hands an empty read_index
+        for rid, q in queries.items():
+            p = self.past[rid]
+            ids += self.tokens[rid][p : p + q]
+            pos += list(range(p, p + q))
+            if g.is_sliding:
+                n = min(p, g.sliding_window - 1)
+                read += [self.phys(rid, x) for x in range(p - n, p)] + [g.sentinel_index] * q
+                keep = min(q, g.sliding_window)
+                write += [g.write_trash_index] * (q - keep) + [self.phys(rid, x) for x in range(p + q - keep, p + q)]
+                cu_k.append(cu_k[-1] + n + q)
+            else:
+                read += [self.phys(rid, x) for x in range(p + q)]
+                write += [self.phys(rid, x) for x in range(p, p + q)]
+                cu_k.append(cu_k[-1] + p + q)
+            cu_q.append(cu_q[-1] + q)
+        host = HostBatch(
+            request_ids=tuple(queries),
+            past_lens=tuple(self.past[r] for r in queries),
+            query_lens=tuple(queries.values()),
+            truth=tuple(self.tokens[r] for r in queries),
+        )
+        for rid, q in queries.items():
+            self.past[rid] += q
+        i32 = torch.int32
+        kwargs: dict[str, Any] = {
+            "input_ids": torch.tensor([ids], dtype=i32),
+            "position_ids": torch.tensor([pos], dtype=i32),
+            "cu_seq_lens_q": torch.tensor(cu_q, dtype=i32),
+            "cu_seq_lens_k": {g.name: torch.tensor(cu_k, dtype=i32)},
+            "read_index": [torch.tensor(read if has_past else [], dtype=torch.int64)],
+            "write_index": [torch.tensor(write, dtype=torch.int64)],
+            "block_table": None,
+        }
+        return kwargs, host
+
+
+def make_canary(g: GroupGeometry, width: int = 64) -> tuple[StepTranslator, GroupCanary, ViolationLog]:
+    caps = Capacities(max_batch=4, max_tokens=64, verify_entries=256, max_context=width)
+    canary = GroupCanary(g.canary_group(0), caps)
+    return StepTranslator([g], max_batch=4, max_context=width, device="cpu"), canary, canary.new_log()
+
+
+def run(
+    tr: StepTranslator, canary: GroupCanary, log: ViolationLog, kwargs: dict[str, Any], host: HostBatch
+) -> Translation:
+    t = tr.translate(kwargs, host)
+    canary.step(t.batches[canary.group.name], log)
+    return t
+
+
+TOKENS = {"a": list(range(100, 140)), "b": list(range(200, 240))}
+
+
+def scenario(window: int) -> tuple[FakeEngine, StepTranslator, GroupCanary, ViolationLog]:
+    g = geometry(window)
+    tables = {"a": [4, 5, 6], "b": [8, 9, 10]} if not window else {"a": [4], "b": [8]}
+    eng = FakeEngine(g, tables, TOKENS)
+    return (eng, *make_canary(g))
+
+
+# ---------------------------------------------------------------------------- geometry
+
+
+def test_geometry_maps_physical_indices_compactly_and_rejects_other_layers_rows() -> None:
+    g = geometry()
+    idx = torch.tensor([0, 1, 3, 4, STRIDE * 5 + 2, -3, STRIDE * g.num_blocks, STRIDE * BPS])
+    slots = g.to_slots(idx).tolist()
+    assert slots == [0, g.sentinel_slot, 3, g.invalid_slot, 5 * PAGE + 2, g.invalid_slot, g.invalid_slot, BPS * PAGE]
+    assert g.block_slots(torch.tensor([5, 2])).tolist() == [20, 21, 22, 23, 8, 9, 10, 11]
+    group = g.canary_group(3)
+    assert group.reserved_slots == (0, BPS * PAGE, g.sentinel_slot)
+    assert group.num_slots == g.num_slots == g.invalid_slot
+    assert group.kind is GroupKind.FULL and group.page_size == 1
+
+
+def test_geometry_sliding_window_is_w_minus_one_and_w1_is_refused() -> None:
+    group = geometry(window=5).canary_group(0)
+    assert group.kind is GroupKind.SLIDING_WINDOW and group.window == 4
+    with pytest.raises(ValueError, match="sliding_window=1"):
+        geometry(window=1)
+
+
+# ---------------------------------------------------------------------------- translation, full group
+
+
+def test_full_group_clean_steps_are_silent_and_tables_come_from_the_read_index() -> None:
+    eng, tr, canary, log = scenario(0)
+    run(tr, canary, log, *eng.step({"a": 6, "b": 3}))
+    for _ in range(4):
+        kwargs, host = eng.step({"a": 1, "b": 1})
+        t = run(tr, canary, log, kwargs, host)
+    assert log.total() == 0 and int(log.counters[Counter.VERIFIED]) > 0
+    table = t.batches["full_attention"].table
+    assert table[1, :9].tolist() == eng.g.to_slots(torch.tensor([eng.phys("a", p) for p in range(9)])).tolist()
+    assert t.request_ids == ("a", "b") and not t.padded
+
+
+def test_full_group_swapped_read_indices_are_caught_for_that_request() -> None:
+    eng, tr, canary, log = scenario(0)
+    run(tr, canary, log, *eng.step({"a": 6, "b": 3}))
+    kwargs, host = eng.step({"a": 1, "b": 1})
+    read = kwargs["read_index"][0]  # a's segment comes first: past 0..5
+    read[[1, 4]] = read[[4, 1]].clone()
+    run(tr, canary, log, kwargs, host)
+    rows = log.rows()
+    assert log.total() > 0
+    assert set(rows[:, Field.BATCH_ROW].tolist()) == {0}  # request "a" only
+    assert set(rows[:, Field.EXPECTED_POSITION].tolist()) >= {1, 4}
+
+
+def test_a_mis_delimited_read_segment_is_reported_not_trusted() -> None:
+    eng, tr, canary, log = scenario(0)
+    run(tr, canary, log, *eng.step({"a": 6, "b": 3}))
+    kwargs, host = eng.step({"a": 1, "b": 1})
+    kwargs["cu_seq_lens_k"]["full_attention"][1] -= 1  # a's segment one short, b's one long
+    run(tr, canary, log, kwargs, host)
+    rows = log.rows()
+    verify = rows[rows[:, Field.PHASE] == Phase.VERIFY]
+    assert verify.shape[0] == 6 + 3  # every past token of both requests
+    assert bool(((verify[:, Field.REASONS] & Reason.SLOT_OUT_OF_RANGE) != 0).all())
+
+
+def test_write_to_the_trash_in_a_full_group_is_a_reserved_slot_violation() -> None:
+    eng, tr, canary, log = scenario(0)
+    kwargs, host = eng.step({"a": 2})
+    kwargs["write_index"][0][1] = eng.g.write_trash_index
+    run(tr, canary, log, kwargs, host)
+    assert log.total() == 1 and int(log.rows()[0, Field.REASONS]) & Reason.RESERVED_SLOT
+
+
+# ---------------------------------------------------------------------------- translation, sliding group
+
+
+def test_sliding_group_wraps_its_ring_silently_and_keeps_long_queries_out_of_the_pool() -> None:
+    eng, tr, canary, log = scenario(3)  # ring of 3, canary window 2
+    t = run(tr, canary, log, *eng.step({"a": 7, "b": 2}))  # a: 4 trash writes, then positions 4..6
+    out = t.batches["sliding_attention"].out_cache_loc.tolist()
+    assert out[:4] == [NOT_STORED] * 4 and NOT_STORED not in out[4:]
+    assert t.ring_wraps == 3  # a's positions 4, 5, 6 overwrote ring slots
+    for _ in range(5):
+        t = run(tr, canary, log, *eng.step({"a": 1, "b": 1}))
+    assert log.total() == 0
+    assert int(log.counters[Counter.VERIFIED]) > 0  # the window was really checked
+    table = t.batches["sliding_attention"].table
+    past_a = eng.past["a"] - 1
+    assert int(table[1, past_a - 3]) == eng.g.read_trash_slot  # the edge before the window: reserved
+
+
+def test_sliding_group_reading_a_stale_ring_slot_is_caught() -> None:
+    eng, tr, canary, log = scenario(3)
+    run(tr, canary, log, *eng.step({"a": 5, "b": 2}))
+    kwargs, host = eng.step({"a": 1, "b": 1})
+    read = kwargs["read_index"][0]  # a reads positions 3, 4
+    read[0] = read[1].clone()
+    run(tr, canary, log, kwargs, host)
+    rows = log.rows()
+    assert log.total() > 0 and set(rows[:, Field.BATCH_ROW].tolist()) == {0}
+    assert int(rows[0, Field.REASONS]) & Reason.POSITION_MISMATCH
+
+
+def test_a_sentinel_in_the_past_part_of_a_sliding_read_is_a_reserved_slot() -> None:
+    eng, tr, canary, log = scenario(3)
+    run(tr, canary, log, *eng.step({"a": 5}))
+    kwargs, host = eng.step({"a": 1})
+    kwargs["read_index"][0][0] = eng.g.sentinel_index
+    run(tr, canary, log, kwargs, host)
+    assert int(log.rows()[0, Field.REASONS]) & Reason.RESERVED_SLOT
+
+
+# ---------------------------------------------------------------------------- padding, long rows, block table
+
+
+def test_padded_batches_and_rows_longer_than_the_table() -> None:
+    g = geometry()
+    eng = FakeEngine(g, {"a": [4, 5, 6], "b": [8, 9, 10]}, TOKENS)
+    tr, canary, log = make_canary(g, width=8)
+    kwargs, host = eng.step({"a": 9, "b": 3})  # a is longer than the table
+    pad = 5  # the engine pads tokens (write trash, position 0) and adds an empty sequence
+    kwargs["input_ids"] = torch.cat([kwargs["input_ids"], torch.zeros(1, pad, dtype=torch.int32)], 1)
+    kwargs["position_ids"] = torch.cat([kwargs["position_ids"], torch.zeros(1, pad, dtype=torch.int32)], 1)
+    kwargs["write_index"] = [torch.cat([kwargs["write_index"][0], torch.full((pad,), g.write_trash_index)])]
+    kwargs["cu_seq_lens_q"] = torch.cat([kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_q"][-1:]])
+    t = run(tr, canary, log, kwargs, host)
+    assert t.padded and t.rows_too_long == 1
+    assert t.batches["full_attention"].rows.tolist() == [0, 2]  # a goes to the padding row: skipped
+    assert log.total() == 0 and int(log.counters[Counter.STAMPED]) == 3  # b's three tokens only
+
+
+def test_decode_fast_path_is_translated_from_the_block_table() -> None:
+    eng, tr, canary, log = scenario(0)
+    run(tr, canary, log, *eng.step({"a": 6, "b": 5}))
+    kwargs, host = eng.step({"a": 1, "b": 1})
+    pages_stride = STRIDE // PAGE
+    bt = torch.full((1, 2, 4), -1, dtype=torch.int32)
+    for r, rid in enumerate(("a", "b")):
+        bt[0, r, :3] = torch.tensor(eng.tables[rid]) * pages_stride
+    kwargs.update(block_table=bt, read_index=None, write_index=None)
+    t = run(tr, canary, log, kwargs, host)
+    assert t.block_table and log.total() == 0 and int(log.counters[Counter.VERIFIED]) == 11
+    bt[0, 1, 0] = bt[0, 0, 0]  # b's first page now points at a's block
+    kwargs, host = eng.step({"a": 1, "b": 1})
+    kwargs.update(block_table=bt, read_index=None, write_index=None)
+    run(tr, canary, log, kwargs, host)
+    assert log.total() > 0 and set(log.rows()[:, Field.BATCH_ROW].tolist()) == {1}
+
+
+# ---------------------------------------------------------------------------- mirrors, patches, version, registry
+
+
+def test_offload_shadow_and_block_copies_move_records_with_the_blocks() -> None:
+    g = geometry()
+    rec = RecordStore.allocate(g.num_slots)
+    rec.links[g.block_slots(torch.tensor([4]))] = torch.tensor([11, 13, 15, 17])
+    mirror.copy_blocks(g, rec, [4], [7])
+    assert rec.links[g.block_slots(torch.tensor([7]))].tolist() == [11, 13, 15, 17]
+    shadow = mirror.OffloadShadow()
+    shadow.save("r", g, rec, [7, 4])
+    rec.clear_slots(torch.arange(g.num_slots))
+    assert shadow.restore("r", g, rec, [9, 10, 11])  # more blocks than were offloaded: the first two get them
+    assert rec.links[g.block_slots(torch.tensor([9, 10]))].tolist() == [11, 13, 15, 17] * 2
+    assert "r" not in shadow and not shadow.restore("r", g, rec, [9])
+
+
+def test_patch_set_restores_originals_and_refuses_a_second_kvcanary_patch() -> None:
+    class Engine:
+        def step(self) -> str:
+            return "engine"
+
+    class Child(Engine):
+        pass
+
+    original = Engine.__dict__["step"]
+    p = PatchSet()
+    p.wrap(Child, "step", lambda orig: lambda self: "child " + orig(self))  # inherited: restored by deletion
+    p.wrap(Engine, "step", lambda orig: lambda self: "wrapped " + orig(self))
+    assert Child().step() == "child engine" and Engine().step() == "wrapped engine"
+    with pytest.raises(AlreadyPatched):
+        PatchSet().wrap(Engine, "step", lambda orig: orig)
+    p.restore()
+    p.restore()
+    assert Engine.__dict__["step"] is original and "step" not in Child.__dict__
+
+
+def test_version_check_names_the_supported_versions() -> None:
+    assert check_version(SUPPORTED_VERSIONS[0]) == SUPPORTED_VERSIONS[0]
+    with pytest.raises(UnsupportedEngineVersion, match=r"supports transformers 5\.24\.0, but 5\.23\.0"):
+        check_version("5.23.0")
+    assert check_version("5.23.0", allow_untested=True) == "5.23.0"
+
+
+def test_registry_is_lazy_and_names_its_adapters() -> None:
+    assert set(ADAPTERS) == {"sglang", "transformers-cb"}
+    with pytest.raises(ValueError, match="transformers-cb"):
+        load_adapter("vllm")
+    code = (
+        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb; "
+        "assert not {'transformers', 'sglang'} & set(sys.modules), 'an engine was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_load_adapter_imports_the_install_function() -> None:
+    install = load_adapter("transformers-cb")
+    assert install.__module__ == "kvcanary.adapters.transformers_cb.adapter" and install.__name__ == "install"
+
+
+def test_unpinned_torch_drops_pin_memory_only_inside_the_wrapped_constructor() -> None:
+    module = types.ModuleType("fake_offloading_manager")
+    module.torch = torch  # type: ignore[attr-defined]
+    seen = []
+
+    def init(self: object, n: int) -> None:
+        seen.append(module.torch.empty(n, dtype=torch.uint8, pin_memory=True).shape[0])
+
+    wrapped = cpu_offload.wrap_offloading_init(init, module)
+    if cpu_offload.accelerator_available():
+        pytest.skip("an accelerator exists: the constructor runs unchanged")
+    wrapped(object(), 16)
+    assert seen == [16] and module.torch is torch
