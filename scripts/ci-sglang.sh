@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
-VENV=.venv-sglang
+VENV=${SGLANG_VENV:-.venv-sglang}
 start=$(date +%s)
 say() { echo "[ci-sglang +$(( $(date +%s) - start ))s] $*" >&2; }
 
@@ -26,9 +26,70 @@ if [ "${KEEP_VENV:-0}" != 1 ] || [ ! -x "$VENV/bin/python" ]; then
   # The light packages that sglang.srt.mem_cache.*, model_executor.forward_batch_info and
   # layers.attention.torch_native_backend import at module level (measured in shared/research/engines.md §3).
   say "light dependencies of sglang's memory and attention modules"
-  "${PIP[@]}" torch==2.13.0 numpy orjson pybase64 requests pillow starlette msgspec pyzmq IPython aiohttp dill \
-    apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors gguf einops openai==2.8.0 partial_json_parser \
+  # torch==2.13.0 is repeated so that no package's requirement can move it; triton because sglang.srt.utils
+  # imports it at module level (3.9 runs on the CPU torch).
+  "${PIP[@]}" torch==2.13.0 triton numpy orjson pybase64 requests pillow starlette msgspec pyzmq IPython aiohttp \
+    dill apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors gguf einops openai==2.8.0 partial_json_parser \
     transformers==5.24.0 psutil
+  # torchvision: sglang.srt.configs imports it (VLM processors) on the way to the memory pools. PyPI's
+  # torchvision pulls a CUDA torch 2.14.1 (several GB), and its wheels fail to import beside the CPU 2.13
+  # build ("operator torchvision::nms does not exist"). Nothing we run uses it, so a tiny import-only stub
+  # stands in: any attribute is a placeholder class that refuses to be instantiated.
+  say "torchvision import stub"
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  mkdir -p "$site/torchvision"
+  cat > "$site/torchvision/__init__.py" <<'PY'
+"""Import-only stand-in for torchvision, created by kvcanary's scripts/ci-sglang.sh (see there)."""
+import enum
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+__version__ = "0.28.0"  # parsed by transformers' version checks
+
+
+class InterpolationMode(enum.Enum):  # transformers builds a table of these at import time
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+class _Unavailable:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("torchvision is an import-only stub in this environment")
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name == "InterpolationMode":
+        return InterpolationMode
+    return type(name, (_Unavailable,), {})
+
+
+class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = __getattr__
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_Submodules())
+PY
   say "kvcanary (editable, no deps) and test tools"
   "${PIP[@]}" --no-deps -e .
   "${PIP[@]}" torch==2.13.0 pytest

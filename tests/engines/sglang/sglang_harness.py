@@ -83,6 +83,32 @@ class TinyModel(torch.nn.Module):
         return h
 
 
+class WriteOnlyModel(torch.nn.Module):
+    """Writes each layer's KV through the pool's real ``set_kv_buffer`` and reads nothing.
+
+    For forwards torch-native cannot run (EAGLE target-verify: it takes ``seq_lens`` as the whole KV
+    length) and pools it has no path for (MLA): the canary needs only the batch metadata.
+    """
+
+    def __init__(self, num_layers: int = 1, mla: bool = False) -> None:
+        super().__init__()
+        self.attn = torch.nn.ModuleList(
+            [RadixAttention(HEADS, HEAD_DIM, 1.0, HEADS, layer_id=i) for i in range(num_layers)]
+        )
+        self.mla = mla
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        pool = forward_batch.attn_backend_for_tests.token_to_kv_pool
+        n = int(input_ids.shape[0])
+        for layer in self.attn:
+            if self.mla:  # MLATokenToKVPool.set_kv_buffer needs sglang's parallel config: store directly
+                pool.kv_buffer[layer.layer_id][forward_batch.out_cache_loc] = input_ids.to(DTYPE).view(-1, 1, 1)
+            else:
+                k = input_ids.to(DTYPE).view(-1, 1, 1).expand(n, HEADS, HEAD_DIM).contiguous()
+                pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, k)
+        return input_ids
+
+
 class TinyRunner:
     """The ``ModelRunner`` surface the adapter uses: pools, server args, model, forward(forward_batch)."""
 
@@ -185,6 +211,8 @@ class Engine:
         radix: bool = True,
         mode: str = "raise",
         server_kw: dict | None = None,
+        model: torch.nn.Module | None = None,
+        init_finished: bool = True,
     ) -> None:
         from kvcanary.adapters.sglang import install_canary
 
@@ -200,7 +228,7 @@ class Engine:
                 self.alloc = TokenToKVPoolAllocator(pool_size, DTYPE, "cpu", self.pool, need_sort=False)
             else:
                 self.alloc = PagedTokenToKVPoolAllocator(pool_size, page_size, DTYPE, "cpu", self.pool, need_sort=False)
-            model = TinyModel()
+            model = model if model is not None else TinyModel()
         else:
             self.pool = SWAKVPool(
                 pool_size,
@@ -234,7 +262,7 @@ class Engine:
         self.reports: list = []
         self.failed: list[str] = []
         self.canary = install_canary(self.runner, on_fail_request=self._on_fail)
-        if self.canary is not None:
+        if self.canary is not None and init_finished:
             self.canary.mark_init_finished()
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted; prefilling or decoding

@@ -17,6 +17,7 @@ still record the canary's device work so that every replay runs it.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Callable
@@ -28,11 +29,13 @@ from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
 from kvcanary.adapters.sglang.translate import EXTEND_MODES, ForwardTranslator, mode_name
-from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, StepReport
 
 logger = logging.getLogger("kvcanary")
 
 FailRequestCallback = Callable[[list[object], StepReport], None]
+
+RECENT_REPORTS = 16  # reports kept on the handle for inspection (log and fail-request modes)
 
 FEATURES = (
     "forwards",
@@ -131,6 +134,7 @@ class SglangCanary:
             raise
         self.init_finished = False
         self.last_report: StepReport | None = None
+        self.recent_reports: collections.deque[StepReport] = collections.deque(maxlen=RECENT_REPORTS)
         self._depth = 0
         self._eager_forwards = 0
         self._graph_captured = False
@@ -185,8 +189,10 @@ class SglangCanary:
                 self.before_forward(fb)
                 try:
                     out = forward(*args, **kwargs)
-                except BaseException:
+                except BaseException as exc:
                     self.manager.abandon_forward()
+                    if not capturing:
+                        self._stage_failed_forward(fb, exc)
                     raise
                 self.manager.after_forward()
             finally:
@@ -198,6 +204,17 @@ class SglangCanary:
             return out
 
         return bracketed
+
+    def _stage_failed_forward(self, fb: Any, exc: BaseException) -> None:
+        """Stage the log of a forward that raised as its own step, so its rows keep their requests.
+
+        The engine's exception is what propagates; a canary verdict decoded on the way (the previous
+        step's, in raise mode) is attached to it as a note rather than replacing it.
+        """
+        try:
+            self.host_step(getattr(fb, "rids", None))
+        except (CanaryViolation, CanaryHealthError) as verdict:
+            exc.add_note(f"kvcanary: {verdict}")
 
     def _with_host_step(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
@@ -224,15 +241,15 @@ class SglangCanary:
         if request_ids is not None:
             request_ids = list(request_ids)
         self._eager_forwards = 0
-        report = self.manager.host_step(request_ids)
-        if report is not None:
-            self.last_report = report
-        return report
+        return self._keep(self.manager.host_step(request_ids))
 
     def flush(self) -> StepReport | None:
-        report = self.manager.flush()
+        return self._keep(self.manager.flush())
+
+    def _keep(self, report: StepReport | None) -> StepReport | None:
         if report is not None:
             self.last_report = report
+            self.recent_reports.append(report)
         return report
 
     def mark_init_finished(self) -> None:
