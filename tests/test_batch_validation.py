@@ -277,3 +277,22 @@ def test_bad_group(kw: dict[str, object], match: str) -> None:
 def test_bad_log_capacity() -> None:
     with pytest.raises(ValueError, match=r"log capacity must be positive, got 0"):
         ViolationLog.allocate(0)
+
+
+def test_verify_and_stamp_need_the_planned_batch() -> None:
+    """verify/stamp before any plan, or with a batch shaped unlike the planned one, raise and change nothing."""
+    fresh = _canary()
+    with pytest.raises(ValueError, match="verify called before plan"):
+        fresh.verify(_good_batch(), fresh.new_log())
+    canary = _canary()
+    log = _warm(canary)
+    canary.plan(_good_batch(), log)
+    before = _snapshot(canary, log)
+    shorter = dataclasses.replace(_good_batch(), input_ids=torch.tensor([105, 200, 201], dtype=I64))
+    for call, name in ((canary.verify, "verify"), (canary.stamp, "stamp")):
+        with pytest.raises(ValueError, match=f"{name} got a batch shaped unlike"):
+            call(shorter, log)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(canary, log), strict=True))
+    canary.verify(_good_batch(), log)  # an equal batch rebuilt by the caller is fine
+    canary.stamp(_good_batch(), log)
+    assert log.total() == 0

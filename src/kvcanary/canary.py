@@ -15,8 +15,9 @@ class GroupCanary:
     """Records and workspaces for one KV index space, allocated once from declared capacities.
 
     Each step: :meth:`plan`, then :meth:`verify` (before attention reads), then :meth:`stamp` (the
-    slots written this step).  Every call validates the batch first and raises before any state
-    changes; ``check_values`` (default: on for CPU tensors) also checks the batch's values.
+    slots written this step).  :meth:`plan` validates the batch and raises before any state changes
+    (``check_values``, default on for CPU tensors, also checks its values); :meth:`verify` and
+    :meth:`stamp` refuse a batch whose shapes differ from the one last planned.
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class GroupCanary:
         self.backend = backend
         self.records = RecordStore.allocate(group.num_slots, self.device)
         self.workspace = PlanWorkspace.allocate(caps, self.device)
+        self._planned: tuple[tuple[int, ...], ...] | None = None
 
     def new_log(self) -> ViolationLog:
         return ViolationLog.allocate(self.caps.log_rows, self.device)
@@ -49,13 +51,22 @@ class GroupCanary:
             check_values=check_values,
         )
 
+    def _require_planned(self, batch: StepBatch, what: str) -> None:
+        # The workspace describes the planned batch only; another batch would index it out of shape.
+        if self._planned is None:
+            raise ValueError(f"{what} called before plan: plan the batch first")
+        if _shape_key(batch) != self._planned:
+            raise ValueError(f"{what} got a batch shaped unlike the one last planned; plan it first")
+
     def _use_kernels(self) -> bool:
         if self.backend is Backend.REFERENCE:
             return False
         return self.backend is Backend.TRITON or self.device.type == "cuda"
 
     def plan(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
+        self._planned = None
         self.validate(batch, check_values)
+        self._planned = _shape_key(batch)
         if self._use_kernels():
             from kvcanary.ops import launchers
 
@@ -65,6 +76,7 @@ class GroupCanary:
 
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Check the entries of the last :meth:`plan` (same batch)."""
+        self._require_planned(batch, "verify")
         if self._use_kernels():
             from kvcanary.ops import launchers
 
@@ -74,6 +86,7 @@ class GroupCanary:
 
     def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
         """Stamp the tokens written this step (same batch as the last :meth:`plan`)."""
+        self._require_planned(batch, "stamp")
         if self._use_kernels():
             from kvcanary.ops import launchers
 
@@ -86,3 +99,7 @@ class GroupCanary:
         self.plan(batch, log, check_values=check_values)
         self.verify(batch, log)
         self.stamp(batch, log)
+
+
+def _shape_key(batch: StepBatch) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) if t is not None else () for t in batch.tensors().values())
