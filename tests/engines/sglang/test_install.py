@@ -321,3 +321,11 @@ def test_a_draft_worker_fault_is_reported_by_the_draft_canary_only() -> None:
     vs = [v for r in reports for v in r.violations]
     assert all(v.group == "draft-full" for v in vs)
     assert any("write_position_mismatch" in v.reasons and v.phase == "stamp" for v in vs)
+
+
+def test_registry_loads_the_installer_and_the_handle_is_an_engine_adapter() -> None:
+    from kvcanary.adapters import EngineAdapter, load_adapter
+
+    assert load_adapter("sglang") is install_canary
+    canary = install_canary(TinyRunner(_rtp(), _mha(), TinyModel(), server_args(kv_canary="log")))
+    assert isinstance(canary, EngineAdapter) and canary.name == "sglang"
