@@ -151,3 +151,19 @@ def test_unsupported_transformers_versions_are_refused(monkeypatch: pytest.Monke
         install(build_model("dense"))
     with pytest.raises(ValueError, match="fail-request"):
         install(build_model("dense"), CanaryConfig(mode=Mode.FAIL_REQUEST), allow_untested_version=True)
+
+
+@pytest.mark.interpreter
+def test_the_kernel_path_is_silent_on_a_clean_run_and_catches_the_fault() -> None:
+    # The GPU path (Triton kernels) on the same engine; on a CPU-only machine under the Triton interpreter.
+    pytest.importorskip("kvcanary.ops.launchers")
+    from kvcanary.ops import Backend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = DemoOptions(model="hybrid", requests=6, new_tokens=6, backend=Backend.TRITON, fault_after_step=3)
+    model, prompts = build_model("hybrid", device=device), build_prompts(6)
+    with quiet_engine_logs():
+        clean = run_workload(model, prompts, options, label="triton")
+        faulted = run_workload(model, prompts, options, label="triton", fault="read-swap")
+    assert clean.stats["violations"] == 0 and clean.stats["steps"] > 5 and clean.stats["verified_slots"] > 1_000
+    assert faulted.detected and faulted.reports[0].step == faulted.injected.step

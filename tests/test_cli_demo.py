@@ -26,7 +26,7 @@ def test_demo_json_run_passes(capsys: pytest.CaptureFixture[str]) -> None:
 def fake_result(clean_violations: int, detected: bool) -> demo.DemoResult:
     from kvcanary.adapters.transformers_cb.faults import InjectedFault
 
-    stats = {"steps": 10, "verified_slots": 100, "violations": clean_violations, "stamped": 50}
+    stats = {"steps": 10, "verified_slots": 100, "violations": clean_violations, "stamped": 50, "tap_us": 900}
     features = dict.fromkeys(
         ["prefix_hits", "prefix_tokens", "cached_block_reuse", "dedup_swaps", "forks", "fork_block_copies"], 1
     ) | {"offloads": 1, "restores": 1, "ring_wraps": 0}

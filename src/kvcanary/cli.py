@@ -26,6 +26,7 @@ EXIT_ENVIRONMENT = 3
 def _parser() -> argparse.ArgumentParser:
     from kvcanary.adapters.transformers_cb.faults import FAULTS
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
+    from kvcanary.ops import Backend
 
     parser = argparse.ArgumentParser(prog="kvcanary", description="Run-time detection of silent KV-cache corruption.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--requests", type=int, default=64, help="number of prompts (default: 64)")
     demo.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
+    demo.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default=Backend.AUTO.value,
+        help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
+    )
+    demo.add_argument("--async-batching", action="store_true", help="the engine's asynchronous batching (CUDA)")
     demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -54,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 def _demo(args: argparse.Namespace) -> int:
     from kvcanary.adapters.base import UnsupportedEngineVersion
     from kvcanary.demo import DemoOptions, run_demo, summary
+    from kvcanary.ops import Backend
 
     try:
         options = DemoOptions(
@@ -62,7 +71,9 @@ def _demo(args: argparse.Namespace) -> int:
             fault_group=args.fault_group,
             requests=args.requests,
             device=args.device,
+            backend=Backend(args.backend),
             baseline=args.baseline,
+            async_batching=args.async_batching,
         )
     except ValueError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)

@@ -50,6 +50,7 @@ class DemoOptions:
     device: str = "cpu"
     backend: Backend = Backend.AUTO
     baseline: bool = False  # also time the workload without the canary (the canary's share of step time)
+    async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.faults import FAULTS
@@ -152,7 +153,7 @@ def build_prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
     return prompts
 
 
-def engine_configs(kind: str, new_tokens: int, seed: int) -> tuple[Any, Any]:
+def engine_configs(kind: str, new_tokens: int, seed: int, async_batching: bool = False) -> tuple[Any, Any]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -165,7 +166,7 @@ def engine_configs(kind: str, new_tokens: int, seed: int) -> tuple[Any, Any]:
         max_batch_tokens=64,
         max_requests_per_batch=16,
         cpu_offload_space=0.01,  # GiB: a few sectors of CPU swap space, enough for every offload
-        use_async_batching=False,
+        use_async_batching=async_batching,
         seed=seed,
     )
     return gen, cb
@@ -214,7 +215,7 @@ def run_workload(
                 flush=True,
             )
 
-    gen, cb = engine_configs(options.model, options.new_tokens, options.seed)
+    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
     canary = install(model, CanaryConfig(mode=Mode.LOG), backend=options.backend, on_step=on_step)
     injector = None
     try:
@@ -242,10 +243,15 @@ def run_workload(
 
 
 def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> float:
-    gen, cb = engine_configs(options.model, options.new_tokens, options.seed)
-    start = time.perf_counter()
-    generate_batch(model, prompts, gen, cb)
-    return time.perf_counter() - start
+    """The workload with the canary off (mode ``off``: hooks installed, no canary work; this also keeps
+    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`)."""
+    from kvcanary.adapters.transformers_cb import install
+
+    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
+    with install(model, CanaryConfig(mode=Mode.OFF)):
+        start = time.perf_counter()
+        generate_batch(model, prompts, gen, cb)
+        return time.perf_counter() - start
 
 
 def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> DemoResult:
@@ -286,7 +292,8 @@ def summary(result: DemoResult) -> str:
     o, c, x = result.options, result.clean, result.faulted
     lines = [
         f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
-        f"device {o.device}",
+        f"device {o.device}, canary backend {o.backend.value}"
+        + (", asynchronous batching" if o.async_batching else ""),
         f"workload: {o.requests} prompts (mixed lengths, shared prefixes) x 2 sampled sequences, "
         f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {_NUM_BLOCKS[o.model]} blocks, CPU offload on",
         "",
@@ -295,6 +302,8 @@ def summary(result: DemoResult) -> str:
         f"({c.seconds:.1f} s, {c.outputs} sequences)",
         f"  engine features exercised: {_features_line(o.model, c.features)}",
     ]
+    if c.stats["steps"]:
+        lines.append(f"  host time in the canary: {c.stats['tap_us'] / c.stats['steps'] / 1000:.2f} ms per step")
     if result.baseline_seconds is not None:
         share = max(c.seconds - result.baseline_seconds, 0.0) / c.seconds if c.seconds else 0.0
         lines.append(

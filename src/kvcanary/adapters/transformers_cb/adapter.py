@@ -28,6 +28,8 @@ fresh canary; totals accumulate across caches.  Call :meth:`TransformersCBAdapte
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,28 +53,36 @@ logger = logging.getLogger("kvcanary")
 StepCallback = Callable[[int, Translation], None]  # (steps run on the current cache, the step's translation)
 FailRequestCallback = Callable[[list[object], StepReport], None]
 
-_TABLE_BUDGET_BYTES = 512 << 20  # default cap on the adapter's token tables (all groups + truth)
+_TABLE_BUDGET_BYTES = 256 << 20  # default cap on the adapter's token tables (all groups + truth)
 _STAT_KEYS = ("steps", "forwards", "verified_slots", "violations", "skipped_entries", "stamped", "health_failures")
 
 
 class _Binding:
-    """The canary of one ``PagedAttentionCache``."""
+    """The canary of one ``PagedAttentionCache``, which it references weakly: a finished run's cache
+    (most of the GPU's memory) must be freed when the engine drops it, not when the canary moves on."""
 
     def __init__(
         self, cache: Any, geometries: Sequence[GroupGeometry], translator: StepTranslator, manager: CanaryManager
     ) -> None:
-        self.cache = cache
+        self._cache = weakref.ref(cache)
         self.geometries = {g.name: g for g in geometries}
         self.translator = translator
         self.manager = manager
         self.shadow = mirror.OffloadShadow()
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
 
+    def is_for(self, cache: Any) -> bool:
+        return self._cache() is cache
+
+    def _allocators(self) -> list[Any]:
+        cache = self._cache()
+        return [] if cache is None else list(cache.cache_allocators.values())
+
     def owns_allocator(self, allocator: Any) -> bool:
-        return any(a is allocator for a in self.cache.cache_allocators.values())
+        return any(a is allocator for a in self._allocators())
 
     def owns_ledger(self, ledger: Any) -> bool:
-        return any(a.ledger is ledger for a in self.cache.cache_allocators.values())
+        return any(a.ledger is ledger for a in self._allocators())
 
     def records(self, name: str) -> Any:
         return self.manager.canaries[name].records
@@ -133,6 +143,7 @@ class TransformersCBAdapter:
         self._taps = 0
         self._adapter_errors = 0
         self._hook_misses = 0
+        self._tap_ns = 0  # host time spent in the step tap (the device work is asynchronous on GPU)
         self._warned_long_rows = False
 
     # ------------------------------------------------------------------ install / uninstall
@@ -197,6 +208,7 @@ class TransformersCBAdapter:
             adapter_errors=self._adapter_errors,
             hook_misses=self._hook_misses,
             taps=self._taps,
+            tap_us=self._tap_ns // 1000,
         )
         return out
 
@@ -308,7 +320,7 @@ class TransformersCBAdapter:
     def _wrap_prefix_match(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def search_prefix_match(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
             n = int(original(cache, request_id, prompt_ids))
-            if n > 0 and self._binding is not None and self._binding.cache is cache:
+            if n > 0 and self._binding is not None and self._binding.is_for(cache):
                 self._features.prefix_hits += 1
                 self._features.prefix_tokens += n
             return n
@@ -318,7 +330,7 @@ class TransformersCBAdapter:
     def _wrap_fork(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_fork_request(cache: Any, *args: Any, **kwargs: Any) -> Any:
             forked = original(cache, *args, **kwargs)
-            if self._binding is not None and self._binding.cache is cache:
+            if self._binding is not None and self._binding.is_for(cache):
                 self._features.forks += len(forked)
             return forked
 
@@ -328,7 +340,7 @@ class TransformersCBAdapter:
         def _offload_to_cpu(om: Any, victims: list[Any], victim_block_tables: dict[str, dict[str, list[int]]]) -> Any:
             done = original(om, victims, victim_block_tables)
             b = self._binding
-            if b is not None and b.cache is om.cache:
+            if b is not None and b.is_for(om.cache):
                 with _stream(om._compute_stream):
                     for rid in done:
                         for name, blocks in victim_block_tables[rid].items():
@@ -343,7 +355,7 @@ class TransformersCBAdapter:
     def _wrap_restore(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
             b = self._binding
-            mine = b is not None and b.cache is om.cache
+            mine = b is not None and b.is_for(om.cache)
             rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded] if mine else []
             out = original(om, requests_in_batch)
             if b is not None and rids:
@@ -359,7 +371,7 @@ class TransformersCBAdapter:
 
     def _wrap_free_cpu_cache(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def free_request_cpu_cache(om: Any, state: Any) -> Any:
-            if self._binding is not None and self._binding.cache is om.cache:
+            if self._binding is not None and self._binding.is_for(om.cache):
                 self._binding.shadow.drop(state.request_id)
             return original(om, state)
 
@@ -388,31 +400,43 @@ class TransformersCBAdapter:
         pending, self._pending = self._pending, None
         if self._config.mode is Mode.OFF:
             return
+        start = time.perf_counter_ns()
+        # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
+        # asynchronous batching) and before the next step rewrites the static buffers.
+        with _stream(getattr(runner.inputs_and_outputs, "compute_stream", None)):
+            tr = self._verify_step(runner, batch_data, pending)
+        binding = self._binding  # bound by _verify_step
+        if tr is None or binding is None:
+            return
+        report = binding.manager.host_step(list(tr.request_ids))
+        binding.steps += 1
+        self._tap_ns += time.perf_counter_ns() - start
+        self._collect(report)
+        if self._on_step is not None:
+            self._on_step(binding.steps, tr)
+
+    def _verify_step(self, runner: Any, batch_data: dict[str, Any], pending: Any) -> Translation | None:
+        """Translate the step and run plan/verify/stamp; None when the step is not verified."""
         try:
             if pending is None or pending[0] is not runner.cache:
                 raise RuntimeError("the forward ran without a host batch prepared for its cache")
             host = pending[1]
             if host.is_warmup:
                 self._features.warmup_steps += 1
-                return
+                return None
             binding = self._bind(runner)
             tr = binding.translator.translate(batch_data, host)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
-            return
-        with _stream(getattr(runner.inputs_and_outputs, "compute_stream", None)):
-            try:
-                binding.manager.before_forward(tr.batches)
-            except Exception as exc:
-                self._adapter_error("the canary refused the step's batch", exc)
-                return
-            binding.manager.after_forward()
+            return None
+        try:
+            binding.manager.before_forward(tr.batches)
+        except Exception as exc:
+            self._adapter_error("the canary refused the step's batch", exc)
+            return None
+        binding.manager.after_forward()
         self._count(tr)
-        report = binding.manager.host_step(list(tr.request_ids))
-        binding.steps += 1
-        self._collect(report)
-        if self._on_step is not None:
-            self._on_step(binding.steps, tr)
+        return tr
 
     def _count(self, tr: Translation) -> None:
         f = self._features
@@ -449,7 +473,7 @@ class TransformersCBAdapter:
 
     def _bind(self, runner: Any) -> _Binding:
         cache = runner.cache
-        if self._binding is not None and self._binding.cache is cache:
+        if self._binding is not None and self._binding.is_for(cache):
             return self._binding
         if self._binding is not None:
             self._retire_binding()
