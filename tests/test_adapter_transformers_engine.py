@@ -167,3 +167,25 @@ def test_the_kernel_path_is_silent_on_a_clean_run_and_catches_the_fault() -> Non
         faulted = run_workload(model, prompts, options, label="triton", fault="read-swap")
     assert clean.stats["violations"] == 0 and clean.stats["steps"] > 5 and clean.stats["verified_slots"] > 1_000
     assert faulted.detected and faulted.reports[0].step == faulted.injected.step
+
+
+def test_install_on_a_continuous_batching_manager_serving_requests() -> None:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = build_model("dense")
+    gen = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(page_size=8, num_blocks=32, max_batch_tokens=32, max_requests_per_batch=4)
+    with quiet_engine_logs():
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        with install(manager) as canary:
+            manager.start()
+            ids = [manager.add_request(p) for p in build_prompts(6)]
+            results = [manager.get_result(request_id=None, timeout=30) for _ in ids]
+            manager.stop(block=True)
+            canary.flush()
+            stats = canary.stats()
+    assert all(r is not None and r.error is None for r in results)
+    assert stats["steps"] > 5 and stats["verified_slots"] > 0 and stats["violations"] == 0
+    with pytest.raises(TypeError, match="ContinuousBatchingManager"):
+        install(object())

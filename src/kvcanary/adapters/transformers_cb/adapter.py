@@ -17,6 +17,10 @@ Where it hooks (transformers 5.24.0, ``transformers.generation.continuous_batchi
   ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore).
 * feature counters: ``search_prefix_match`` (prefix hits), ``BlockLedger.acquire`` (cached block
   reuse), ``mark_complete_blocks`` (in-place de-duplication), ``prepare_fork_request`` (forks).
+  Prefix sharing, cached blocks and de-duplication need no mirroring: a block is only shared or swapped
+  for one whose hash chain (every token from position 0) is equal, so its records -- token, position
+  and a link that hashes the whole prefix -- are equal too; the clean runs' reads of such blocks
+  confirm it.
 * ``OffloadingManager.__init__`` on hosts without an accelerator: see :mod:`.cpu_offload`.
 
 One adapter at a time per process: the patches are on engine classes (the wrappers ignore caches that
@@ -95,7 +99,7 @@ class TransformersCBAdapter:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         config: CanaryConfig | None = None,
         *,
         backend: Backend = Backend.AUTO,
@@ -106,10 +110,7 @@ class TransformersCBAdapter:
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
     ) -> None:
-        if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate_batch", None)):
-            raise TypeError(
-                f"model must be a transformers model with continuous batching (generate_batch), got {type(model)}"
-            )
+        model = _model_of(model)
         config = CanaryConfig() if config is None else config
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"config must be a kvcanary.CanaryConfig, got {type(config).__name__}")
@@ -530,14 +531,28 @@ class TransformersCBAdapter:
             self._binding = None
 
 
+def _model_of(target: Any) -> torch.nn.Module:
+    """The model of ``target``: a transformers model, or a ``ContinuousBatchingManager`` (its ``.model``)."""
+    if isinstance(target, torch.nn.Module) and callable(getattr(target, "generate_batch", None)):
+        return target
+    inner = getattr(target, "model", None)
+    if isinstance(inner, torch.nn.Module) and callable(getattr(target, "add_request", None)):
+        return inner
+    raise TypeError(
+        "install() takes a transformers model with continuous batching (generate_batch) or a "
+        f"ContinuousBatchingManager, got {type(target).__name__}"
+    )
+
+
 def _stream(stream: Any) -> Any:
     from transformers.generation.continuous_batching.utils import stream_context
 
     return stream_context(stream)
 
 
-def install(model: torch.nn.Module, config: CanaryConfig | None = None, **options: Any) -> TransformersCBAdapter:
-    """Install the canary on ``model`` (a transformers model used with ``generate_batch`` or the
-    continuous-batching manager) and return its handle; ``options`` are
-    :class:`TransformersCBAdapter`'s keyword arguments."""
+def install(model: Any, config: CanaryConfig | None = None, **options: Any) -> TransformersCBAdapter:
+    """Install the canary on ``model`` -- a transformers model (used with ``generate_batch``,
+    ``init_continuous_batching`` or ``continuous_batching_context_manager``) or a
+    ``ContinuousBatchingManager`` -- and return its handle; ``options`` are
+    :class:`TransformersCBAdapter`'s keyword arguments.  Install before the manager starts its loop."""
     return TransformersCBAdapter(model, config, **options).install()
