@@ -55,10 +55,23 @@ class PlanWorkspace:
     row_state: torch.Tensor  # int32 [B]: ROW_ACTIVE / ROW_PADDING / ROW_BAD
     mult_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT**i, for the reference's scan
     inv_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT_INV**i
+    # Kernel scratch (the reference leaves it alone).  Work is cut into items: one block of one row's
+    # verify entries or written tokens.  Sized for the smallest block, so any block size fits.
+    verify_items: torch.Tensor  # int64 [B+1]: exclusive prefix sum of verify items per row
+    write_items: torch.Tensor  # int64 [B+1]: exclusive prefix sum of stamp items per row
+    verify_counts: torch.Tensor  # int32 [max verify items]: violations found per item
+    stamp_counts: torch.Tensor  # int32 [max stamp items]
+    sync: torch.Tensor  # int64 [8]: per phase (verify, stamp): pending violations, finished programs
 
     ROW_ACTIVE = 0
     ROW_PADDING = 1
     ROW_BAD = 2
+    SCRATCH_BLOCK = 128  # smallest item size (entries or tokens) a kernel may use
+
+    @staticmethod
+    def max_items(entries: int, max_batch: int) -> int:
+        """Items covering ``entries`` in blocks of SCRATCH_BLOCK, each row adding at most one partial block."""
+        return -(-entries // PlanWorkspace.SCRATCH_BLOCK) + max_batch
 
     @classmethod
     def allocate(cls, caps: Capacities, device: torch.device | str = "cpu") -> PlanWorkspace:
@@ -75,6 +88,11 @@ class PlanWorkspace:
             row_state=torch.zeros(b, dtype=torch.int32, device=device),
             mult_powers=hashing.power_table(hashing.LINK_MULT, caps.max_tokens + 1, device),
             inv_powers=hashing.power_table(hashing.LINK_MULT_INV, caps.max_tokens + 1, device),
+            verify_items=i64(b + 1),
+            write_items=i64(b + 1),
+            verify_counts=torch.zeros(cls.max_items(caps.verify_entries, b), dtype=torch.int32, device=device),
+            stamp_counts=torch.zeros(cls.max_items(caps.max_tokens, b), dtype=torch.int32, device=device),
+            sync=i64(8),
         )
 
 

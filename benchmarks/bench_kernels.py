@@ -1,0 +1,431 @@
+"""Per-step cost of plan -> verify -> stamp for one group on a CUDA GPU, under CUDA-graph replay.
+
+Each scenario builds R independent input sets (own table, own slots, own tokens) over one record pool,
+stamps their prefixes, checks that a kernel step on each is clean, then captures one graph of
+``STEPS_PER_GRAPH`` steps cycling through the sets, and times its replays with CUDA events (per-step
+time = replay time / steps).  Slots are handed out in 64-slot runs in shuffled order, as a paged
+allocator does.  The reference path runs eagerly on the same GPU as the baseline (it reads totals on
+the host, so it cannot be captured).
+
+``floor_us`` = max(bytes the step must move / measured copy bandwidth, one graph-replayed kernel),
+where the bytes are: per verified entry its table entry (and lookup entry) and its 16-byte record; per
+written token its token id, position and write slot (and lookup entry) read and its record written; per
+batch row its three lengths read and the plan's row outputs written.
+
+Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``--sweep`` instead times a
+few scenarios under several kernel tunings and prints the table.
+Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcanary.batch import StepBatch
+from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
+from kvcanary.ops import launchers
+from kvcanary.ops import reference as ref
+from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUN = 64  # slots per allocator run
+STEPS_PER_GRAPH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    batch: int
+    prefix: int
+    extend: int
+    window: int = 0
+
+    @property
+    def verified(self) -> int:
+        span = min(self.prefix, self.window) if self.window else self.prefix
+        return self.batch * span
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.extend
+
+
+def scenarios(quick: bool, tiny: bool = False) -> list[Scenario]:
+    if tiny:  # --dry-run: the same kinds of scenario at toy sizes, for the CPU interpreter
+        return [Scenario("decode_b2_p64", 2, 64, 1), Scenario("prefill_300", 1, 0, 300),
+                Scenario("window8_b2_p64", 2, 64, 1, 8)]  # fmt: skip
+    out = []
+    for b in (1, 32, 128, 256):
+        for p, tag in ((512, "512"), (4096, "4k"), (16384, "16k")):
+            out.append(Scenario(f"decode_b{b}_p{tag}", b, p, 1))
+    out += [Scenario("prefill_4k", 1, 0, 4096), Scenario("prefill_16k", 1, 0, 16384)]
+    out += [Scenario("window128_b128_p16k", 128, 16384, 1, 128), Scenario("window4k_b128_p16k", 128, 16384, 1, 4096)]
+    if quick:
+        keep = {"decode_b1_p512", "decode_b32_p4k", "decode_b256_p16k", "prefill_16k", "window128_b128_p16k"}
+        out = [s for s in out if s.name in keep]
+    return out
+
+
+# --------------------------------------------------------------------------- a world on the GPU
+
+
+@dataclasses.dataclass
+class World:
+    group: CanaryGroup
+    caps: Capacities
+    records: RecordStore
+    ws: PlanWorkspace
+    log: ViolationLog
+    batches: list[StepBatch]
+    bytes_per_step: int
+
+
+def _batch_bytes(s: Scenario, lookup: bool) -> int:
+    look = 4 if lookup else 0
+    verify = s.verified * (4 + look + 16)
+    stamp = s.tokens * (8 + 8 + 8 + look + 16)
+    plan = s.batch * (3 * 4 + 4 + look + 8 + 5 * 8 + 4)  # lengths, seed gather, row outputs
+    return verify + stamp + plan
+
+
+def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) -> World:
+    """Input sets, a record pool with every prefix stamped, and a canary state sized for the scenario."""
+    lookup = s.window > 0
+    span = s.prefix + s.extend
+    per_set = s.batch * span
+    n_runs = -(-(rotations * per_set) // RUN)
+    num_slots = 1 + n_runs * RUN  # slot 0 reserved (padding)
+    group = CanaryGroup(
+        num_slots=num_slots,
+        kind=GroupKind.SLIDING_WINDOW if s.window else GroupKind.FULL,
+        window=s.window,
+        uses_lookup=lookup,
+        reserved_slots=(0,),
+    )
+    runs = torch.randperm(n_runs, generator=gen, device="cpu").to(dev)
+    slots = (1 + runs[:, None] * RUN + torch.arange(RUN, device=dev)).flatten()
+    lut = None
+    if lookup:  # full index -> window pool slot: another permutation, 0 kept on 0
+        lut = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(num_slots - 1, generator=gen)])
+        lut = lut.to(dev, torch.int32)
+    records = RecordStore.allocate(num_slots, dev)
+    caps = Capacities(
+        max_batch=s.batch, max_tokens=max(1, s.tokens), verify_entries=max(1, s.verified), max_context=span
+    )
+    batches = []
+    for k in range(rotations):
+        table = torch.zeros(s.batch + 1, span, dtype=torch.int32, device=dev)
+        table[1:] = slots[k * per_set : (k + 1) * per_set].view(s.batch, span).to(torch.int32)
+        seqs = torch.randint(0, 150_000, (s.batch, span), generator=gen).to(dev)
+        rows = torch.arange(1, s.batch + 1, dtype=torch.int32, device=dev)
+        if s.prefix:  # stamp the prefix with the reference (one big step, setup only)
+            setup_caps = Capacities(max_batch=s.batch, max_tokens=s.batch * s.prefix, verify_entries=1)
+            sws = PlanWorkspace.allocate(setup_caps, dev)
+            pos = torch.arange(s.prefix, device=dev).repeat(s.batch)
+            pre = StepBatch(
+                rows=rows,
+                prefix_lens=torch.zeros(s.batch, dtype=torch.int32, device=dev),
+                extend_lens=torch.full((s.batch,), s.prefix, dtype=torch.int32, device=dev),
+                table=table,
+                input_ids=seqs[:, : s.prefix].flatten(),
+                positions=pos,
+                out_cache_loc=table[1:, : s.prefix].flatten().long(),
+                lookup=lut,
+            )
+            slog = ViolationLog.allocate(4, dev)
+            ref.plan(group, pre, records, sws, slog)
+            ref.stamp(group, pre, records, sws, slog)
+            if slog.total():
+                raise RuntimeError(f"{s.name}: prefix stamping raised violations")
+            del sws
+        batches.append(
+            StepBatch(
+                rows=rows,
+                prefix_lens=torch.full((s.batch,), s.prefix, dtype=torch.int32, device=dev),
+                extend_lens=torch.full((s.batch,), s.extend, dtype=torch.int32, device=dev),
+                table=table,
+                input_ids=seqs[:, s.prefix :].flatten().contiguous(),
+                positions=torch.arange(s.prefix, span, device=dev).repeat(s.batch),
+                out_cache_loc=table[1:, s.prefix :].flatten().long(),
+                lookup=lut,
+            )
+        )
+    ws = PlanWorkspace.allocate(caps, dev)
+    log = ViolationLog.allocate(caps.log_rows, dev)
+    return World(group, caps, records, ws, log, batches, _batch_bytes(s, lookup))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def kernel_step(w: World, batch: StepBatch, tuning: launchers.KernelTuning) -> None:
+    launchers.plan(w.group, batch, w.records, w.ws, w.log, tuning=tuning)
+    launchers.verify(w.group, batch, w.records, w.ws, w.log, w.caps.verify_entries, tuning=tuning)
+    launchers.stamp(w.group, batch, w.records, w.ws, w.log, tuning=tuning)
+
+
+def time_graph(record_steps, steps: int, replays: int) -> list[float]:
+    """Per-step microseconds of each replay of a graph holding ``steps`` steps."""
+    if not torch.cuda.is_available():  # --dry-run: no graph, wall clock
+        out = []
+        for _ in range(max(2, replays // 10)):
+            t0 = time.perf_counter()
+            record_steps()
+            out.append((time.perf_counter() - t0) * 1e6 / steps)
+        return out
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        record_steps()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1000.0 / steps)
+    return out
+
+
+def time_kernels(w: World, tuning: launchers.KernelTuning, replays: int) -> list[float]:
+    for b in w.batches:  # compile, and check that a step on every set is clean
+        kernel_step(w, b, tuning)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if w.log.total():
+        raise RuntimeError(f"kernel steps raised violations: {w.log.rows()[:4].tolist()}")
+
+    def record() -> None:
+        for i in range(STEPS_PER_GRAPH):
+            kernel_step(w, w.batches[i % len(w.batches)], tuning)
+
+    samples = time_graph(record, STEPS_PER_GRAPH, replays)
+    if w.log.total():
+        raise RuntimeError("graph replays raised violations")
+    return samples
+
+
+def time_reference(w: World, iters: int) -> list[float]:
+    log = ViolationLog.allocate(w.caps.log_rows, w.records.device)
+    out = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i in range(iters + 2):
+        b = w.batches[i % len(w.batches)]
+        sync()
+        t0 = time.perf_counter()
+        ref.plan(w.group, b, w.records, w.ws, log)
+        ref.verify(w.group, b, w.records, w.ws, log, w.caps.verify_entries)
+        ref.stamp(w.group, b, w.records, w.ws, log)
+        sync()
+        if i >= 2:
+            out.append((time.perf_counter() - t0) * 1e6)
+    if log.total():
+        raise RuntimeError("reference steps raised violations")
+    return out
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr))
+
+
+def graph_kernel_us(dev: torch.device) -> float:
+    """Median time of one trivial kernel inside a graph of many."""
+    if dev.type != "cuda":
+        return 1.0
+    x = torch.zeros(1, device=dev)
+    n = 64
+
+    def record() -> None:
+        for _ in range(n):
+            _empty_kernel[(1,)](x)
+
+    _empty_kernel[(1,)](x)
+    return statistics.median(time_graph(record, n, 50))
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes read + written per second of a large device-to-device copy."""
+    if dev.type != "cuda":
+        return 1e10
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    del src, dst
+    return 2 * n / statistics.median(times)
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def meta(commit: str, dev: torch.device) -> dict[str, str]:
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    if dev.type != "cuda":
+        base = {"gpu": "cpu-dry-run", "driver": "-"}
+        return base | {"torch": torch.__version__, "triton": triton.__version__, "commit": commit, "date": date}
+    try:
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        driver = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name(dev),
+        "driver": driver,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+        "date": date,
+    }
+
+
+def run_main(args: argparse.Namespace, dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    tuning = launchers.DEFAULT_TUNING
+    if args.tuning_json and Path(args.tuning_json).exists():
+        tuning = launchers.KernelTuning(**json.loads(Path(args.tuning_json).read_text()))
+    print(f"tuning {tuning}", flush=True)
+    bw = copy_bandwidth(dev)
+    kernel_us = graph_kernel_us(dev)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; one graph-replayed kernel {kernel_us:.2f} us", flush=True)
+    records = []
+    cols = ("entries", 9), ("median", 8), ("p20", 8), ("p80", 8), ("floor", 7), ("x floor", 7), ("ref", 9)
+    print(f"{'scenario':24} " + " ".join(f"{c:>{w}}" for c, w in cols), flush=True)
+    for s in scenarios(args.quick, tiny=args.dry_run):
+        w = build(s, args.rotations, dev, gen)
+        samples = time_kernels(w, tuning, args.replays)
+        ref_samples = time_reference(w, args.ref_iters)
+        floor = max(w.bytes_per_step / bw * 1e6, kernel_us)
+        rec = {
+            "scenario": s.name,
+            "median_us": round(statistics.median(samples), 2),
+            "p20_us": round(pct(samples, 0.2), 2),
+            "p80_us": round(pct(samples, 0.8), 2),
+            "entries": s.verified,
+            "bytes": w.bytes_per_step,
+            "floor_us": round(floor, 2),
+            "reference_median_us": round(statistics.median(ref_samples), 1),
+        }
+        records.append(rec)
+        print(
+            f"{s.name:24} {s.verified:>9} {rec['median_us']:>8} {rec['p20_us']:>8} {rec['p80_us']:>8} "
+            f"{rec['floor_us']:>7} {rec['median_us'] / floor:>7.2f} {rec['reference_median_us']:>9}",
+            flush=True,
+        )
+        del w
+        torch.cuda.empty_cache()
+    m = meta(args.commit, dev)
+    m |= {
+        "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+        "graph_kernel_us": round(kernel_us, 3),
+        "steps_per_graph": STEPS_PER_GRAPH,
+        "rotations": args.rotations,
+        "tuning": dataclasses.asdict(tuning),
+    }
+    gpu = m["gpu"].replace(" ", "-").lower()
+    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": m, "records": records}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    tune = launchers.KernelTuning
+    tunings = {
+        "default": launchers.DEFAULT_TUNING,
+        "v1024w8": tune(verify_block=1024, verify_warps=8),
+        "v1024w16": tune(verify_block=1024, verify_warps=16),
+        "v256w4": tune(verify_block=256, verify_warps=4),
+        "g2": tune(programs_per_sm=2),
+        "g8": tune(programs_per_sm=8),
+        "g16": tune(programs_per_sm=16),
+        "s256w4": tune(stamp_block=256, stamp_warps=4),
+        "s1024w8": tune(stamp_block=1024, stamp_warps=8),
+    }
+    picks = (
+        scenarios(False, tiny=True)
+        if args.dry_run
+        else [
+            Scenario("decode_b32_p4k", 32, 4096, 1),
+            Scenario("decode_b256_p4k", 256, 4096, 1),
+            Scenario("decode_b256_p16k", 256, 16384, 1),
+            Scenario("prefill_16k", 1, 0, 16384),
+        ]
+    )
+    print(f"{'scenario':20} " + " ".join(f"{k:>10}" for k in tunings), flush=True)
+    score = dict.fromkeys(tunings, 1.0)
+    for s in picks:
+        w = build(s, args.rotations, dev, gen)
+        row = {k: statistics.median(time_kernels(w, t, max(10, args.replays // 2))) for k, t in tunings.items()}
+        print(f"{s.name:20} " + " ".join(f"{v:>10.2f}" for v in row.values()), flush=True)
+        for k, v in row.items():
+            score[k] *= v / min(row.values())
+        del w
+        torch.cuda.empty_cache()
+    best = min(score, key=lambda k: score[k])
+    print(f"best tuning (geometric mean of time / best time): {best} {tunings[best]}")
+    if args.out:
+        path = Path(args.out) / "best_tuning.json"
+        path.write_text(json.dumps(dataclasses.asdict(tunings[best])) + "\n")
+        print(f"wrote {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--rotations", type=int, default=4)
+    p.add_argument("--replays", type=int, default=40)
+    p.add_argument("--ref-iters", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="five scenarios only")
+    p.add_argument("--sweep", action="store_true", help="time tunings instead of writing results")
+    p.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU interpreter (harness check)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    p.add_argument("--tuning-json", default=None, help="kernel tuning to time (default: the launchers' default)")
+    args = p.parse_args()
+    if args.dry_run:
+        dev = torch.device("cpu")  # needs TRITON_INTERPRET=1: checks the harness, times nothing real
+    elif not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    else:
+        dev = torch.device("cuda")
+    if args.sweep:
+        run_sweep(args, dev)
+    else:
+        run_main(args, dev)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Regenerate benchmarks/README.md from the newest results file (by its meta date).
+
+Usage: python benchmarks/make_readme.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+INTRO = """# Benchmarks
+
+`bench_kernels.py` times one group's per-step canary work (plan -> verify -> stamp, Triton kernels) on a
+CUDA GPU under CUDA-graph replay with rotating input sets, and the PyTorch reference path eagerly on
+the same GPU as the baseline.  Results are saved in `results/<gpu>-<commit>.json`; this page is
+regenerated from the newest one by `make_readme.py` (do not edit the table by hand).
+
+Run on a GPU machine: `PYTHONPATH=src python benchmarks/bench_kernels.py --commit $(git rev-parse --short HEAD)`
+then `python benchmarks/make_readme.py`.
+
+Columns: `median / p20 / p80` microseconds per step; `entries` verified per step; `bytes` the step must
+move (table and lookup entries and records of the verified entries; inputs and records of the written
+tokens; row lengths and plan outputs); `floor` = max(bytes / measured copy bandwidth, one
+graph-replayed kernel); `x floor` = median / floor; `reference` = eager reference step (ms).
+"""
+
+TARGETS = (
+    "Targets (DESIGN section 6): at most 2x floor for every scenario with >= 1M verified entries; at most "
+    "10 us per step for decode batches up to 32 at prefix up to 4k; a 16k-token chunk stamped in at most 20 us."
+)
+
+
+def _newest() -> tuple[Path, dict]:
+    files = sorted(HERE.glob("results/*.json"))
+    if not files:
+        raise SystemExit("no results in benchmarks/results")
+    loaded = [(f, json.loads(f.read_text())) for f in files]
+    return max(loaded, key=lambda fd: fd[1]["meta"]["date"])
+
+
+def _verdict(rec: dict) -> str:
+    name, med = rec["scenario"], rec["median_us"]
+    notes = []
+    if rec["entries"] >= 1_000_000:
+        notes.append(f"{'meets' if med <= 2 * rec['floor_us'] else 'misses'} <= 2x floor")
+    if name.startswith("decode_b") and not name.endswith("16k"):
+        b = int(name.split("_")[1][1:])
+        if b <= 32:
+            notes.append(f"{'meets' if med <= 10 else 'misses'} <= 10 us")
+    if name == "prefill_16k":
+        notes.append(f"{'meets' if med <= 20 else 'misses'} <= 20 us")
+    return "; ".join(notes)
+
+
+def render() -> str:
+    path, data = _newest()
+    m = data["meta"]
+    lines = [INTRO, f"## Latest: {m['gpu']}, commit {m['commit']}, {m['date']}", ""]
+    lines.append(
+        f"driver {m['driver']}, torch {m['torch']}, triton {m['triton']}; copy bandwidth "
+        f"{m.get('copy_bandwidth_tb_s', '?')} TB/s; one graph-replayed kernel {m.get('graph_kernel_us', '?')} us; "
+        f"{m.get('steps_per_graph', '?')} steps per graph over {m.get('rotations', '?')} input sets. "
+        f"Source: `{path.relative_to(HERE)}`."
+    )
+    lines += ["", TARGETS, ""]
+    lines.append("| scenario | entries | median us | p20 | p80 | bytes | floor us | x floor | reference ms | target |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for r in data["records"]:
+        lines.append(
+            f"| {r['scenario']} | {r['entries']:,} | {r['median_us']:.2f} | {r['p20_us']:.2f} | {r['p80_us']:.2f} "
+            f"| {r['bytes']:,} | {r['floor_us']:.2f} | {r['median_us'] / r['floor_us']:.2f} "
+            f"| {r['reference_median_us'] / 1000:.2f} | {_verdict(r)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    (HERE / "README.md").write_text(render())
+    print(f"wrote {HERE / 'README.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Kernel checks and benchmarks on a CUDA machine (the lent H200), logs under $OUT (default ./gpu-out).
+# Stages (any order, any subset): tests sanitize sweep bench.  COMMIT=<sha> names the results file.
+# Usage: scripts/gpu/check_kernels.sh tests sanitize sweep
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+status=0
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} 2>&1 | tee "$OUT/env.txt"
+
+for stage in "$@"; do
+  t0=$(date +%s)
+  case $stage in
+    tests)  # the differential, hand-case and CUDA-graph suites, compiled
+      timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning --durations=8 \
+        tests/test_kernels_graph.py tests/test_kernels_cases.py tests/test_kernels_differential.py 2>&1 | tee "$OUT/tests.log"
+      ;;
+    sanitize)  # every tensor its own allocation, so memcheck sees any access outside it
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck \
+        --error-exitcode 99 --print-limit 20 $PY scripts/gpu/sanitize_kernels.py "${SANITIZE_CASES:-16}" 2>&1 \
+        | tee "$OUT/sanitizer.log"
+      ;;
+    sweep)
+      timeout "${SWEEP_TIMEOUT:-200}" $PY benchmarks/bench_kernels.py --sweep --rotations 4 --replays 30 --out "$OUT" 2>&1 \
+        | tee "$OUT/sweep.log"
+      ;;
+    bench)
+      timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_kernels.py --commit "${COMMIT:-unknown}" --out "$OUT" \
+        --tuning-json "$OUT/best_tuning.json" 2>&1 \
+        | tee "$OUT/bench.log"
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+  rc=$?
+  echo "[stage $stage] exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/stages.txt"
+  [ $rc -ne 0 ] && status=$rc
+done
+exit $status

@@ -1,0 +1,64 @@
+"""Run the kernels on corrupt inputs under ``compute-sanitizer --tool memcheck`` (any bad access is an error).
+
+Random corrupted cases from tests/gen.py, then the same cases smashed further: table, lookup, rows,
+lengths, truth lengths and write slots set to negative, out-of-range and huge values.  Each case also
+checks the kernels against the reference, so a run that hides an access error behind a wrong answer
+still fails.  Usage (repository root): compute-sanitizer --tool memcheck --error-exitcode 99 \\
+    python scripts/gpu/sanitize_kernels.py [n_cases]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+import gen  # noqa: E402
+from test_kernels_differential import compare_step  # noqa: E402
+
+NASTY = [-(2**63), -(2**40), -(2**31), -1, 2**31 - 1, 2**40, 2**62, 2**63 - 1]
+
+
+def smash(case: gen.Case, rng: random.Random) -> gen.Case:
+    """Overwrite a few index values of every kind with values from NASTY (int64 so they fit)."""
+    b = case.batch
+    for name in ("table", "lookup", "rows", "prefix_lens", "extend_lens", "truth_lens", "out_cache_loc"):
+        t = getattr(b, name)
+        if t is None or t.numel() == 0:
+            continue
+        t = t.to(torch.int64)
+        flat = t.view(-1)
+        for _ in range(rng.randint(1, 3)):
+            flat[rng.randrange(flat.numel())] = rng.choice(NASTY)
+        setattr(b, name, t)
+    return case
+
+
+def main() -> int:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    rng = random.Random(7)
+    t0 = time.time()
+    failures = 0
+    for i in range(n):
+        case = gen.random_case(90_000 + i, corrupt=True)
+        if i % 2:
+            case = smash(case, rng)
+        # The scalar oracle does not model int64 wrap-around, so it only serves the unsmashed cases.
+        problems = compare_step(case, index_dtype=torch.int64, use_oracle=i % 2 == 0)
+        if problems:
+            failures += 1
+            print("MISMATCH", case.describe(), problems[:2], flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"sanitize_kernels: {n} corrupt cases ({n // 2} smashed), {failures} mismatches, {time.time() - t0:.1f}s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+# mypy: disable-error-code="no-untyped-def"
+"""The violation log on device: deterministic row placement, reason counts and the per-call finalize.
+
+Row i of a log's lifetime lands in ``first[i]`` when i < K and in ``last[i % K]`` when it is among the
+last K rows of its call; a row's index is fixed by its rank (plan rows by batch row, verify rows by
+entry, stamp rows by token), never by atomic arrival order.  Multi-program kernels count violations
+per item, the last program to finish (a ticket) learns the call's total and base, then re-derives and
+writes only the items that hold first-K or last-K rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcanary.schema import NUM_REASONS, ROW_WIDTH, Counter, Field
+
+N_REASONS = tl.constexpr(NUM_REASONS)
+WIDTH = tl.constexpr(ROW_WIDTH)
+VIOLATIONS = tl.constexpr(int(Counter.VIOLATIONS))
+VERIFIED = tl.constexpr(int(Counter.VERIFIED))
+SKIPPED = tl.constexpr(int(Counter.SKIPPED))
+STAMPED = tl.constexpr(int(Counter.STAMPED))
+CALLS = tl.constexpr(int(Counter.CALLS))
+F_REASONS = tl.constexpr(int(Field.REASONS))
+F_PHASE = tl.constexpr(int(Field.PHASE))
+F_GROUP = tl.constexpr(int(Field.GROUP))
+F_BATCH_ROW = tl.constexpr(int(Field.BATCH_ROW))
+F_TABLE_ROW = tl.constexpr(int(Field.TABLE_ROW))
+F_SLOT = tl.constexpr(int(Field.SLOT))
+F_PRED = tl.constexpr(int(Field.PRED))
+F_EXPECTED_POSITION = tl.constexpr(int(Field.EXPECTED_POSITION))
+F_STORED_POSITION = tl.constexpr(int(Field.STORED_POSITION))
+F_EXPECTED_TOKEN = tl.constexpr(int(Field.EXPECTED_TOKEN))
+F_STORED_TOKEN = tl.constexpr(int(Field.STORED_TOKEN))
+F_EXPECTED_LINK = tl.constexpr(int(Field.EXPECTED_LINK))
+F_STORED_LINK = tl.constexpr(int(Field.STORED_LINK))
+F_BAD_INDEX = tl.constexpr(int(Field.BAD_INDEX))
+
+# Per-phase words of the workspace's sync scratch: violations pending (summed by all programs) and
+# finished programs (the ticket).  Both are back to 0 when a call ends.
+PENDING = tl.constexpr(0)
+TICKET = tl.constexpr(1)
+SCAN = tl.constexpr(1024)  # items the finalize scans per step
+NO_ITEM = tl.constexpr(2**62)
+
+
+@triton.jit
+def reason_counts(reasons):
+    """Per-bit counts of ``reasons`` as a [16] int64 vector (lanes >= NUM_REASONS are 0)."""
+    k = tl.arange(0, 16)
+    acc = tl.zeros((16,), tl.int64)
+    for j in tl.static_range(N_REASONS):
+        acc += tl.where(k == j, tl.sum(((reasons >> j) & 1).to(tl.int64)), 0)
+    return acc
+
+
+@triton.jit
+def add_reason_counts(counters_ptr, counts):
+    k = tl.arange(0, 16)
+    tl.atomic_add(counters_ptr + k, counts, mask=(k < N_REASONS) & (counts != 0))
+
+
+@triton.jit
+def _store_fields(
+    ptr,
+    mask,
+    reasons,
+    phase,
+    group,
+    batch_row,
+    table_row,
+    slot,
+    pred,
+    exp_pos,
+    st_pos,
+    exp_tok,
+    st_tok,
+    exp_link,
+    st_link,
+    bad_index,
+):
+    zero = tl.zeros_like(reasons)
+    tl.store(ptr + F_REASONS, reasons, mask=mask)
+    tl.store(ptr + F_PHASE, zero + phase, mask=mask)
+    tl.store(ptr + F_GROUP, zero + group, mask=mask)
+    tl.store(ptr + F_BATCH_ROW, zero + batch_row, mask=mask)
+    tl.store(ptr + F_TABLE_ROW, zero + table_row, mask=mask)
+    tl.store(ptr + F_SLOT, zero + slot, mask=mask)
+    tl.store(ptr + F_PRED, zero + pred, mask=mask)
+    tl.store(ptr + F_EXPECTED_POSITION, zero + exp_pos, mask=mask)
+    tl.store(ptr + F_STORED_POSITION, zero + st_pos, mask=mask)
+    tl.store(ptr + F_EXPECTED_TOKEN, zero + exp_tok, mask=mask)
+    tl.store(ptr + F_STORED_TOKEN, zero + st_tok, mask=mask)
+    tl.store(ptr + F_EXPECTED_LINK, zero + exp_link, mask=mask)
+    tl.store(ptr + F_STORED_LINK, zero + st_link, mask=mask)
+    tl.store(ptr + F_BAD_INDEX, zero + bad_index, mask=mask)
+
+
+@triton.jit
+def store_rows(
+    first_ptr,
+    last_ptr,
+    log_k,
+    g,
+    end,
+    hit,
+    reasons,
+    phase,
+    group,
+    batch_row,
+    table_row,
+    slot,
+    pred,
+    exp_pos,
+    st_pos,
+    exp_tok,
+    st_tok,
+    exp_link,
+    st_link,
+    bad_index,
+):
+    """Write the rows where ``hit``: lifetime index ``g``; the call's rows end at ``end`` (exclusive)."""
+    head = hit & (g < log_k)
+    tail = hit & (g >= end - log_k)
+    _store_fields(
+        first_ptr + g * WIDTH, head, reasons, phase, group, batch_row, table_row, slot, pred,
+        exp_pos, st_pos, exp_tok, st_tok, exp_link, st_link, bad_index,
+    )  # fmt: skip
+    _store_fields(
+        last_ptr + (g % log_k) * WIDTH, tail, reasons, phase, group, batch_row, table_row, slot, pred,
+        exp_pos, st_pos, exp_tok, st_tok, exp_link, st_link, bad_index,
+    )  # fmt: skip
+
+
+@triton.jit
+def select_items(counts_ptr, c0, n_items, prefix, base, total, log_k):
+    """Items [c0, c0+SCAN) that hold a first-K or last-K row of this call.
+
+    Returns (item ids, exclusive rank of each item's first row within the call, wanted mask, prefix
+    after the chunk).  Counts are read with atomics: other programs wrote them in this launch.
+    """
+    idx = c0 + tl.arange(0, SCAN)
+    mk = idx < n_items
+    cnt = tl.atomic_add(counts_ptr + idx, 0, mask=mk)
+    cnt = tl.where(mk, cnt, 0).to(tl.int64)
+    incl = prefix + tl.cumsum(cnt, 0)
+    excl = incl - cnt
+    want = (cnt > 0) & ((base + excl < log_k) | (incl > total - log_k))
+    return idx.to(tl.int64), excl, want, prefix + tl.sum(cnt)
+
+
+@triton.jit
+def next_item(idx, excl, want):
+    """The lowest wanted item and its exclusive rank."""
+    j = tl.min(tl.where(want, idx, NO_ITEM))
+    return j, tl.sum(tl.where(idx == j, excl, 0))

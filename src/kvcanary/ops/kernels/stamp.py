@@ -1,0 +1,197 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Stamp on device: programs walk work items (one block of one row's written tokens).
+
+Links use the reference's closed form of the affine scan, ``link_t = M**(i+1) * seed + M**t * S_t`` with
+``S_t`` the sum of ``mix_j * M**-j`` over the row's tokens up to t: a plain wrapping sum, so each item
+adds the tokens of the row's earlier blocks (its carry) to a block-local cumsum.  No thread walks a
+request serially.  The last program to finish appends the first-K / last-K rows (see :mod:`.log`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcanary.ops.kernels.hashing import mix
+from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, translate
+from kvcanary.ops.kernels.log import (
+    CALLS,
+    PENDING,
+    SCAN,
+    STAMPED,
+    TICKET,
+    VIOLATIONS,
+    add_reason_counts,
+    next_item,
+    reason_counts,
+    select_items,
+    store_rows,
+)
+from kvcanary.schema import NOT_STORED as _NOT_STORED
+from kvcanary.schema import Phase, Reason
+
+SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
+LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
+RESERVED = tl.constexpr(int(Reason.RESERVED_SLOT))
+WRITE_POSITION_BAD = tl.constexpr(int(Reason.WRITE_POSITION_MISMATCH))
+WRITE_TOKEN_BAD = tl.constexpr(int(Reason.WRITE_TOKEN_MISMATCH))
+PHASE = tl.constexpr(int(Phase.STAMP))
+NOT_STORED = tl.constexpr(_NOT_STORED)
+
+
+@triton.jit
+def _scan_terms(ids_ptr, positions_ptr, inv_ptr, t, mask, n_powers):
+    """mix(token_t, position_t) * M**-t (0 where masked), and the token / position as written."""
+    tok32 = tl.load(ids_ptr + t, mask=mask, other=0).to(tl.int32)
+    pos64 = tl.load(positions_ptr + t, mask=mask, other=0).to(tl.int64)
+    pos32 = pos64.to(tl.int32)
+    inv = tl.load(inv_ptr + t, mask=mask & (t < n_powers), other=0)
+    return tl.where(mask, mix(tok32, pos32) * inv, 0), tok32, pos32, pos64
+
+
+@triton.jit
+def _stamp_item(
+    item, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
+    woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
+    b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """reference.stamp for the tokens of one item: records to write and every log field."""
+    r = find_row(witems_ptr, b, item, BLOCK_B)
+    chunk = item - tl.load(witems_ptr + r)
+    t_begin = tl.load(woff_ptr + r)
+    t_end = tl.minimum(tl.load(woff_ptr + r + 1), n_tokens)
+    seed = tl.load(seeds_ptr + r)
+    pre = tl.load(pre_ptr + r).to(tl.int64)
+    trow = tl.load(rows_ptr + r).to(tl.int64)
+    i = chunk * BLOCK + tl.arange(0, BLOCK)
+    t = t_begin + i
+    m = (t >= 0) & (t < t_end)
+
+    w, tok32, pos32, pos64 = _scan_terms(ids_ptr, positions_ptr, inv_ptr, t, m, n_powers)
+    block_begin = t_begin + chunk * BLOCK
+    carry = tl.zeros((), tl.int64)
+    for k0 in range(t_begin, block_begin, CARRY_BLOCK):
+        tk = k0 + tl.arange(0, CARRY_BLOCK)
+        wk, _tok, _pos32, _pos64 = _scan_terms(
+            ids_ptr, positions_ptr, inv_ptr, tk, (tk >= 0) & (tk < block_begin) & (tk < n_tokens), n_powers
+        )
+        carry += tl.sum(wk)
+    seg = carry + tl.cumsum(w, 0)
+    mult_next = tl.load(mult_ptr + i + 1, mask=m & (i + 1 < n_powers), other=0)
+    mult_t = tl.load(mult_ptr + t, mask=m & (t < n_powers), other=0)
+    links = mult_next * seed + mult_t * seg
+
+    full = tl.load(loc_ptr + t, mask=m, other=0).to(tl.int64)
+    stored = m & (full != NOT_STORED)  # -1: computed but not kept (no slot check; the chain still advances)
+    slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
+    lookup_bad = lookup_bad & stored
+    ok = stored & ~lookup_bad & in_pool(slot, num_slots)
+    slot_oor = stored & ~lookup_bad & ~ok
+    reserved = ok & is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+    writable = ok & ~reserved
+    exp_pos = pre + i
+    exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, exp_pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
+    wpos_bad = m & (pos64 != exp_pos)
+    wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
+    reasons = (
+        tl.where(lookup_bad, LOOKUP_OOR, 0)
+        | tl.where(slot_oor, SLOT_OOR, 0)
+        | tl.where(reserved, RESERVED, 0)
+        | tl.where(wpos_bad, WRITE_POSITION_BAD, 0)
+        | tl.where(wtok_bad, WRITE_TOKEN_BAD, 0)
+    ).to(tl.int64)
+    bad_index = tl.where(lookup_bad, full, tl.where(slot_oor, slot, -1))
+    return r, trow, slot, writable, tok32, pos32, pos64, links, exp_pos, exp_tok, bad_index, reasons
+
+
+# Integer arguments are not specialised: one compiled kernel serves every batch shape.
+@triton.jit(
+    do_not_specialize=[
+        "b",
+        "n_tokens",
+        "n_powers",
+        "n_lookup",
+        "t_rows",
+        "t_cols",
+        "num_slots",
+        "max_items",
+        "log_k",
+        "group_id",
+        "token_offset",
+        "res0",
+        "res1",
+        "res2",
+        "res3",
+        "res4",
+        "res5",
+        "res6",
+        "res7",
+    ]
+)
+def stamp_kernel(
+    rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
+    woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
+    tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
+    b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
+
+    found = tl.zeros((), tl.int64)
+    written = tl.zeros((), tl.int64)
+    bits = tl.zeros((16,), tl.int64)
+    for item in range(pid, n_items, n_programs):
+        _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
+            item, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
+            woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, b, n_tokens, n_powers, n_lookup, t_rows, t_cols,
+            num_slots, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
+            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, CARRY_BLOCK,
+        )  # fmt: skip
+        tl.store(tokens_ptr + slot, tok32, mask=writable)
+        tl.store(rec_positions_ptr + slot, pos32, mask=writable)
+        tl.store(links_ptr + slot, links, mask=writable)
+        written += tl.sum(writable.to(tl.int64))
+        n_hit = tl.sum((reasons != 0).to(tl.int32))
+        tl.atomic_xchg(counts_ptr + item, n_hit)
+        if n_hit > 0:
+            bits += reason_counts(reasons)
+        found += n_hit
+    if written > 0:
+        tl.atomic_add(counters_ptr + STAMPED, written)
+    if found > 0:
+        tl.atomic_add(sync_ptr + PENDING, found)
+        add_reason_counts(counters_ptr, bits)
+
+    ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+    if ticket == n_programs - 1:
+        total = tl.atomic_xchg(sync_ptr + PENDING, 0)
+        base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
+        tl.atomic_add(counters_ptr + CALLS, 1)
+        if total > 0:
+            prefix = tl.zeros((), tl.int64)
+            for c0 in range(0, n_items, SCAN):
+                idx, excl, want, prefix = select_items(counts_ptr, c0, n_items, prefix, base, total, log_k)
+                for _ in range(tl.sum(want.to(tl.int32))):
+                    j, rank = next_item(idx, excl, want)
+                    r, trow, slot, _w, tok32, _pos32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
+                        j, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
+                        truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, b, n_tokens, n_powers,
+                        n_lookup, t_rows, t_cols, num_slots, token_offset, res0, res1, res2, res3, res4, res5, res6,
+                        res7, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, CARRY_BLOCK,
+                    )  # fmt: skip
+                    hit = reasons != 0
+                    hit64 = hit.to(tl.int64)
+                    g = base + rank + tl.cumsum(hit64, 0) - hit64
+                    store_rows(
+                        first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                        slot, -1, exp_pos, pos64, exp_tok, tok32.to(tl.int64), 0, links, bad,
+                    )  # fmt: skip
+                    want = want & (idx != j)
+        tl.atomic_xchg(sync_ptr + TICKET, 0)

@@ -1,0 +1,198 @@
+# mypy: disable-error-code="no-untyped-def"
+"""Verify on device: programs walk work items (one block of one row's entries), reading the table directly.
+
+Each item's row comes from the plan's item offsets; entries are the row's positions from its window
+start, so table and predecessor loads are contiguous.  Entries past the capacity are skipped and
+counted.  The last program to finish appends the first-K / last-K rows (see :mod:`.log`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcanary.ops.kernels.hashing import LINK_ANCHOR, link_step
+from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
+from kvcanary.ops.kernels.log import (
+    CALLS,
+    PENDING,
+    SCAN,
+    SKIPPED,
+    TICKET,
+    VERIFIED,
+    VIOLATIONS,
+    add_reason_counts,
+    next_item,
+    reason_counts,
+    select_items,
+    store_rows,
+)
+from kvcanary.schema import Phase, Reason
+
+LINK_BAD = tl.constexpr(int(Reason.LINK_MISMATCH))
+POSITION_BAD = tl.constexpr(int(Reason.POSITION_MISMATCH))
+TOKEN_BAD = tl.constexpr(int(Reason.TOKEN_MISMATCH))
+NEVER_WRITTEN = tl.constexpr(int(Reason.NEVER_WRITTEN))
+RESERVED = tl.constexpr(int(Reason.RESERVED_SLOT))
+SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
+PRED_OOR = tl.constexpr(int(Reason.PREDECESSOR_OUT_OF_RANGE))
+LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
+PHASE = tl.constexpr(int(Phase.VERIFY))
+
+
+@triton.jit
+def _verify_item(
+    item, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
+    voff_ptr, starts_ptr, vitems_ptr,
+    b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, n_verify, page, token_offset,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """reference.verify for the entries of one item: every output field, and the mask of real entries."""
+    r = find_row(vitems_ptr, b, item, BLOCK_B)
+    chunk = item - tl.load(vitems_ptr + r)
+    e_begin = tl.load(voff_ptr + r)
+    e_end = tl.minimum(tl.load(voff_ptr + r + 1), n_verify)
+    trow = tl.load(rows_ptr + r).to(tl.int64)
+    local = chunk * BLOCK + tl.arange(0, BLOCK)
+    m = e_begin + local < e_end
+    pos = tl.load(starts_ptr + r) + local
+
+    full = table_entry(table_ptr, trow, pos, n_rows, n_cols, page, m, PAGED)
+    slot, lookup_bad = translate(lookup_ptr, n_lookup, full, m, HAS_LOOKUP)
+    lookup_bad = lookup_bad & m
+    ok = m & ~lookup_bad & in_pool(slot, num_slots)
+    slot_oor = m & ~lookup_bad & ~ok
+    tok32 = tl.load(tokens_ptr + slot, mask=ok, other=0)
+    pos32 = tl.load(positions_ptr + slot, mask=ok, other=0)
+    stored_link = tl.load(links_ptr + slot, mask=ok, other=0)
+    stored_tok = tok32.to(tl.int64)
+    stored_pos = pos32.to(tl.int64)
+    reserved = ok & is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+    never = ok & ~reserved & (stored_link == 0)
+    checked = ok & ~reserved & ~never
+
+    exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
+    pos_bad = checked & (stored_pos != pos)
+    tok_bad = checked & (exp_tok != -1) & (stored_tok != exp_tok)
+
+    has_pred = pos > 0
+    pm = m & has_pred
+    pfull = table_entry(table_ptr, trow, pos - 1, n_rows, n_cols, page, pm, PAGED)
+    pslot, plookup_raw = translate(lookup_ptr, n_lookup, pfull, pm, HAS_LOOKUP)
+    pred_resolved = pm & ~plookup_raw
+    plookup_bad = checked & pm & plookup_raw
+    pred_in = in_pool(pslot, num_slots)
+    pred_oor = checked & pred_resolved & ~pred_in
+    pred_usable = pred_resolved & pred_in & ~is_reserved(pslot, res0, res1, res2, res3, res4, res5, res6, res7)
+    link_checked = checked & (~has_pred | pred_usable)
+    prev_link = tl.load(links_ptr + pslot, mask=link_checked & has_pred, other=0)
+    prev_link = tl.where(has_pred, prev_link, LINK_ANCHOR)
+    exp_link = tl.where(link_checked, link_step(prev_link, tok32, pos32), 0)
+    link_bad = link_checked & (exp_link != stored_link)
+
+    reasons = (
+        tl.where(lookup_bad | plookup_bad, LOOKUP_OOR, 0)
+        | tl.where(slot_oor, SLOT_OOR, 0)
+        | tl.where(reserved, RESERVED, 0)
+        | tl.where(never, NEVER_WRITTEN, 0)
+        | tl.where(pos_bad, POSITION_BAD, 0)
+        | tl.where(tok_bad, TOKEN_BAD, 0)
+        | tl.where(link_bad, LINK_BAD, 0)
+        | tl.where(pred_oor, PRED_OOR, 0)
+    ).to(tl.int64)
+    bad_index = tl.where(
+        lookup_bad, full, tl.where(slot_oor, slot, tl.where(plookup_bad, pfull, tl.where(pred_oor, pslot, -1)))
+    )
+    pred = tl.where(pred_resolved, pslot, -1)
+    return r, trow, m, slot, pred, pos, stored_pos, exp_tok, stored_tok, exp_link, stored_link, bad_index, reasons
+
+
+# Integer arguments are not specialised: one compiled kernel serves every batch shape.
+@triton.jit(
+    do_not_specialize=[
+        "b",
+        "n_rows",
+        "n_cols",
+        "n_lookup",
+        "t_rows",
+        "t_cols",
+        "num_slots",
+        "capacity",
+        "max_items",
+        "log_k",
+        "group_id",
+        "page",
+        "token_offset",
+        "res0",
+        "res1",
+        "res2",
+        "res3",
+        "res4",
+        "res5",
+        "res6",
+        "res7",
+    ]
+)
+def verify_kernel(
+    rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
+    voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
+    b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page, token_offset,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    planned = tl.load(voff_ptr + b)
+    n_verify = tl.maximum(tl.minimum(planned, capacity), 0)
+    # Items starting below the capacity: at most one per row beyond ceil(n / BLOCK) (the scratch bound).
+    n_items = tl.minimum(tl.minimum(tl.load(vitems_ptr + b), (n_verify + BLOCK - 1) // BLOCK + b), max_items)
+
+    found = tl.zeros((), tl.int64)
+    bits = tl.zeros((16,), tl.int64)
+    for item in range(pid, n_items, n_programs):
+        _r, _trow, _m, _slot, _pred, _pos, _spos, _etok, _stok, _elink, _slink, _bad, reasons = _verify_item(
+            item, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
+            voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, n_verify,
+            page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK,
+            BLOCK_B,
+        )  # fmt: skip
+        n_hit = tl.sum((reasons != 0).to(tl.int32))
+        tl.atomic_xchg(counts_ptr + item, n_hit)
+        if n_hit > 0:
+            bits += reason_counts(reasons)
+        found += n_hit
+    if found > 0:
+        tl.atomic_add(sync_ptr + PENDING, found)
+        add_reason_counts(counters_ptr, bits)
+
+    ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+    if ticket == n_programs - 1:
+        total = tl.atomic_xchg(sync_ptr + PENDING, 0)
+        base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
+        tl.atomic_add(counters_ptr + VERIFIED, n_verify)
+        tl.atomic_add(counters_ptr + SKIPPED, planned - n_verify)
+        tl.atomic_add(counters_ptr + CALLS, 1)
+        if total > 0:
+            prefix = tl.zeros((), tl.int64)
+            for c0 in range(0, n_items, SCAN):
+                idx, excl, want, prefix = select_items(counts_ptr, c0, n_items, prefix, base, total, log_k)
+                for _ in range(tl.sum(want.to(tl.int32))):
+                    j, rank = next_item(idx, excl, want)
+                    r, trow, _m, slot, pred, pos, spos, etok, stok, elink, slink, bad, reasons = _verify_item(
+                        j, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr,
+                        links_ptr, voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols,
+                        num_slots, n_verify, page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
+                        PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B,
+                    )  # fmt: skip
+                    hit = reasons != 0
+                    hit64 = hit.to(tl.int64)
+                    g = base + rank + tl.cumsum(hit64, 0) - hit64
+                    store_rows(
+                        first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                        slot, pred, pos, spos, etok, stok, elink, slink, bad,
+                    )  # fmt: skip
+                    want = want & (idx != j)
+        tl.atomic_xchg(sync_ptr + TICKET, 0)

@@ -1,0 +1,269 @@
+"""Launchers of the Triton kernels: same signatures and results as :mod:`kvcanary.ops.reference`.
+
+Each launcher checks metadata on the host (types, shapes, devices, capacities) and raises before
+anything runs; it never reads device values, synchronises or allocates device memory, so a whole
+plan -> verify -> stamp sequence can be captured in a CUDA graph and replayed with inputs refilled in
+place.  Grids come from the workspace's capacities, not from the batch's values: programs walk the
+work items they find on the device and idle programs finish at once.
+
+CPU tensors run the kernels under the Triton interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before :mod:`kvcanary.ops.kernels` is first imported.
+
+``tuning`` must be the same for the plan and the verify / stamp that use it (the plan sizes work items
+with its block sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kvcanary.batch import StepBatch, validate_batch
+from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.ops.kernels.plan import plan_kernel
+from kvcanary.ops.kernels.stamp import stamp_kernel
+from kvcanary.ops.kernels.verify import verify_kernel
+from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
+from kvcanary.workspace import PlanWorkspace, ViolationLog
+
+_SYNC_WORDS = 4  # per phase: the sync scratch words of one kernel (see kernels/log.py)
+_VERIFY_SYNC = 0
+_STAMP_SYNC = _SYNC_WORDS
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Block sizes and grid shape.  Blocks are powers of two, at least PlanWorkspace.SCRATCH_BLOCK."""
+
+    verify_block: int = 512  # entries per verify item (a sliding window group uses min(this, window))
+    verify_warps: int = 8
+    stamp_block: int = 512  # tokens per stamp item
+    stamp_warps: int = 8
+    carry_block: int = 2048  # tokens per step when an item sums the row's earlier tokens
+    row_block: int = 1024  # batch rows per step of the plan's row walk
+    programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
+    interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
+
+    def __post_init__(self) -> None:
+        for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
+            v = getattr(self, name)
+            if v < PlanWorkspace.SCRATCH_BLOCK or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= {PlanWorkspace.SCRATCH_BLOCK}, got {v}")
+        for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+DEFAULT_TUNING = KernelTuning()
+
+
+def verify_block(group: CanaryGroup, tuning: KernelTuning = DEFAULT_TUNING) -> int:
+    """Entries per verify item: a window shorter than the block would leave most lanes idle."""
+    if group.window > 0:
+        fit = max(PlanWorkspace.SCRATCH_BLOCK, 1 << (group.window - 1).bit_length())
+        return min(tuning.verify_block, fit)
+    return tuning.verify_block
+
+
+# --------------------------------------------------------------------------- host-side checks
+
+
+def _check_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> torch.device:
+    """The canary's own state: records, workspace and log on one device with consistent shapes."""
+    if not isinstance(group, CanaryGroup):
+        raise TypeError(f"group must be a CanaryGroup, got {type(group).__name__}")
+    dev = records.links.device
+    n = group.num_slots
+    _check_tensor("records.tokens", records.tokens, torch.int32, (n,), dev)
+    _check_tensor("records.positions", records.positions, torch.int32, (n,), dev)
+    _check_tensor("records.links", records.links, torch.int64, (n,), dev)
+    b = int(ws.row_state.shape[0])
+    t = int(ws.mult_powers.shape[0])
+    for name, dtype, shape in (
+        ("verify_offsets", torch.int64, (b + 1,)),
+        ("write_offsets", torch.int64, (b + 1,)),
+        ("window_starts", torch.int64, (b,)),
+        ("seed_links", torch.int64, (b,)),
+        ("row_state", torch.int32, (b,)),
+        ("mult_powers", torch.int64, (t,)),
+        ("inv_powers", torch.int64, (t,)),
+        ("verify_items", torch.int64, (b + 1,)),
+        ("write_items", torch.int64, (b + 1,)),
+        ("verify_counts", torch.int32, (int(ws.verify_counts.shape[0]),)),
+        ("stamp_counts", torch.int32, (int(ws.stamp_counts.shape[0]),)),
+        ("sync", torch.int64, (2 * _SYNC_WORDS,)),
+    ):
+        _check_tensor(f"workspace.{name}", getattr(ws, name), dtype, shape, dev)
+    k = log.capacity
+    _check_tensor("log.first", log.first, torch.int64, (k, ROW_WIDTH), dev)
+    _check_tensor("log.last", log.last, torch.int64, (k, ROW_WIDTH), dev)
+    _check_tensor("log.counters", log.counters, torch.int64, (NUM_COUNTERS,), dev)
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the kernels got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels")
+    return dev
+
+
+def _check_batch(group: CanaryGroup, batch: StepBatch, ws: PlanWorkspace, dev: torch.device) -> None:
+    if not isinstance(batch, StepBatch):
+        raise TypeError(f"batch must be a StepBatch, got {type(batch).__name__}")
+    validate_batch(
+        batch,
+        group,
+        device=dev,
+        max_batch=int(ws.row_state.shape[0]),
+        max_tokens=int(ws.mult_powers.shape[0]) - 1,
+        check_values=False,
+    )
+
+
+def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """The tensor, or a stand-in where it is absent or empty (its loads are all masked off then)."""
+    return dummy if t is None or t.numel() == 0 else t
+
+
+def _reserved(group: CanaryGroup) -> list[int]:
+    return list(group.reserved_slots) + [-1] * (CanaryGroup.MAX_RESERVED - len(group.reserved_slots))
+
+
+def _grid(max_items: int, dev: torch.device, tuning: KernelTuning) -> tuple[int]:
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_properties(dev).multi_processor_count * tuning.programs_per_sm
+    else:
+        cap = tuning.interpreter_programs
+    return (max(1, min(max_items, cap)),)
+
+
+def _row_block(ws: PlanWorkspace, tuning: KernelTuning) -> int:
+    b = max(1, int(ws.row_state.shape[0]))
+    return min(tuning.row_block, max(16, 1 << (b - 1).bit_length()))
+
+
+def _truth(batch: StepBatch, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    if batch.truth is None or batch.truth_lens is None:
+        return dummy, dummy, 0, 0, False
+    t_rows, t_cols = (int(s) for s in batch.truth.shape)
+    return _ptr(batch.truth, dummy), _ptr(batch.truth_lens, dummy), t_rows, t_cols, True
+
+
+def _lookup(batch: StepBatch, dummy: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    if batch.lookup is None:
+        return dummy, 0, False
+    return _ptr(batch.lookup, dummy), int(batch.lookup.shape[0]), True
+
+
+# --------------------------------------------------------------------------- the three operations
+
+
+def plan(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """reference.plan on device (one program; the batch is small next to its verify work)."""
+    dev = _check_state(group, records, ws, log)
+    _check_batch(group, batch, ws, dev)
+    dummy = ws.sync
+    lookup, n_lookup, has_lookup = _lookup(batch, dummy)
+    n_rows, n_cols = (int(s) for s in batch.table.shape)
+    plan_kernel[(1,)](
+        _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy),
+        _ptr(batch.table, dummy), lookup, records.links,
+        ws.write_offsets, ws.verify_offsets, ws.window_starts, ws.seed_links, ws.row_state,
+        ws.verify_items, ws.write_items, log.first, log.last, log.counters,
+        batch.batch_size, n_rows, n_cols, n_cols * group.page_size, n_lookup, group.num_slots, batch.num_tokens,
+        group.window, int(group.padding_row is not None), group.padding_row or 0, group.page_size, log.capacity,
+        group.group_id, *_reserved(group),
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup,
+        VERIFY_BLOCK=verify_block(group, tuning), STAMP_BLOCK=tuning.stamp_block,
+        BLOCK_B=_row_block(ws, tuning), num_warps=4,
+    )  # fmt: skip
+
+
+def verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
+    dev = _check_state(group, records, ws, log)
+    _check_batch(group, batch, ws, dev)
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    block = verify_block(group, tuning)
+    max_b = int(ws.row_state.shape[0])
+    max_items = -(-capacity // block) + max_b
+    if max_items > ws.verify_counts.shape[0]:
+        raise ValueError(
+            f"capacity {capacity} exceeds the workspace's verify scratch (allocated for "
+            f"{(ws.verify_counts.shape[0] - max_b) * PlanWorkspace.SCRATCH_BLOCK} entries)"
+        )
+    dummy = ws.sync
+    lookup, n_lookup, has_lookup = _lookup(batch, dummy)
+    truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
+    n_rows, n_cols = (int(s) for s in batch.table.shape)
+    verify_kernel[_grid(max_items, dev, tuning)](
+        _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
+        records.tokens, records.positions, records.links,
+        ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
+        log.first, log.last, log.counters,
+        batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
+        log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group),
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        BLOCK=block, BLOCK_B=_row_block(ws, tuning), num_warps=tuning.verify_warps,
+    )  # fmt: skip
+
+
+def stamp(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds."""
+    dev = _check_state(group, records, ws, log)
+    _check_batch(group, batch, ws, dev)
+    max_b = int(ws.row_state.shape[0])
+    max_tokens = int(ws.mult_powers.shape[0]) - 1
+    max_items = -(-max_tokens // tuning.stamp_block) + max_b
+    dummy = ws.sync
+    lookup, n_lookup, has_lookup = _lookup(batch, dummy)
+    truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
+    stamp_kernel[_grid(max_items, dev, tuning)](
+        _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.input_ids, dummy),
+        _ptr(batch.positions, dummy), _ptr(batch.out_cache_loc, dummy), lookup, truth, truth_lens,
+        ws.write_offsets, ws.seed_links, ws.write_items, ws.mult_powers, ws.inv_powers,
+        records.tokens, records.positions, records.links, ws.stamp_counts, ws.sync[_STAMP_SYNC:],
+        log.first, log.last, log.counters,
+        batch.batch_size, batch.num_tokens, max_tokens + 1, n_lookup, t_rows, t_cols, group.num_slots,
+        max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),
+        HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
+        num_warps=tuning.stamp_warps,
+    )  # fmt: skip
