@@ -20,13 +20,23 @@ from kvcanary import CanaryConfig, Mode
 from kvcanary.adapters import UnsupportedEngineVersion
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.patches import AlreadyPatched
-from kvcanary.demo import DemoOptions, RunResult, build_model, build_prompts, quiet_engine_logs, run_workload
+from kvcanary.demo import (
+    FOLLOW_UP,
+    DemoOptions,
+    RunResult,
+    build_model,
+    build_prompts,
+    quiet_engine_logs,
+    run_workload,
+)
 
 
 def demo_run(kind: str, *, fault: str | None = None, group: str | None = None, requests: int = 64) -> RunResult:
-    options = DemoOptions(model=kind, fault_group=group, requests=requests, fault_after_step=10)
+    follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
+    options = DemoOptions(model=kind, fault_group=group, requests=requests, follow_up=follow_up, fault_after_step=10)
+    prompts = build_prompts(requests + follow_up)
     with quiet_engine_logs():
-        return run_workload(build_model(kind), build_prompts(requests), options, label=kind, fault=fault)
+        return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid", "sliding"])
@@ -37,7 +47,7 @@ def clean(request: pytest.FixtureRequest) -> tuple[str, RunResult]:
 def test_clean_workload_raises_no_violation(clean: tuple[str, RunResult]) -> None:
     _, run = clean
     s = run.stats
-    assert run.outputs == 128  # 64 prompts x 2 sequences, none failed
+    assert run.outputs == 2 * (64 + FOLLOW_UP)  # 2 sequences a prompt, none failed
     assert s["violations"] == 0 and s["reports"] == 0, [r.block() for r in run.reports]
     assert s["adapter_errors"] == 0 and s["hook_misses"] == 0 and s["health_failures"] == 0
     assert s["steps"] > 50 and s["steps"] == s["forwards"]
@@ -160,7 +170,9 @@ def test_the_kernel_path_is_silent_on_a_clean_run_and_catches_the_fault() -> Non
     from kvcanary.ops import Backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    options = DemoOptions(model="hybrid", requests=6, new_tokens=6, backend=Backend.TRITON, fault_after_step=3)
+    options = DemoOptions(
+        model="hybrid", requests=6, follow_up=0, new_tokens=6, backend=Backend.TRITON, fault_after_step=3
+    )
     model, prompts = build_model("hybrid", device=device), build_prompts(6)
     with quiet_engine_logs():
         clean = run_workload(model, prompts, options, label="triton")

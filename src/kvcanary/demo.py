@@ -5,9 +5,11 @@ built in code (no download).  The workload is sized to exercise the engine's blo
 of mixed lengths, many sharing a prefix (prefix hits, cached blocks, in-place de-duplication), two
 sampled sequences per prompt (forks copy blocks), a cache small enough that requests are offloaded to
 the CPU swap pool and restored, and, for the sliding-window models, sequences longer than the window
-(the ring wraps around).  The clean run must raise no violation; the rerun injects one index
-corruption into what the engine hands to attention (:mod:`kvcanary.adapters.transformers_cb.faults`)
-and must be caught, with the affected request named.
+(the ring wraps around).  A follow-up wave of 8 prompts then runs on the same engine, whose cache
+still holds the first wave's prefix blocks (reused from the ledger's cached blocks).  The clean run
+must raise no violation; the rerun injects one index corruption into what the engine hands to
+attention (:mod:`kvcanary.adapters.transformers_cb.faults`) and must be caught, with the affected
+request named.
 
 Prefix sharing is impossible for the hybrid and sliding models: transformers turns it off whenever a
 sliding-window group exists, so their runs show no prefix hits, cached reuse or de-duplication.
@@ -34,8 +36,9 @@ MODEL_KINDS: tuple[str, ...] = ("dense", "hybrid", "sliding")
 DEFAULT_FAULT = "read-swap"
 SLIDING_WINDOW = 12  # smaller than most sequences, and not a multiple of the page size
 PAGE_SIZE = 8
-_NUM_BLOCKS = {"dense": 48, "hybrid": 48, "sliding": 14}  # tight enough to force offloading
+_NUM_BLOCKS = {"dense": 48, "hybrid": 48, "sliding": 20}  # tight enough to force offloading
 _PROGRESS_EVERY = 100
+FOLLOW_UP = 8  # prompts of the follow-up wave (after the main wave of DemoOptions.requests prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class DemoOptions:
     fault_group: str | None = None  # None: the full-attention group when there is one
     fault_after_step: int = 30
     requests: int = 64
+    follow_up: int = FOLLOW_UP  # prompts of the second wave
     new_tokens: int = 24
     seed: int = 0
     device: str = "cpu"
@@ -59,8 +63,11 @@ class DemoOptions:
             raise ValueError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
         if self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
-        if self.requests < 1 or self.new_tokens < 2:
-            raise ValueError(f"need requests >= 1 and new_tokens >= 2, got {self.requests} and {self.new_tokens}")
+        if self.requests < 1 or self.new_tokens < 2 or self.follow_up < 0:
+            raise ValueError(
+                f"need requests >= 1, follow_up >= 0 and new_tokens >= 2, got {self.requests}, {self.follow_up} "
+                f"and {self.new_tokens}"
+            )
 
 
 @dataclasses.dataclass
@@ -175,18 +182,35 @@ def engine_configs(kind: str, new_tokens: int, seed: int, async_batching: bool =
 # ---------------------------------------------------------------------------- runs
 
 
-def generate_batch(model: Any, prompts: list[list[int]], gen: Any, cb: Any) -> dict[str, Any]:
-    return dict(model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb))
+def generate_batch(model: Any, prompts: list[list[int]], gen: Any, cb: Any, **kwargs: Any) -> dict[str, Any]:
+    return dict(model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, **kwargs))
+
+
+def run_engine(model: Any, prompts: list[list[int]], options: DemoOptions) -> int:
+    """The workload: the main wave, then a follow-up wave on the same (persistent) engine; returns the
+    number of sequences generated.  The follow-up starts after every request of the main wave has
+    finished, so the blocks of the shared prefixes wait in the ledger's cached blocks and are taken back
+    from there -- the cached-block reuse a serving engine sees across batches, independent of how
+    the first wave's requests happened to be batched."""
+    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
+    main, follow_up = prompts[: options.requests], prompts[options.requests :]
+    try:
+        n = len(generate_batch(model, main, gen, cb, persistent_manager=True))
+        if follow_up:
+            n += len(generate_batch(model, follow_up, gen, cb, persistent_manager=True))
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    return n
 
 
 @contextlib.contextmanager
 def quiet_engine_logs() -> Iterator[None]:
     """The demo prints its own report: silence transformers' and the canary's per-step log lines."""
-    names = ("transformers", "kvcanary")
+    names = ("transformers", "ContinuousBatchingLogger", "kvcanary")
     levels = {n: logging.getLogger(n).level for n in names}
     try:
-        logging.getLogger("transformers").setLevel(logging.ERROR)
-        logging.getLogger("kvcanary").setLevel(logging.ERROR)
+        for n in names:
+            logging.getLogger(n).setLevel(logging.ERROR)
         yield
     finally:
         for n, level in levels.items():
@@ -215,7 +239,6 @@ def run_workload(
                 flush=True,
             )
 
-    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
     canary = install(model, CanaryConfig(mode=Mode.LOG), backend=options.backend, on_step=on_step)
     injector = None
     try:
@@ -223,7 +246,7 @@ def run_workload(
             injector = FaultInjector(canary, fault, group=options.fault_group, after_step=options.fault_after_step)
             injector.attach(model)
         start = time.perf_counter()
-        out = generate_batch(model, prompts, gen, cb)
+        outputs = run_engine(model, prompts, options)
         seconds = time.perf_counter() - start
         canary.flush()
         canary.check_effective()
@@ -231,7 +254,7 @@ def run_workload(
             stats=canary.stats(),
             features=canary.features(),
             seconds=seconds,
-            outputs=len(out),
+            outputs=outputs,
             reports=canary.reports,
             first_detection_step=canary.first_report_step,
             injected=None if injector is None else injector.injected,
@@ -247,10 +270,9 @@ def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: Dem
     the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`)."""
     from kvcanary.adapters.transformers_cb import install
 
-    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
     with install(model, CanaryConfig(mode=Mode.OFF)):
         start = time.perf_counter()
-        generate_batch(model, prompts, gen, cb)
+        run_engine(model, prompts, options)
         return time.perf_counter() - start
 
 
@@ -259,7 +281,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
 
     engine = check_version()
     model = build_model(options.model, options.seed, options.device)
-    prompts = build_prompts(options.requests, options.seed)
+    prompts = build_prompts(options.requests + options.follow_up, options.seed)
     with quiet_engine_logs():
         baseline = None
         if options.baseline:
@@ -294,7 +316,8 @@ def summary(result: DemoResult) -> str:
         f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
         f"device {o.device}, canary backend {o.backend.value}"
         + (", asynchronous batching" if o.async_batching else ""),
-        f"workload: {o.requests} prompts (mixed lengths, shared prefixes) x 2 sampled sequences, "
+        f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "
+        "engine, x 2 sampled sequences, "
         f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {_NUM_BLOCKS[o.model]} blocks, CPU offload on",
         "",
         f"clean run: {c.stats['steps']:,} steps, {c.stats['verified_slots']:,} slots verified, "
