@@ -269,7 +269,8 @@ class TransformersCBAdapter:
     def _wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
             # Before the engine advances position_offset: past lengths are read here.
-            self._pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
+            if self._config.mode is not Mode.OFF:
+                self._pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
             return original(io, requests_in_batch, *args, **kwargs)
 
         return prepare_batch_tensors

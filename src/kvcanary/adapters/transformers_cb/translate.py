@@ -13,6 +13,11 @@ against a predecessor attention never reads (its position and token still are). 
 longer than the window go to the write trash by design; those map to ``NOT_STORED``.
 
 The decode fast path (flash ``block_table``, GPU only) is translated from the block table instead.
+
+Not verified: the read entries of the step's own tokens (a full group reads them back right after
+writing them; a sliding group marks them with sentinel entries).  The canonical batch verifies the
+prefix only, so a read index that sends one of them elsewhere for a single step goes unnoticed; from
+the next step on, those tokens are prefix and their read entries are verified.
 """
 
 from __future__ import annotations
