@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +185,41 @@ def measure(groups: int, batch: int, prefix: int, steps: int, warmup: int, devic
     }
 
 
+def breakdown(iters: int = 2000) -> dict[str, float]:
+    """Median host time of host_step's pieces (printed, not stored): where the microseconds go."""
+    group, caps, _ = decode_batch(8, 16, 1, "cuda")
+    mgr = CanaryManager([group], {group.name: caps}, CanaryConfig(mode=Mode.LOG), device="cuda")
+    outbox, host = mgr._work.outbox, mgr._pump.buffers[0].tensor
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    stream = torch.cuda.current_stream()
+
+    def timed(fn: Callable[[], object]) -> float:
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize()
+        return round(statistics.median(ts) / 1000.0, 3)
+
+    out = {
+        "copy_non_blocking_us": timed(lambda: host.copy_(outbox, non_blocking=True)),
+        "event_record_us": timed(lambda: event.record(stream)),
+        "event_synchronize_done_us": timed(event.synchronize),
+        "is_capturing_us": timed(torch.cuda.is_current_stream_capturing),
+        "outbox_bytes": float(outbox.numel() * 8),
+    }
+    try:
+        from cuda.bindings import runtime as cudart
+
+        kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        nbytes, dst, src, handle = outbox.numel() * 8, host.data_ptr(), outbox.data_ptr(), stream.cuda_stream
+        out["cudart_memcpy_async_us"] = timed(lambda: cudart.cudaMemcpyAsync(dst, src, nbytes, kind, handle))
+    except Exception as exc:  # optional: only to compare
+        print(f"cuda.bindings not usable: {exc}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commit", default=os.environ.get("KVCANARY_COMMIT") or git_commit())
@@ -200,6 +236,7 @@ def main() -> None:
         print(json.dumps(r))
     if args.cpu_dry_run:
         return
+    print(json.dumps({"breakdown": breakdown()}))
     path = Path(args.results_dir) / f"{gpu_slug()}-{args.commit}.json"
     merge_results(path, meta(args.commit), records)
     print(f"wrote {path}")
