@@ -33,63 +33,29 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvcanary.adapters.transformers_cb import mirror
+from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
-from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.patches import PatchSet
-from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.translate import Translation
 from kvcanary.adapters.transformers_cb.version import check_version
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, StepReport
-from kvcanary.workspace import Capacities
 
 logger = logging.getLogger("kvcanary")
 
 StepCallback = Callable[[int, Translation], None]  # (steps run on the current cache, the step's translation)
 FailRequestCallback = Callable[[list[object], StepReport], None]
 
-_TABLE_BUDGET_BYTES = 256 << 20  # default cap on the adapter's token tables (all groups + truth)
 _STAT_KEYS = ("steps", "forwards", "verified_slots", "violations", "skipped_entries", "stamped", "health_failures")
-
-
-class _Binding:
-    """The canary of one ``PagedAttentionCache``, which it references weakly: a finished run's cache
-    (most of the GPU's memory) must be freed when the engine drops it, not when the canary moves on."""
-
-    def __init__(
-        self, cache: Any, geometries: Sequence[GroupGeometry], translator: StepTranslator, manager: CanaryManager
-    ) -> None:
-        self._cache = weakref.ref(cache)
-        self.geometries = {g.name: g for g in geometries}
-        self.translator = translator
-        self.manager = manager
-        self.shadow = mirror.OffloadShadow()
-        self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
-
-    def is_for(self, cache: Any) -> bool:
-        return self._cache() is cache
-
-    def _allocators(self) -> list[Any]:
-        cache = self._cache()
-        return [] if cache is None else list(cache.cache_allocators.values())
-
-    def owns_allocator(self, allocator: Any) -> bool:
-        return any(a is allocator for a in self._allocators())
-
-    def owns_ledger(self, ledger: Any) -> bool:
-        return any(a.ledger is ledger for a in self._allocators())
-
-    def records(self, name: str) -> Any:
-        return self.manager.canaries[name].records
 
 
 class TransformersCBAdapter:
@@ -133,7 +99,7 @@ class TransformersCBAdapter:
         self._max_kept_reports = max_kept_reports
         self._patches = PatchSet()
         self._hook: Any = None
-        self._binding: _Binding | None = None
+        self._binding: Binding | None = None
         self._pending: tuple[Any, HostBatch] | None = None
         self._features = FeatureCounters()
         self._retired = dict.fromkeys(_STAT_KEYS, 0)
@@ -473,51 +439,21 @@ class TransformersCBAdapter:
 
     # ------------------------------------------------------------------ binding
 
-    def _bind(self, runner: Any) -> _Binding:
-        cache = runner.cache
-        if self._binding is not None and self._binding.is_for(cache):
+    def _bind(self, runner: Any) -> Binding:
+        if self._binding is not None and self._binding.is_for(runner.cache):
             return self._binding
         if self._binding is not None:
             self._retire_binding()
-        geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
-        max_batch = int(runner.cb_config.max_requests_per_batch)
-        max_tokens = int(cache.max_batch_tokens)
-        reads = int(cache.max_tokens_read) + max_tokens  # the read-index storage: bounds a step's verify entries
-        width = self._max_context or self._default_width(reads, max_batch, len(geometries))
-        caps = Capacities(
-            max_batch=max_batch,
-            max_tokens=max_tokens,
-            verify_entries=max(reads, width),
-            max_context=width,
-            log_rows=self._config.log_rows,
-        )
-        device = torch.device(cache.device)
-        manager = CanaryManager(
-            [g.canary_group(i) for i, g in enumerate(geometries)],
-            caps,
+        self._binding = Binding.create(
+            runner,
             self._config,
-            device=device,
             backend=self._backend,
+            max_context=self._max_context,
+            max_positions=getattr(self._model.config, "max_position_embeddings", None),
             on_fail_request=self._on_fail_request,
         )
-        translator = StepTranslator(geometries, max_batch=max_batch, max_context=width, device=device)
-        self._binding = _Binding(cache, geometries, translator, manager)
         self._features.caches_bound += 1
         return self._binding
-
-    def _default_width(self, reads: int, max_batch: int, n_groups: int) -> int:
-        width = reads
-        positions = getattr(self._model.config, "max_position_embeddings", None)
-        if isinstance(positions, int) and positions > 0:
-            width = min(width, positions)
-        budget = _TABLE_BUDGET_BYTES // ((max_batch + 1) * 4 * (n_groups + 1))
-        if width > budget:
-            logger.warning(
-                "kvcanary: verifying requests up to %d tokens (table memory budget); pass max_context to change it",
-                budget,
-            )
-            width = budget
-        return max(width, 1)
 
     def _retire_binding(self) -> None:
         b = self._binding

@@ -1,0 +1,105 @@
+"""The canary of one transformers ``PagedAttentionCache``: its groups, capacities, tables and manager."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcanary.adapters.transformers_cb import mirror
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.config import CanaryConfig
+from kvcanary.ops import Backend
+from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.workspace import Capacities
+
+logger = logging.getLogger("kvcanary")
+
+TABLE_BUDGET_BYTES = 256 << 20  # default cap on the adapter's token tables (all groups + truth)
+
+
+class Binding:
+    """The canary of one ``PagedAttentionCache``, which it references weakly: a finished run's cache
+    (most of the GPU's memory) must be freed when the engine drops it, not when the canary moves on."""
+
+    def __init__(
+        self, cache: Any, geometries: Sequence[GroupGeometry], translator: StepTranslator, manager: CanaryManager
+    ) -> None:
+        self._cache = weakref.ref(cache)
+        self.geometries = {g.name: g for g in geometries}
+        self.translator = translator
+        self.manager = manager
+        self.shadow = mirror.OffloadShadow()
+        self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
+
+    def is_for(self, cache: Any) -> bool:
+        return self._cache() is cache
+
+    def _allocators(self) -> list[Any]:
+        cache = self._cache()
+        return [] if cache is None else list(cache.cache_allocators.values())
+
+    def owns_allocator(self, allocator: Any) -> bool:
+        return any(a is allocator for a in self._allocators())
+
+    def owns_ledger(self, ledger: Any) -> bool:
+        return any(a.ledger is ledger for a in self._allocators())
+
+    def records(self, name: str) -> Any:
+        return self.manager.canaries[name].records
+
+    @classmethod
+    def create(
+        cls,
+        runner: Any,
+        config: CanaryConfig,
+        *,
+        backend: Backend,
+        max_context: int | None,
+        max_positions: object,
+        on_fail_request: Callable[[list[object], StepReport], None] | None,
+    ) -> Binding:
+        """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``)."""
+        cache = runner.cache
+        geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
+        max_batch = int(runner.cb_config.max_requests_per_batch)
+        max_tokens = int(cache.max_batch_tokens)
+        reads = int(cache.max_tokens_read) + max_tokens  # the read-index storage: bounds a step's verify entries
+        width = max_context or default_width(reads, max_batch, len(geometries), max_positions)
+        caps = Capacities(
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            verify_entries=max(reads, width),
+            max_context=width,
+            log_rows=config.log_rows,
+        )
+        device = torch.device(cache.device)
+        manager = CanaryManager(
+            [g.canary_group(i) for i, g in enumerate(geometries)],
+            caps,
+            config,
+            device=device,
+            backend=backend,
+            on_fail_request=on_fail_request,
+        )
+        translator = StepTranslator(geometries, max_batch=max_batch, max_context=width, device=device)
+        return cls(cache, geometries, translator, manager)
+
+
+def default_width(reads: int, max_batch: int, n_groups: int, max_positions: object) -> int:
+    """Longest request verified: the cache's read capacity, capped by the model's positions and a memory budget."""
+    width = reads
+    if isinstance(max_positions, int) and max_positions > 0:
+        width = min(width, max_positions)
+    budget = TABLE_BUDGET_BYTES // ((max_batch + 1) * 4 * (n_groups + 1))
+    if width > budget:
+        logger.warning(
+            "kvcanary: verifying requests up to %d tokens (table memory budget); pass max_context to change it",
+            budget,
+        )
+        width = budget
+    return max(width, 1)
