@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -185,10 +186,16 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     use_graphs = not args.cpu_dry_run
-    checks: dict[str, dict[str, object]] = {"fault_run": check_fault_run(use_graphs)}
+    runs: dict[str, Callable[[], dict[str, object]]] = {"fault_run": lambda: check_fault_run(use_graphs)}
     if use_graphs:
-        checks["phase_missing_all"] = check_phase(partial=False)
-        checks["phase_missing_after"] = check_phase(partial=True)
+        runs["phase_missing_all"] = lambda: check_phase(partial=False)
+        runs["phase_missing_after"] = lambda: check_phase(partial=True)
+    checks: dict[str, dict[str, object]] = {}
+    for name, run in runs.items():
+        try:
+            checks[name] = run()
+        except Exception:  # report and go on: every check gets its say in one device call
+            checks[name] = {"ok": False, "error": traceback.format_exc()[-1500:]}
     ok = all(bool(v["ok"]) for v in checks.values())
     print(json.dumps({**checks, "ok": ok}, default=str))
     return 0 if ok else 1

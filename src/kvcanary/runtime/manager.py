@@ -52,6 +52,14 @@ FailRequestCallback = Callable[[list[object], StepReport], None]
 _REASON_NAMES = [str(r.name).lower() for r in REASONS]
 
 
+def _resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``: tensors report an indexed device, and batches are compared with it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -101,7 +109,7 @@ class CanaryManager:
             raise TypeError("on_fail_request must be callable")
 
         self.config = config
-        self.device = torch.device(device)
+        self.device = _resolve_device(device)
         self.backend = backend
         self.groups = tuple(groups)
         self.on_fail_request = on_fail_request
