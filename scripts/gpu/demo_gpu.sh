@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `kvcanary demo` on the GPU: the CPU demo's workload (64 prompts x 2 sampled sequences, shared prefixes,
 # forks, CPU offload) on the lent H200, with the canary's GPU path (Backend.AUTO -> Triton kernels), for
-# the three model kinds, plus one run with the engine's asynchronous batching.  Each run also times the
+# the three model kinds, plus runs with the engine's asynchronous batching and its CUDA graphs (padded
+# batches, warm-up forwards, graph replays the canary reads after).  The three main runs also time the
 # same workload with the canary off (--baseline) and prints the canary's share of step time.
 #
 # Not run by CI.  The device image has transformers 5.17.0 and nothing can be fetched there, so the
@@ -10,7 +11,8 @@
 #     echo /.whl/ >> .git/info/exclude
 #     python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
 #   device call: carry [".whl"], command: bash scripts/gpu/demo_gpu.sh
-# Writes $OUT/demo_<model>.txt (summaries) and $OUT/demo_dense_async.json; exit 0 only if every run passed.
+# Writes $OUT/demo_<model>.txt (summaries), $OUT/demo_dense_async.json and $OUT/demo_hybrid_graphs.json;
+# exit 0 only if every run passed.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcanary-demo-gpu}
 mkdir -p "$OUT"
@@ -33,5 +35,8 @@ for model in dense hybrid sliding; do
 done
 echo "=== dense, asynchronous batching" >&2
 python3 -m kvcanary.cli demo --model dense --device cuda --async-batching --json --quiet | tee "$OUT/demo_dense_async.json"
+[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+echo "=== hybrid, CUDA graphs" >&2
+python3 -m kvcanary.cli demo --model hybrid --device cuda --cuda-graphs --json --quiet | tee "$OUT/demo_hybrid_graphs.json"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 exit $rc

@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
     )
     demo.add_argument("--async-batching", action="store_true", help="the engine's asynchronous batching (CUDA)")
+    demo.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (CUDA)")
     demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -74,6 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
             backend=Backend(args.backend),
             baseline=args.baseline,
             async_batching=args.async_batching,
+            cuda_graphs=args.cuda_graphs,
         )
     except ValueError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)

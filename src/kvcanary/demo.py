@@ -55,6 +55,7 @@ class DemoOptions:
     backend: Backend = Backend.AUTO
     baseline: bool = False  # also time the workload without the canary (the canary's share of step time)
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
+    cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.faults import FAULTS
@@ -160,7 +161,9 @@ def build_prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
     return prompts
 
 
-def engine_configs(kind: str, new_tokens: int, seed: int, async_batching: bool = False) -> tuple[Any, Any]:
+def engine_configs(
+    kind: str, new_tokens: int, seed: int, async_batching: bool = False, cuda_graphs: bool = False
+) -> tuple[Any, Any]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -174,6 +177,7 @@ def engine_configs(kind: str, new_tokens: int, seed: int, async_batching: bool =
         max_requests_per_batch=16,
         cpu_offload_space=0.01,  # GiB: a few sectors of CPU swap space, enough for every offload
         use_async_batching=async_batching,
+        use_cuda_graph=True if cuda_graphs else None,  # None: transformers decides (off with sdpa's masks)
         seed=seed,
     )
     return gen, cb
@@ -192,7 +196,9 @@ def run_engine(model: Any, prompts: list[list[int]], options: DemoOptions) -> in
     finished, so the blocks of the shared prefixes wait in the ledger's cached blocks and are taken back
     from there -- the cached-block reuse a serving engine sees across batches, independent of how
     the first wave's requests happened to be batched."""
-    gen, cb = engine_configs(options.model, options.new_tokens, options.seed, options.async_batching)
+    gen, cb = engine_configs(
+        options.model, options.new_tokens, options.seed, options.async_batching, options.cuda_graphs
+    )
     main, follow_up = prompts[: options.requests], prompts[options.requests :]
     try:
         n = len(generate_batch(model, main, gen, cb, persistent_manager=True))
@@ -244,7 +250,7 @@ def run_workload(
     try:
         if fault is not None:
             injector = FaultInjector(canary, fault, group=options.fault_group, after_step=options.fault_after_step)
-            injector.attach(model)
+            injector.attach()
         start = time.perf_counter()
         outputs = run_engine(model, prompts, options)
         seconds = time.perf_counter() - start
@@ -315,7 +321,8 @@ def summary(result: DemoResult) -> str:
     lines = [
         f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
         f"device {o.device}, canary backend {o.backend.value}"
-        + (", asynchronous batching" if o.async_batching else ""),
+        + (", asynchronous batching" if o.async_batching else "")
+        + (", CUDA graphs" if o.cuda_graphs else ""),
         f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "
         "engine, x 2 sampled sequences, "
         f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {_NUM_BLOCKS[o.model]} blocks, CPU offload on",

@@ -111,6 +111,7 @@ class TransformersCBAdapter:
         self._adapter_errors = 0
         self._hook_misses = 0
         self._tap_ns = 0  # host time spent in the step tap (the device work is asynchronous on GPU)
+        self._input_probe: Callable[[dict[str, Any]], None] | None = None
         self._warned_long_rows = False
 
     # ------------------------------------------------------------------ install / uninstall
@@ -197,6 +198,16 @@ class TransformersCBAdapter:
         """The host batch of the step being run (for fault injection and debugging)."""
         return None if self._pending is None else self._pending[1]
 
+    def set_input_probe(self, probe: Callable[[dict[str, Any]], None] | None) -> None:
+        """Call ``probe(kwargs)`` with each step's forward kwargs just before the engine runs the step.
+
+        For fault injection (:mod:`.faults`): the probe may edit the index tensors in place, and the
+        forward -- eager, compiled or a CUDA-graph replay of those static buffers -- then uses them.
+        """
+        if probe is not None and not callable(probe):
+            raise TypeError(f"probe must be callable or None, got {type(probe).__name__}")
+        self._input_probe = probe
+
     @property
     def next_step(self) -> int:
         """The canary step number the next verified forward will get (as in :attr:`StepReport.step`)."""
@@ -243,6 +254,8 @@ class TransformersCBAdapter:
 
     def _wrap_compute(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def compute_batch(runner: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+            if self._input_probe is not None and model is self._model:
+                self._input_probe(batch_data)
             out = original(runner, model, batch_data)
             if model is self._model:
                 self._tap(runner, batch_data)

@@ -1,8 +1,9 @@
 """Deliberate index corruption, injected into the tensors a forward hands to attention (demo and tests).
 
-A :class:`FaultInjector` is a forward pre-hook on the model that, once, at the first eligible step at or
-after ``after_step``, edits the forward's kwargs in place -- the static index buffers the attention
-layers then really use -- and records what it did.  Faults:
+A :class:`FaultInjector` is the adapter's input probe (called just before the engine runs a step, so it
+works for eager forwards, compiled ones and CUDA-graph replays alike): once, at the first eligible step
+at or after ``after_step``, it edits the forward's kwargs in place -- the static index buffers the
+attention layers then really use -- and records what it did.  Faults:
 
 * ``read-swap``: swap the oldest and the newest past entries of one request's ``read_index`` segment
   (attention reads its context in the wrong order).  Caught the same step.
@@ -49,18 +50,15 @@ class FaultInjector:
         self.group = group
         self.after_step = after_step
         self.injected: InjectedFault | None = None
-        self._handle: Any = None
 
-    def attach(self, model: torch.nn.Module) -> FaultInjector:
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+    def attach(self) -> FaultInjector:
+        self.adapter.set_input_probe(self._probe)
         return self
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self.adapter.set_input_probe(None)
 
-    def _hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    def _probe(self, kwargs: dict[str, Any]) -> None:
         if self.injected is not None or kwargs.get("cache") is None or kwargs.get("block_table") is not None:
             return
         host = self.adapter.pending_batch
