@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvcanary.batch import StepBatch
@@ -48,6 +49,7 @@ from kvcanary.workspace import Capacities
 logger = logging.getLogger("kvcanary")
 
 FailRequestCallback = Callable[[list[object], StepReport], None]
+Problem = tuple[str, str | None, str]  # a failed check: (check, group or None, detail)
 
 _REASON_NAMES = [str(r.name).lower() for r in REASONS]
 
@@ -131,13 +133,20 @@ class CanaryManager:
         for g in groups:
             self.canaries[g.name] = GroupCanary(g, caps_by_name[g.name], self.device, backend)
         self._kernels = _uses_kernels(backend, self.device)
+        self._cuda = self.device.type == "cuda"
+        # The C entry point skips the Python wrapper's checks (the host step counts microseconds).
+        self._stream_capturing: Callable[[], bool] = getattr(
+            torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+        )
         layout = Layout([config.log_rows] * len(groups))
         self._work = StepWork(list(self.canaries.values()), layout, self.device)
         self._pump = LaggedPump(self._work.outbox, layout)
-        self._seen = np.zeros((len(groups), NUM_COUNTERS), dtype=np.int64)  # totals as of the last decoded step
-        # What the per-step fast path reads: the two phase marks, then each group's violation total.
-        rows_at = [layout.totals_offset + g * NUM_COUNTERS + Counter.VIOLATIONS for g in range(len(groups))]
-        self._watch = np.array([layout.phase_offset + PHASE_BEFORE, layout.phase_offset + PHASE_AFTER, *rows_at])
+        # Totals as of the last decoded step: a view of that step's host buffer (see pump.py).
+        self._seen: npt.NDArray[np.int64] = np.zeros((len(groups), NUM_COUNTERS), dtype=np.int64)
+        # What the per-step fast path reads: the two phase marks and each group's violation total.
+        self._watch_before = layout.phase_offset + PHASE_BEFORE
+        self._watch_after = layout.phase_offset + PHASE_AFTER
+        self._watch_rows = [layout.totals_offset + g * NUM_COUNTERS + Counter.VIOLATIONS for g in range(len(groups))]
         self._seen_rows = [0] * len(groups)
         self._phase = PhaseCheck()
         self._health = KernelHealth(len(groups), config.health_every, config.health_warmup)
@@ -242,7 +251,7 @@ class CanaryManager:
     # ------------------------------------------------------------------ host side
 
     def host_step(self, request_ids: Sequence[object] | None = None) -> StepReport | None:
-        """Stage this step's copy, then decode and act on the previous step's (outside any graph).
+        """Decode the previous step's copy, stage this step's, then act (outside any graph).
 
         ``request_ids[r]`` is the engine's id of batch row r in this step's batches.  Returns the
         report of the previous step when it had violations (``log`` and ``fail-request`` modes), or
@@ -259,11 +268,12 @@ class CanaryManager:
         ids = self._check_request_ids(request_ids)
         self._eager_forwards = 0
         step = self._step
-        prev = self._pump.stage(step, ids)
+        prev = self._pump.take()
+        outcome = None if prev is None else self._decode(prev, reported_at=step)
+        # Stage this step before acting: a raise below must not lose this step's copy.
+        self._pump.stage(step, ids)
         self._step += 1
-        if prev is None:
-            return None
-        return self._decode(prev, reported_at=step)
+        return None if outcome is None else self._act(*outcome)
 
     def flush(self) -> StepReport | None:
         """Synchronously decode the last staged step (end of a run)."""
@@ -273,7 +283,8 @@ class CanaryManager:
         if self._eager_forwards:
             raise RuntimeError("flush: a forward ran after the last host_step; call host_step(request_ids) first")
         buf = self._pump.take()
-        return None if buf is None else self._decode(buf, reported_at=self._step)
+        outcome = None if buf is None else self._decode(buf, reported_at=self._step)
+        return None if outcome is None else self._act(*outcome)
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""
@@ -295,10 +306,10 @@ class CanaryManager:
             self._events = None
 
     def _check_host_call(self, what: str) -> None:
-        if _capturing(self.device):
-            raise RuntimeError(f"{what} must run outside CUDA graph capture")
         if self._open:
             raise RuntimeError(f"{what} called between before_forward and after_forward")
+        if self._cuda and self._stream_capturing():
+            raise RuntimeError(f"{what} must run outside CUDA graph capture")
 
     @staticmethod
     def _check_request_ids(request_ids: Sequence[object] | None) -> tuple[object, ...] | None:
@@ -312,33 +323,32 @@ class CanaryManager:
 
     # ------------------------------------------------------------------ decoding and acting
 
-    def _decode(self, buf: HostBuffer, reported_at: int) -> StepReport | None:
-        """Decode one step's host copy, update totals, run the checks, then act (raising last)."""
+    def _decode(self, buf: HostBuffer, reported_at: int) -> tuple[StepReport | None, list[Problem]] | None:
+        """Decode one step's host copy and run the checks; None when there is nothing to act on.
+
+        Counts, logs and events of failed checks happen here; raising and the violation report's
+        actions are left to :meth:`_act`, after the caller staged the next copy.
+        """
         buf.wait()
         flat, step = buf.flat, buf.step
         self._steps_decoded += 1
-        problems: list[tuple[str, str | None, str]] = []
-        watched = flat[self._watch].tolist()
-        phase_problem = self._phase.advance(watched[0], watched[1])
+        problems: list[Problem] = []
+        phase_problem = self._phase.advance(flat.item(self._watch_before), flat.item(self._watch_after))
         if phase_problem is not None:
             problems.append(("phase", None, phase_problem))
-        rows = watched[2:]
-        new_rows = rows != self._seen_rows
+        rows = [flat.item(i) for i in self._watch_rows]
+        report = self._build_report(buf, reported_at) if rows != self._seen_rows else None
         self._seen_rows = rows
-        report = self._build_report(buf, reported_at) if new_rows else None
-        previous = self._seen.copy() if self._health.due(step) else None
-        np.copyto(self._seen, buf.totals)
-        if previous is not None:
+        previous, self._seen = self._seen, buf.totals  # the totals stay readable until the next decode
+        if self._health.due(step):
             problems.extend(self._check_kernels(previous))
         for check, group, detail in problems:
             self._record_health_failure(step, check, group, detail)
         if self.config.stats_every and (step + 1) % self.config.stats_every == 0:
             self._stats_line(step)
-        if report is not None:
-            self._act(report)
-        if problems and self.config.mode is Mode.RAISE:
-            raise CanaryHealthError("; ".join(f"{check}: {detail}" for check, _, detail in problems))
-        return report
+        if report is None and not problems:
+            return None
+        return report, problems
 
     def _build_report(self, buf: HostBuffer, reported_at: int) -> StepReport:
         delta = buf.totals - self._seen
@@ -367,24 +377,29 @@ class CanaryManager:
             rows_dropped=max(total - len(violations), 0),
         )
 
-    def _act(self, report: StepReport) -> None:
-        if self._events is not None:
-            self._events.report(report)
+    def _act(self, report: StepReport | None, problems: list[Problem]) -> StepReport | None:
+        """Act on a decoded step by mode; in raise mode a violation wins over a failed check."""
         mode = self.config.mode
-        if mode is Mode.RAISE:
-            raise CanaryViolation(report)
-        if self._log_limiter.allow():
-            suppressed = self._log_limiter.take_suppressed()
-            for line in report.lines():
-                logger.warning(line)
-            note = f"\n  ({suppressed} earlier report(s) suppressed by the rate limit)" if suppressed else ""
-            logger.warning(report.block() + note)
-        if mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
-            self.on_fail_request(list(report.affected_request_ids), report)
+        if report is not None:
+            if self._events is not None:
+                self._events.report(report)
+            if mode is Mode.RAISE:
+                raise CanaryViolation(report)
+            if self._log_limiter.allow():
+                suppressed = self._log_limiter.take_suppressed()
+                for line in report.lines():
+                    logger.warning(line)
+                note = f"\n  ({suppressed} earlier report(s) suppressed by the rate limit)" if suppressed else ""
+                logger.warning(report.block() + note)
+            if mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
+                self.on_fail_request(list(report.affected_request_ids), report)
+        if problems and mode is Mode.RAISE:
+            raise CanaryHealthError("; ".join(f"{check}: {detail}" for check, _, detail in problems))
+        return report
 
-    def _check_kernels(self, previous: np.ndarray) -> list[tuple[str, str | None, str]]:
+    def _check_kernels(self, previous: npt.NDArray[np.int64]) -> list[Problem]:
         calls = [int(c) for c in self._seen[:, Counter.CALLS]]
-        problems: list[tuple[str, str | None, str]] = []
+        problems: list[Problem] = []
         for g in self._health.stale_groups(calls):
             name = self.groups[g].name
             detail = (

@@ -1,9 +1,10 @@
 """The lagged device-to-host pump: each host step copies the outbox into one of two host buffers.
 
-Host step k enqueues an asynchronous copy of the outbox into host buffer ``k % 2`` (pinned memory on
-CUDA, an ordinary copy on CPU) and records an event; host step k + 1 waits on step k's event (long
-done in a serving loop, which synchronises on its sampled tokens anyway) and decodes step k.  Two
-buffers, so the copy of step k + 1 never overwrites the buffer being decoded.
+Host step k first decodes step k - 1 (waiting on its event: long done in a serving loop, which
+synchronises on its sampled tokens anyway), then enqueues an asynchronous copy of the outbox into
+host buffer ``k % 2`` (pinned memory on CUDA, an ordinary copy on CPU) and records an event.  Two
+buffers, so step k's copy never lands in the buffer just decoded: the manager keeps reading its
+totals (as of step k - 1) until the next decode, without copying them.
 """
 
 from __future__ import annotations
@@ -51,18 +52,17 @@ class LaggedPump:
         event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event)
 
-    def stage(self, step: int, request_ids: tuple[object, ...] | None) -> HostBuffer | None:
-        """Start copying step ``step``'s outbox; return the previous step's buffer (not yet waited on)."""
+    def stage(self, step: int, request_ids: tuple[object, ...] | None) -> None:
+        """Start copying step ``step``'s outbox (the previous staged buffer must have been taken)."""
         buf = self.buffers[step & 1]
         buf.tensor.copy_(self._outbox, non_blocking=self._cuda)
         if buf.event is not None:
             buf.event.record()
         buf.step = step
         buf.request_ids = request_ids
-        prev, self._pending = self._pending, buf
-        return prev
+        self._pending = buf
 
     def take(self) -> HostBuffer | None:
-        """The staged buffer not yet decoded (for a final drain), and forget it."""
+        """The staged buffer not yet decoded (not waited on), and forget it."""
         prev, self._pending = self._pending, None
         return prev
