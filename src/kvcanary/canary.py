@@ -11,6 +11,14 @@ from kvcanary.ops import reference as ref
 from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``: tensors report an indexed device, and batches are compared with it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class GroupCanary:
     """Records and workspaces for one KV index space, allocated once from declared capacities.
 
@@ -30,7 +38,7 @@ class GroupCanary:
         caps.check_covers(group.window)
         self.group = group
         self.caps = caps
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.backend = backend
         self.records = RecordStore.allocate(group.num_slots, self.device)
         self.workspace = PlanWorkspace.allocate(caps, self.device)

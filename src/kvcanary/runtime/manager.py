@@ -26,7 +26,7 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.batch import StepBatch
-from kvcanary.canary import GroupCanary
+from kvcanary.canary import GroupCanary, resolve_device
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend
@@ -52,14 +52,6 @@ FailRequestCallback = Callable[[list[object], StepReport], None]
 Problem = tuple[str, str | None, str]  # a failed check: (check, group or None, detail)
 
 _REASON_NAMES = [str(r.name).lower() for r in REASONS]
-
-
-def _resolve_device(device: torch.device | str) -> torch.device:
-    """``cuda`` -> ``cuda:<current>``: tensors report an indexed device, and batches are compared with it."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def _capturing(device: torch.device) -> bool:
@@ -111,7 +103,7 @@ class CanaryManager:
             raise TypeError("on_fail_request must be callable")
 
         self.config = config
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.backend = backend
         self.groups = tuple(groups)
         self.on_fail_request = on_fail_request
