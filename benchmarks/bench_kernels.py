@@ -364,14 +364,14 @@ def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:
     tune = launchers.KernelTuning
     tunings = {
         "default": launchers.DEFAULT_TUNING,
-        "v1024w8": tune(verify_block=1024, verify_warps=8),
-        "v1024w16": tune(verify_block=1024, verify_warps=16),
-        "v256w4": tune(verify_block=256, verify_warps=4),
         "g2": tune(programs_per_sm=2),
+        "g3": tune(programs_per_sm=3),
         "g8": tune(programs_per_sm=8),
-        "g16": tune(programs_per_sm=16),
-        "s256w4": tune(stamp_block=256, stamp_warps=4),
-        "s1024w8": tune(stamp_block=1024, stamp_warps=8),
+        "v1024w8": tune(verify_block=1024, verify_warps=8),
+        "v256w4": tune(verify_block=256, verify_warps=4),
+        "v256w4g8": tune(verify_block=256, verify_warps=4, programs_per_sm=8),
+        "s256w4": tune(stamp_block=256, stamp_warps=4, carry_block=256),
+        "s1024w8": tune(stamp_block=1024, stamp_warps=8, carry_block=1024),
     }
     picks = (
         scenarios(False, tiny=True)

@@ -152,7 +152,9 @@ class _State:
         for name, (x, y) in pairs.items():
             x, y = x.cpu(), y.cpu()
             assert torch.equal(x, y), f"after {phase}: {name} differs:\nreference {x.tolist()}\nkernels   {y.tolist()}"
-        assert not torch.count_nonzero(other.ws.sync), f"after {phase}: sync scratch {other.ws.sync.tolist()}"
+        assert not torch.count_nonzero(other.ws.sync[launchers.SYNC_CLEAR]), (
+            f"after {phase}: sync {other.ws.sync.tolist()}"
+        )
 
 
 def _caps(**kw: int) -> Capacities:

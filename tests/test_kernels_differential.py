@@ -26,7 +26,7 @@ from kvcanary.workspace import PlanWorkspace, ViolationLog
 
 # Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest.py switches it on);
 # with CUDA they run compiled.  The reference always runs on the CPU.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 PHASES = ("plan", "verify", "stamp")
 
 
@@ -90,7 +90,7 @@ def compare_step(
         run_phase("kernels", got, phase, tuning)
         seen = to_device(got, torch.device("cpu"))
         diffs = gen.diff_outputs(want, seen, skip_slots=twice if phase == "stamp" else ())
-        if torch.count_nonzero(seen.ws.sync):
+        if torch.count_nonzero(seen.ws.sync[launchers.SYNC_CLEAR]):
             diffs.append(f"workspace.sync not back to zero: {seen.ws.sync.tolist()}")
         if phase == "stamp":
             diffs += _check_rewrites(seen.records, twice)

@@ -61,7 +61,9 @@ class PlanWorkspace:
     write_items: torch.Tensor  # int64 [B+1]: exclusive prefix sum of stamp items per row
     verify_counts: torch.Tensor  # int32 [max verify items]: violations found per item
     stamp_counts: torch.Tensor  # int32 [max stamp items]
-    sync: torch.Tensor  # int64 [8]: per phase (verify, stamp): pending violations, finished programs
+    stamp_sums: torch.Tensor  # int64 [max stamp items]: each item's sum of its link-scan terms
+    stamp_flags: torch.Tensor  # int64 [max stamp items]: call epoch in which stamp_sums[i] was published
+    sync: torch.Tensor  # int64 [8]: per phase (verify, stamp): pending violations, finished programs, epoch
 
     ROW_ACTIVE = 0
     ROW_PADDING = 1
@@ -92,6 +94,8 @@ class PlanWorkspace:
             write_items=i64(b + 1),
             verify_counts=torch.zeros(cls.max_items(caps.verify_entries, b), dtype=torch.int32, device=device),
             stamp_counts=torch.zeros(cls.max_items(caps.max_tokens, b), dtype=torch.int32, device=device),
+            stamp_sums=i64(cls.max_items(caps.max_tokens, b)),
+            stamp_flags=i64(cls.max_items(caps.max_tokens, b)),
             sync=i64(8),
         )
 

@@ -31,6 +31,7 @@ from kvcanary.workspace import PlanWorkspace, ViolationLog
 _SYNC_WORDS = 4  # per phase: the sync scratch words of one kernel (see kernels/log.py)
 _VERIFY_SYNC = 0
 _STAMP_SYNC = _SYNC_WORDS
+SYNC_CLEAR = [0, 1, 4, 5]  # sync words that are 0 whenever no call runs (pending and ticket of each phase)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class KernelTuning:
     verify_warps: int = 8
     stamp_block: int = 512  # tokens per stamp item
     stamp_warps: int = 8
-    carry_block: int = 2048  # tokens per step when an item sums the row's earlier tokens
+    carry_block: int = 512  # tokens per step when the finalize re-sums a row's earlier tokens
     row_block: int = 1024  # batch rows per step of the plan's row walk
     programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
     interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
@@ -106,6 +107,8 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
         ("write_items", torch.int64, (b + 1,)),
         ("verify_counts", torch.int32, (int(ws.verify_counts.shape[0]),)),
         ("stamp_counts", torch.int32, (int(ws.stamp_counts.shape[0]),)),
+        ("stamp_sums", torch.int64, (int(ws.stamp_counts.shape[0]),)),
+        ("stamp_flags", torch.int64, (int(ws.stamp_counts.shape[0]),)),
         ("sync", torch.int64, (2 * _SYNC_WORDS,)),
     ):
         _check_tensor(f"workspace.{name}", getattr(ws, name), dtype, shape, dev)
@@ -252,6 +255,8 @@ def stamp(
     max_b = int(ws.row_state.shape[0])
     max_tokens = int(ws.mult_powers.shape[0]) - 1
     max_items = -(-max_tokens // tuning.stamp_block) + max_b
+    if max_items > ws.stamp_counts.shape[0]:
+        raise ValueError(f"stamp_block {tuning.stamp_block} needs {max_items} work items; the workspace has fewer")
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
@@ -259,7 +264,8 @@ def stamp(
         _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.input_ids, dummy),
         _ptr(batch.positions, dummy), _ptr(batch.out_cache_loc, dummy), lookup, truth, truth_lens,
         ws.write_offsets, ws.seed_links, ws.write_items, ws.mult_powers, ws.inv_powers,
-        records.tokens, records.positions, records.links, ws.stamp_counts, ws.sync[_STAMP_SYNC:],
+        records.tokens, records.positions, records.links, ws.stamp_counts, ws.stamp_sums, ws.stamp_flags,
+        ws.sync[_STAMP_SYNC:],
         log.first, log.last, log.counters,
         batch.batch_size, batch.num_tokens, max_tokens + 1, n_lookup, t_rows, t_cols, group.num_slots,
         max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),

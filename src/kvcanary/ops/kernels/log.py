@@ -13,9 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcanary.schema import NUM_REASONS, ROW_WIDTH, Counter, Field
+from kvcanary.schema import NUM_COUNTERS, NUM_REASONS, ROW_WIDTH, Counter, Field
 
 N_REASONS = tl.constexpr(NUM_REASONS)
+N_COUNTERS = tl.constexpr(NUM_COUNTERS)
 WIDTH = tl.constexpr(ROW_WIDTH)
 VIOLATIONS = tl.constexpr(int(Counter.VIOLATIONS))
 VERIFIED = tl.constexpr(int(Counter.VERIFIED))
@@ -37,28 +38,62 @@ F_EXPECTED_LINK = tl.constexpr(int(Field.EXPECTED_LINK))
 F_STORED_LINK = tl.constexpr(int(Field.STORED_LINK))
 F_BAD_INDEX = tl.constexpr(int(Field.BAD_INDEX))
 
-# Per-phase words of the workspace's sync scratch: violations pending (summed by all programs) and
-# finished programs (the ticket).  Both are back to 0 when a call ends.
+# Per-phase words of the workspace's sync scratch: violations pending (summed by all programs), finished
+# programs (the ticket), and (stamp) the call's epoch.  Pending and ticket are back to 0 when a call ends.
 PENDING = tl.constexpr(0)
 TICKET = tl.constexpr(1)
+EPOCH = tl.constexpr(2)
 SCAN = tl.constexpr(1024)  # items the finalize scans per step
 NO_ITEM = tl.constexpr(2**62)
+COUNTER_LANES = tl.constexpr(32)  # >= NUM_COUNTERS
 
 
 @triton.jit
 def reason_counts(reasons):
-    """Per-bit counts of ``reasons`` as a [16] int64 vector (lanes >= NUM_REASONS are 0)."""
-    k = tl.arange(0, 16)
-    acc = tl.zeros((16,), tl.int64)
+    """Per-bit counts of ``reasons`` as a [COUNTER_LANES] int64 vector, lane i = counters[i]."""
+    k = tl.arange(0, COUNTER_LANES)
+    acc = tl.zeros((COUNTER_LANES,), tl.int64)
     for j in tl.static_range(N_REASONS):
         acc += tl.where(k == j, tl.sum(((reasons >> j) & 1).to(tl.int64)), 0)
     return acc
 
 
 @triton.jit
-def add_reason_counts(counters_ptr, counts):
-    k = tl.arange(0, 16)
-    tl.atomic_add(counters_ptr + k, counts, mask=(k < N_REASONS) & (counts != 0))
+def add_counters(counters_ptr, counts):
+    """counters[i] += counts[i] for the non-zero lanes (one vector atomic); returns the old values."""
+    k = tl.arange(0, COUNTER_LANES)
+    return tl.atomic_add(counters_ptr + k, counts, mask=(k < N_COUNTERS) & (counts != 0))
+
+
+@triton.jit
+def lane(values, i):
+    """Element ``i`` of a small vector, as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, values.shape[0]) == i, values, 0))
+
+
+@triton.jit
+def finish(sync_ptr, counters_ptr, pid, c1, v1, c2, v2, c3, v3, ALL3: tl.constexpr):
+    """Take this program's ticket and add to three counters in one vector atomic (one round trip).
+
+    ``counters[c1] += v1`` and ``counters[c2] += v2`` come from program 0 only; ``counters[c3] += v3``
+    from every program when ALL3, else from program 0.  Returns the ticket (programs finished before).
+    """
+    k = tl.arange(0, 4)
+    first = tl.zeros_like(k) + pid == 0  # widened before comparing (interpreter, see indexing.py)
+    idx = tl.where(k == 1, c1, tl.where(k == 2, c2, c3))
+    ptrs = tl.where(k == 0, sync_ptr + TICKET, counters_ptr + idx)
+    vals = tl.where(k == 0, 1, tl.where(k == 1, v1, tl.where(k == 2, v2, v3))).to(tl.int64)
+    mine = first | ((k == 3) & ALL3)
+    old = tl.atomic_add(ptrs, vals, mask=(k == 0) | (mine & (vals != 0)))
+    return lane(old, 0)
+
+
+@triton.jit
+def close_call(sync_ptr):
+    """Last program: read the call's pending violations and zero pending and ticket for the next call."""
+    k = tl.arange(0, 2)
+    old = tl.atomic_xchg(sync_ptr + k, tl.zeros((2,), tl.int64))
+    return lane(old, PENDING)
 
 
 @triton.jit
@@ -138,11 +173,12 @@ def select_items(counts_ptr, c0, n_items, prefix, base, total, log_k):
     """Items [c0, c0+SCAN) that hold a first-K or last-K row of this call.
 
     Returns (item ids, exclusive rank of each item's first row within the call, wanted mask, prefix
-    after the chunk).  Counts are read with atomics: other programs wrote them in this launch.
+    after the chunk).  Counts are read with atomics (other programs wrote them in this launch) and
+    zeroed: only items with violations write a count, so clean calls never touch them.
     """
     idx = c0 + tl.arange(0, SCAN)
     mk = idx < n_items
-    cnt = tl.atomic_add(counts_ptr + idx, 0, mask=mk)
+    cnt = tl.atomic_xchg(counts_ptr + idx, tl.zeros((SCAN,), tl.int32), mask=mk)
     cnt = tl.where(mk, cnt, 0).to(tl.int64)
     incl = prefix + tl.cumsum(cnt, 0)
     excl = incl - cnt

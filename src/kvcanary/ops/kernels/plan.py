@@ -8,7 +8,7 @@ import triton.language as tl
 
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
-from kvcanary.ops.kernels.log import CALLS, VIOLATIONS, add_reason_counts, reason_counts, store_rows
+from kvcanary.ops.kernels.log import CALLS, COUNTER_LANES, VIOLATIONS, add_counters, lane, reason_counts, store_rows
 from kvcanary.ops.reference import MAX_EXTEND
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
@@ -114,7 +114,7 @@ def plan_kernel(
     vitem_carry = tl.zeros((), tl.int64)
     witem_carry = tl.zeros((), tl.int64)
     found = tl.zeros((), tl.int64)
-    bits = tl.zeros((16,), tl.int64)
+    bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for c0 in range(0, b, BLOCK_B):
         r, m, rows, pre, ext, active, write_end, ext_sum, starts, counts, seeds, state, reasons, bad_index = _plan_rows(
             rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
@@ -143,9 +143,9 @@ def plan_kernel(
         vitem_carry += tl.sum(vitems)
         witem_carry += tl.sum(witems)
 
-    base = tl.atomic_add(counters_ptr + VIOLATIONS, found)
-    add_reason_counts(counters_ptr, bits)
-    tl.atomic_add(counters_ptr + CALLS, 1)
+    k = tl.arange(0, COUNTER_LANES)
+    bits += tl.where(k == VIOLATIONS, found, 0) + tl.where(k == CALLS, 1, 0)
+    base = lane(add_counters(counters_ptr, bits), VIOLATIONS)  # one round trip for every counter
     if found > 0:
         write_carry = tl.zeros((), tl.int64)
         rank = base

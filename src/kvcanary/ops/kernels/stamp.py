@@ -16,12 +16,16 @@ from kvcanary.ops.kernels.hashing import mix
 from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, translate
 from kvcanary.ops.kernels.log import (
     CALLS,
+    COUNTER_LANES,
+    EPOCH,
+    NO_ITEM,
     PENDING,
     SCAN,
     STAMPED,
-    TICKET,
     VIOLATIONS,
-    add_reason_counts,
+    add_counters,
+    close_call,
+    finish,
     next_item,
     reason_counts,
     select_items,
@@ -37,6 +41,8 @@ WRITE_POSITION_BAD = tl.constexpr(int(Reason.WRITE_POSITION_MISMATCH))
 WRITE_TOKEN_BAD = tl.constexpr(int(Reason.WRITE_TOKEN_MISMATCH))
 PHASE = tl.constexpr(int(Phase.STAMP))
 NOT_STORED = tl.constexpr(_NOT_STORED)
+FINAL_LANES = tl.constexpr(128)  # tokens per sub-block when the finalize re-derives an item
+LOOK = tl.constexpr(64)  # earlier items of the row read per step of the carry look-back
 
 
 @triton.jit
@@ -50,35 +56,90 @@ def _scan_terms(ids_ptr, positions_ptr, inv_ptr, t, mask, n_powers):
 
 
 @triton.jit
+def _block_sum(ids_ptr, positions_ptr, inv_ptr, begin, end, n_tokens, n_powers, CARRY_BLOCK: tl.constexpr):
+    """Sum of mix * M**-t over tokens [begin, end), CARRY_BLOCK at a time."""
+    acc = tl.zeros((CARRY_BLOCK,), tl.int64)
+    for k0 in range(begin, end, CARRY_BLOCK):
+        tk = k0 + tl.arange(0, CARRY_BLOCK)
+        wk, _tok, _pos32, _pos64 = _scan_terms(
+            ids_ptr, positions_ptr, inv_ptr, tk, (tk >= 0) & (tk < end) & (tk < n_tokens), n_powers
+        )
+        acc += wk
+    return tl.sum(acc)
+
+
+@triton.jit
+def _carry(
+    ids_ptr, positions_ptr, inv_ptr, sums_ptr, flags_ptr, first_item, item, t_begin, epoch, n_tokens, n_powers,
+    BLOCK: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr,
+):  # fmt: skip
+    """Sum of mix * M**-t over the row's tokens before ``item``'s block.
+
+    With LOOKBACK, earlier items' sums that this call already published (flag == epoch) are read;
+    the others are recomputed here, so no program ever waits for another.
+    """
+    carry = tl.zeros((), tl.int64)
+    if LOOKBACK:
+        for i0 in range(first_item, item, LOOK):
+            idx = (i0 + tl.arange(0, LOOK)).to(tl.int64)
+            mk = idx < item
+            ready = mk & (tl.atomic_add(flags_ptr + idx, 0, mask=mk) == epoch)
+            carry += tl.sum(tl.where(ready, tl.atomic_add(sums_ptr + idx, 0, mask=ready), 0))
+            missing = mk & ~ready
+            for _ in range(tl.sum(missing.to(tl.int32))):
+                j = tl.min(tl.where(missing, idx, NO_ITEM))
+                jb = t_begin + (j - first_item) * BLOCK
+                carry += _block_sum(ids_ptr, positions_ptr, inv_ptr, jb, jb + BLOCK, n_tokens, n_powers, BLOCK)
+                missing = missing & (idx != j)
+    else:
+        block_begin = t_begin + (item - first_item) * BLOCK
+        carry = _block_sum(ids_ptr, positions_ptr, inv_ptr, t_begin, block_begin, n_tokens, n_powers, CARRY_BLOCK)
+    return carry
+
+
+@triton.jit
 def _stamp_item(
-    item, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
-    woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
+    item, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
+    woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
-    HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr,
+    HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
+    BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr,
 ):  # fmt: skip
-    """reference.stamp for the tokens of one item: records to write and every log field."""
-    r = find_row(witems_ptr, b, item, BLOCK_B)
-    chunk = item - tl.load(witems_ptr + r)
+    """reference.stamp for tokens [sub * LANES, (sub + 1) * LANES) of one item: records and log fields.
+
+    With LOOKBACK (the main pass, LANES == BLOCK) the item publishes its block's sum for the row's
+    later items when it has any.
+    """
+    if b <= BLOCK_B:
+        r = tl.sum((row_ends <= item).to(tl.int64))
+    else:
+        r = find_row(witems_ptr, b, item, BLOCK_B)
+    first_item = tl.load(witems_ptr + r)
+    last_item = tl.load(witems_ptr + r + 1)
     t_begin = tl.load(woff_ptr + r)
     t_end = tl.minimum(tl.load(woff_ptr + r + 1), n_tokens)
     seed = tl.load(seeds_ptr + r)
     pre = tl.load(pre_ptr + r).to(tl.int64)
     trow = tl.load(rows_ptr + r).to(tl.int64)
-    i = chunk * BLOCK + tl.arange(0, BLOCK)
+    i = (item - first_item) * BLOCK + sub * LANES + tl.arange(0, LANES)
     t = t_begin + i
     m = (t >= 0) & (t < t_end)
 
     w, tok32, pos32, pos64 = _scan_terms(ids_ptr, positions_ptr, inv_ptr, t, m, n_powers)
-    block_begin = t_begin + chunk * BLOCK
-    carry = tl.zeros((), tl.int64)
-    for k0 in range(t_begin, block_begin, CARRY_BLOCK):
-        tk = k0 + tl.arange(0, CARRY_BLOCK)
-        wk, _tok, _pos32, _pos64 = _scan_terms(
-            ids_ptr, positions_ptr, inv_ptr, tk, (tk >= 0) & (tk < block_begin) & (tk < n_tokens), n_powers
-        )
-        carry += tl.sum(wk)
+    if LOOKBACK:
+        if item + 1 < last_item:
+            tl.atomic_xchg(sums_ptr + item, tl.sum(w))
+            tl.atomic_xchg(flags_ptr + item, epoch)  # after the sum, same thread: readers see both
+        carry = _carry(
+            ids_ptr, positions_ptr, inv_ptr, sums_ptr, flags_ptr, first_item, item, t_begin, epoch, n_tokens,
+            n_powers, BLOCK, CARRY_BLOCK, True,
+        )  # fmt: skip
+    else:
+        carry = _block_sum(
+            ids_ptr, positions_ptr, inv_ptr, t_begin, t_begin + (item - first_item) * BLOCK + sub * LANES,
+            n_tokens, n_powers, CARRY_BLOCK,
+        )  # fmt: skip
     seg = carry + tl.cumsum(w, 0)
     mult_next = tl.load(mult_ptr + i + 1, mask=m & (i + 1 < n_powers), other=0)
     mult_t = tl.load(mult_ptr + t, mask=m & (t < n_powers), other=0)
@@ -110,31 +171,15 @@ def _stamp_item(
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
 @triton.jit(
     do_not_specialize=[
-        "b",
-        "n_tokens",
-        "n_powers",
-        "n_lookup",
-        "t_rows",
-        "t_cols",
-        "num_slots",
-        "max_items",
-        "log_k",
-        "group_id",
-        "token_offset",
-        "res0",
-        "res1",
-        "res2",
-        "res3",
-        "res4",
-        "res5",
-        "res6",
-        "res7",
+        "b", "n_tokens", "n_powers", "n_lookup", "t_rows", "t_cols", "num_slots", "max_items", "log_k", "group_id",
+        "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
     ]
-)
+)  # fmt: skip
 def stamp_kernel(
     rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
-    tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
+    tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
+    first_ptr, last_ptr, counters_ptr,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
@@ -142,56 +187,60 @@ def stamp_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    rb = tl.arange(0, BLOCK_B)
+    row_ends = tl.load(witems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
     n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
+    epoch = tl.load(sync_ptr + EPOCH) + 1  # the last program stores it when the call ends
 
     found = tl.zeros((), tl.int64)
     written = tl.zeros((), tl.int64)
-    bits = tl.zeros((16,), tl.int64)
+    bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for item in range(pid, n_items, n_programs):
         _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
-            item, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
-            woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, b, n_tokens, n_powers, n_lookup, t_rows, t_cols,
-            num_slots, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
-            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, CARRY_BLOCK,
+            item, 0, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
+            truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
+            b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
+            res0, res1, res2, res3, res4, res5, res6, res7,
+            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True,
         )  # fmt: skip
         tl.store(tokens_ptr + slot, tok32, mask=writable)
         tl.store(rec_positions_ptr + slot, pos32, mask=writable)
         tl.store(links_ptr + slot, links, mask=writable)
         written += tl.sum(writable.to(tl.int64))
         n_hit = tl.sum((reasons != 0).to(tl.int32))
-        tl.atomic_xchg(counts_ptr + item, n_hit)
-        if n_hit > 0:
+        if n_hit > 0:  # clean items leave their count at 0
+            tl.atomic_xchg(counts_ptr + item, n_hit)
             bits += reason_counts(reasons)
-        found += n_hit
-    if written > 0:
-        tl.atomic_add(counters_ptr + STAMPED, written)
+            found += n_hit
     if found > 0:
         tl.atomic_add(sync_ptr + PENDING, found)
-        add_reason_counts(counters_ptr, bits)
+        add_counters(counters_ptr, bits)
 
-    ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+    ticket = finish(sync_ptr, counters_ptr, pid, CALLS, 1, CALLS, 0, STAMPED, written, True)
     if ticket == n_programs - 1:
-        total = tl.atomic_xchg(sync_ptr + PENDING, 0)
-        base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
-        tl.atomic_add(counters_ptr + CALLS, 1)
+        total = close_call(sync_ptr)
+        tl.store(sync_ptr + EPOCH, epoch)
         if total > 0:
+            base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
             prefix = tl.zeros((), tl.int64)
             for c0 in range(0, n_items, SCAN):
                 idx, excl, want, prefix = select_items(counts_ptr, c0, n_items, prefix, base, total, log_k)
                 for _ in range(tl.sum(want.to(tl.int32))):
                     j, rank = next_item(idx, excl, want)
-                    r, trow, slot, _w, tok32, _pos32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
-                        j, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
-                        truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, b, n_tokens, n_powers,
-                        n_lookup, t_rows, t_cols, num_slots, token_offset, res0, res1, res2, res3, res4, res5, res6,
-                        res7, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, CARRY_BLOCK,
-                    )  # fmt: skip
-                    hit = reasons != 0
-                    hit64 = hit.to(tl.int64)
-                    g = base + rank + tl.cumsum(hit64, 0) - hit64
-                    store_rows(
-                        first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
-                        slot, -1, exp_pos, pos64, exp_tok, tok32.to(tl.int64), 0, links, bad,
-                    )  # fmt: skip
+                    for sub in range(BLOCK // FINAL_LANES):  # narrow sub-blocks: see verify.py
+                        r, trow, slot, _w, tok32, _p32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
+                            j, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr,
+                            truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
+                            flags_ptr, epoch, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
+                            res0, res1, res2, res3, res4, res5, res6, res7,
+                            HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False,
+                        )  # fmt: skip
+                        hit = reasons != 0
+                        hit64 = hit.to(tl.int64)
+                        g = base + rank + tl.cumsum(hit64, 0) - hit64
+                        store_rows(
+                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                            slot, -1, exp_pos, pos64, exp_tok, tok32.to(tl.int64), 0, links, bad,
+                        )  # fmt: skip
+                        rank += tl.sum(hit64)
                     want = want & (idx != j)
-        tl.atomic_xchg(sync_ptr + TICKET, 0)

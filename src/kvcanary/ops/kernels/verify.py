@@ -15,13 +15,16 @@ from kvcanary.ops.kernels.hashing import LINK_ANCHOR, link_step
 from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import (
     CALLS,
+    COUNTER_LANES,
+    NO_ITEM,
     PENDING,
     SCAN,
     SKIPPED,
-    TICKET,
     VERIFIED,
     VIOLATIONS,
-    add_reason_counts,
+    add_counters,
+    close_call,
+    finish,
     next_item,
     reason_counts,
     select_items,
@@ -38,24 +41,29 @@ SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
 PRED_OOR = tl.constexpr(int(Reason.PREDECESSOR_OUT_OF_RANGE))
 LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
 PHASE = tl.constexpr(int(Phase.VERIFY))
+FINAL_LANES = tl.constexpr(128)  # entries per sub-block when the finalize re-derives an item
 
 
 @triton.jit
 def _verify_item(
-    item, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
-    voff_ptr, starts_ptr, vitems_ptr,
+    item, sub, row_ends, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr,
+    links_ptr, voff_ptr, starts_ptr, vitems_ptr,
     b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, n_verify, page, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr, LANES: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """reference.verify for the entries of one item: every output field, and the mask of real entries."""
-    r = find_row(vitems_ptr, b, item, BLOCK_B)
+    """reference.verify for entries [sub * LANES, (sub + 1) * LANES) of one item: every output field, and
+    the mask of real entries.  ``row_ends`` caches the item offsets of rows [1, BLOCK_B]."""
+    if b <= BLOCK_B:
+        r = tl.sum((row_ends <= item).to(tl.int64))
+    else:
+        r = find_row(vitems_ptr, b, item, BLOCK_B)
     chunk = item - tl.load(vitems_ptr + r)
     e_begin = tl.load(voff_ptr + r)
     e_end = tl.minimum(tl.load(voff_ptr + r + 1), n_verify)
     trow = tl.load(rows_ptr + r).to(tl.int64)
-    local = chunk * BLOCK + tl.arange(0, BLOCK)
+    local = chunk * BLOCK + sub * LANES + tl.arange(0, LANES)
     m = e_begin + local < e_end
     pos = tl.load(starts_ptr + r) + local
 
@@ -146,53 +154,56 @@ def verify_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     planned = tl.load(voff_ptr + b)
+    rb = tl.arange(0, BLOCK_B)
+    row_ends = tl.load(vitems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
     n_verify = tl.maximum(tl.minimum(planned, capacity), 0)
     # Items starting below the capacity: at most one per row beyond ceil(n / BLOCK) (the scratch bound).
     n_items = tl.minimum(tl.minimum(tl.load(vitems_ptr + b), (n_verify + BLOCK - 1) // BLOCK + b), max_items)
 
     found = tl.zeros((), tl.int64)
-    bits = tl.zeros((16,), tl.int64)
+    bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for item in range(pid, n_items, n_programs):
         _r, _trow, _m, _slot, _pred, _pos, _spos, _etok, _stok, _elink, _slink, _bad, reasons = _verify_item(
-            item, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
-            voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, n_verify,
-            page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK,
-            BLOCK_B,
+            item, 0, row_ends, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr,
+            positions_ptr, links_ptr, voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols,
+            num_slots, n_verify, page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
+            PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B,
         )  # fmt: skip
         n_hit = tl.sum((reasons != 0).to(tl.int32))
-        tl.atomic_xchg(counts_ptr + item, n_hit)
-        if n_hit > 0:
+        if n_hit > 0:  # clean items leave their count at 0
+            tl.atomic_xchg(counts_ptr + item, n_hit)
             bits += reason_counts(reasons)
-        found += n_hit
+            found += n_hit
     if found > 0:
         tl.atomic_add(sync_ptr + PENDING, found)
-        add_reason_counts(counters_ptr, bits)
+        add_counters(counters_ptr, bits)
 
-    ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+    ticket = finish(sync_ptr, counters_ptr, pid, VERIFIED, n_verify, SKIPPED, planned - n_verify, CALLS, 1, False)
     if ticket == n_programs - 1:
-        total = tl.atomic_xchg(sync_ptr + PENDING, 0)
-        base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
-        tl.atomic_add(counters_ptr + VERIFIED, n_verify)
-        tl.atomic_add(counters_ptr + SKIPPED, planned - n_verify)
-        tl.atomic_add(counters_ptr + CALLS, 1)
+        total = close_call(sync_ptr)
         if total > 0:
+            base = tl.atomic_add(counters_ptr + VIOLATIONS, total)
             prefix = tl.zeros((), tl.int64)
             for c0 in range(0, n_items, SCAN):
                 idx, excl, want, prefix = select_items(counts_ptr, c0, n_items, prefix, base, total, log_k)
                 for _ in range(tl.sum(want.to(tl.int32))):
                     j, rank = next_item(idx, excl, want)
-                    r, trow, _m, slot, pred, pos, spos, etok, stok, elink, slink, bad, reasons = _verify_item(
-                        j, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr,
-                        links_ptr, voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols,
-                        num_slots, n_verify, page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
-                        PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B,
-                    )  # fmt: skip
-                    hit = reasons != 0
-                    hit64 = hit.to(tl.int64)
-                    g = base + rank + tl.cumsum(hit64, 0) - hit64
-                    store_rows(
-                        first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
-                        slot, pred, pos, spos, etok, stok, elink, slink, bad,
-                    )  # fmt: skip
+                    # Re-derive the item in narrow sub-blocks: this rare path must not raise the
+                    # kernel's register count.
+                    for sub in range(BLOCK // FINAL_LANES):
+                        r, trow, _m, slot, pred, pos, spos, etok, stok, elink, slink, bad, reasons = _verify_item(
+                            j, sub, row_ends, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr,
+                            positions_ptr, links_ptr, voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup,
+                            t_rows, t_cols, num_slots, n_verify, page, token_offset,
+                            res0, res1, res2, res3, res4, res5, res6, res7,
+                            PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B,
+                        )  # fmt: skip
+                        hit = reasons != 0
+                        hit64 = hit.to(tl.int64)
+                        g = base + rank + tl.cumsum(hit64, 0) - hit64
+                        store_rows(
+                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                            slot, pred, pos, spos, etok, stok, elink, slink, bad,
+                        )  # fmt: skip
+                        rank += tl.sum(hit64)
                     want = want & (idx != j)
-        tl.atomic_xchg(sync_ptr + TICKET, 0)
