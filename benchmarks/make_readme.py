@@ -24,6 +24,12 @@ Columns: `median / p20 / p80` microseconds per step; `entries` verified per step
 move (table and lookup entries and records of the verified entries; inputs and records of the written
 tokens; row lengths and plan outputs); `floor` = max(bytes / measured copy bandwidth, one
 graph-replayed kernel); `x floor` = median / floor; `reference` = eager reference step (ms).
+
+Workload: every request's prefix is stamped and clean; each step verifies every prefix (or window)
+and writes `extend` tokens per request.  Slots come in 64-slot runs in shuffled order (a paged
+allocator); the window scenarios translate through a full->window lookup table that is a random
+permutation, so their record gathers have no locality at all (a worst case).  `--sweep` times a few
+scenarios under several kernel tunings; its tables are kept beside the results (`*-sweep.txt`).
 """
 
 TARGETS = (
@@ -64,6 +70,8 @@ def render() -> str:
         f"{m.get('steps_per_graph', '?')} steps per graph over {m.get('rotations', '?')} input sets. "
         f"Source: `{path.relative_to(HERE)}`."
     )
+    if "tuning" in m:
+        lines += ["", "Kernel tuning: " + ", ".join(f"{k}={v}" for k, v in m["tuning"].items()) + "."]
     lines += ["", TARGETS, ""]
     lines.append("| scenario | entries | median us | p20 | p80 | bytes | floor us | x floor | reference ms | target |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")

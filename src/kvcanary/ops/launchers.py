@@ -38,7 +38,8 @@ SYNC_CLEAR = [0, 1, 4, 5]  # sync words that are 0 whenever no call runs (pendin
 class KernelTuning:
     """Block sizes and grid shape.  Blocks are powers of two, at least PlanWorkspace.SCRATCH_BLOCK."""
 
-    verify_block: int = 512  # entries per verify item (a sliding window group uses min(this, window))
+    # Defaults: the best of benchmarks/results/nvidia-h200-9376e1c-sweep.txt (H200, triton 3.6).
+    verify_block: int = 1024  # entries per verify item (a sliding window group uses min(this, window))
     verify_warps: int = 8
     stamp_block: int = 512  # tokens per stamp item
     stamp_warps: int = 8
