@@ -250,7 +250,12 @@ def stamp(
     *,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> None:
-    """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds."""
+    """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds.
+
+    Two tokens of one step that write the same slot: the reference leaves the winner unspecified; here
+    each of the three fields holds one of the writes (they are stored separately, so the record may
+    mix them, and the next verify reports the slot).
+    """
     dev = _check_state(group, records, ws, log)
     _check_batch(group, batch, ws, dev)
     max_b = int(ws.row_state.shape[0])
