@@ -1,11 +1,14 @@
 """The ``kvcanary`` command line.
 
-Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run).
+Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run) and
+``selftest`` (the fault library injected into a real engine in randomized trials: the detection matrix).
 
 Exit codes:
 
-* 0 -- success (``demo``: the clean run raised no violation and the injected fault was caught);
-* 1 -- the check failed (``demo``: a violation in the clean run, or the fault went unnoticed);
+* 0 -- success (``demo``: the clean run raised no violation and the injected fault was caught;
+  ``selftest``: every 'detect' fault caught in every trial and the clean controls silent);
+* 1 -- the check failed (``demo``: a violation in the clean run, or the fault went unnoticed;
+  ``selftest``: a 'detect' fault missed or caught late, a control raised a violation, or a run failed);
 * 2 -- bad command-line usage;
 * 3 -- the environment cannot run the command (an engine missing or of an unsupported version).
 """
@@ -26,6 +29,7 @@ EXIT_ENVIRONMENT = 3
 def _parser() -> argparse.ArgumentParser:
     from kvcanary.adapters.transformers_cb.faults import FAULTS
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
+    from kvcanary.faults import command as selftest
     from kvcanary.ops import Backend
 
     parser = argparse.ArgumentParser(prog="kvcanary", description="Run-time detection of silent KV-cache corruption.")
@@ -57,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    selftest.add_parser(sub)
     return parser
 
 
@@ -101,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "selftest":
+        from kvcanary.faults import command
+
+        return command.run(args, EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT)
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE  # not reached: parser.error exits
 

@@ -1,0 +1,128 @@
+"""``kvcanary selftest``: argument parsing, the progress bar and the output (the CLI stays thin)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TextIO
+
+ENGINES = ("transformers",)
+DEFAULT_TRIALS = 20
+
+EPILOG = """exit codes:
+  0  every 'detect' fault was caught in every trial (within one step of its first affected read)
+     and the clean controls raised no violation
+  1  a 'detect' fault was missed or caught late in some trial, a control raised a violation, or a run failed
+  2  bad command-line usage (unknown fault, trials < 1, ...)
+  3  the environment cannot run it (transformers missing or of an unsupported version)
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvcanary.faults.catalogue import FAULTS
+
+    p = sub.add_parser(
+        "selftest",
+        help="inject the fault library into a real engine and print the detection matrix",
+        description="Runs every fault of the library (or the ones named) on a real engine with the canary on, "
+        "each in N randomized trials (random workload, fault injected at a random eligible step), plus clean "
+        "controls with the same seeds, and prints which faults were caught, by which check and how fast. "
+        "Faults: " + ", ".join(FAULTS) + ".",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
+    p.add_argument(
+        "--faults",
+        nargs="+",
+        metavar="FAULT",
+        help="faults to run, space- or comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--trials", type=_positive, default=DEFAULT_TRIALS, help=f"trials per fault (default: {DEFAULT_TRIALS})"
+    )
+    p.add_argument("--seed", type=int, default=0, help="base seed of the workloads and injections (default: 0)")
+    p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--list", action="store_true", help="list the faults (bug class, expectation) and exit")
+
+
+def fault_names(values: list[str] | None) -> list[str] | None:
+    """``--faults a b,c`` -> ["a", "b", "c"]; raises ValueError naming unknown faults."""
+    from kvcanary.faults.catalogue import FAULTS
+
+    if not values:
+        return None
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown or not names:
+        raise ValueError(f"unknown fault(s): {', '.join(unknown) or '(none given)'}; choose from: {', '.join(FAULTS)}")
+    return list(dict.fromkeys(names))
+
+
+class ProgressBar:
+    """A one-line bar on a terminal; on a log (not a TTY), a line every tenth of the way."""
+
+    def __init__(self, stream: TextIO, width: int = 30) -> None:
+        self.stream = stream
+        self.width = width
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.start = time.perf_counter()
+        self._last_decile = -1
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        frac = done / total if total else 1.0
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            n = int(frac * self.width)
+            bar = "#" * n + "-" * (self.width - n)
+            text = f"\rselftest [{bar}] {done}/{total} runs {elapsed:4.0f}s  {label[:48]:<48}"
+            self.stream.write(text)
+            if label == "done":
+                self.stream.write("\n")
+        elif int(frac * 10) > self._last_decile or label == "done":
+            self._last_decile = int(frac * 10)
+            self.stream.write(f"selftest: {done}/{total} runs ({frac:.0%}, {elapsed:.0f} s) {label}\n")
+        self.stream.flush()
+
+
+def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: int, exit_env: int) -> int:
+    from kvcanary.adapters.base import UnsupportedEngineVersion
+    from kvcanary.faults.catalogue import FAULTS
+
+    if args.list:
+        for name, cls in FAULTS.items():
+            s = cls.spec
+            print(f"{name:28s} {s.expected.value:6s} {s.check:42s} {s.bug_class}")
+        return exit_ok
+    try:
+        names = fault_names(args.faults)
+    except ValueError as exc:
+        print(f"kvcanary selftest: {exc}", file=sys.stderr)
+        return exit_usage
+    try:
+        from kvcanary.faults.report import as_json, table
+        from kvcanary.faults.runner import run_selftest
+
+        progress = None if args.quiet else ProgressBar(sys.stderr)
+        result = run_selftest(names, trials=args.trials, seed=args.seed, progress=progress)
+    except (ImportError, UnsupportedEngineVersion) as exc:
+        print(f"kvcanary selftest needs transformers (pip install 'kvcanary[transformers]'): {exc}", file=sys.stderr)
+        return exit_env
+    if args.json:
+        print(json.dumps(as_json(result, args.seed)))
+    else:
+        print(table(result, args.seed))
+    return exit_ok if result.passed else exit_failed

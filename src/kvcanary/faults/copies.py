@@ -1,0 +1,197 @@
+"""Faults in the engine's bulk KV moves: fork block copies and CPU offload/restore.
+
+The adapter keeps the records in step with these moves by mirroring the engine's calls
+(``CacheAllocator.copy_blocks``) and its bookkeeping (the request's block table when a restore completes).
+What the canary can see therefore depends on where the bug sits:
+
+* the move is missing from the engine's bookkeeping (a copy never requested, a restore never run while
+  the request resumes at its old length): the records were not moved either, the request reads slots whose
+  records belong to someone else or to nobody -- detected;
+* the bookkeeping is right but the bytes go astray (a copy that never lands, a restore that writes the
+  right pages into the wrong blocks): the records were moved as the bookkeeping says, so they describe
+  where the bytes *should* be -- missed until a digest of the KV bytes is checked (or, for restores, until
+  the adapter mirrors the copy's own destination ids instead of the block table).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
+
+_STALE_CHECKS = frozenset(
+    {
+        ("verify", "never_written"),
+        ("verify", "position_mismatch"),
+        ("verify", "token_mismatch"),
+        ("verify", "link_mismatch"),
+    }
+)
+
+
+class ForkSkipCopy(Fault):
+    spec = FaultSpec(
+        name="fork-skip-copy",
+        bug_class="fork without its block copy",
+        catalogue="B.14 (stamps must move with the data); B.4 NVIDIA/TensorRT-LLM#18554 (wrong block trimmed); "
+        "B.1 partial-block sharing",
+        mechanism="a fork's list of blocks to copy loses its last (partial) block: the child's table holds a "
+        "fresh block that never receives the parent's KV",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: never_written (or stale record)",
+        checks=_STALE_CHECKS,
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def make(inner: Any) -> Any:
+            def prepare_fork_request(src_state: Any, dst_req_ids: list[str], copies: dict[str, Any]) -> list[str]:
+                n0 = len(copies[FULL][0])
+                forked: list[str] = inner(src_state, dst_req_ids, copies)
+                src, dst = copies[FULL]
+                if len(src) > n0 and forked and ctx.take(self.name):
+                    s, d = src.pop(), dst.pop()
+                    ctx.injected(f"fork of {src_state.request_id!r}: copy of block {s} -> {d} dropped", [forked[-1]])
+                return forked
+
+            return prepare_fork_request
+
+        ctx.wrap(ctx.cache, "prepare_fork_request", make)
+
+
+class ForkCopyLost(Fault):
+    spec = FaultSpec(
+        name="fork-copy-lost",
+        bug_class="fork block copy issued but its bytes never land",
+        catalogue="B.8 vllm-project/vllm#45704 (copy without stream sync), B.11 async copy races",
+        mechanism="the fork's copy_blocks call runs (and is mirrored into the records) but writes into a buffer "
+        "attention never reads, as an unsynchronised or misdirected copy would",
+        model="dense",
+        expected=Expect.MISS,
+        check="none",
+        why_miss="the records are moved by mirroring copy_blocks' arguments, not the bytes: they say the child's "
+        "block holds the parent's KV while it holds stale bytes; needs the KV digest",
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+
+        def make(inner: Any) -> Any:
+            def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+                if not (source_block_ids and ctx.take(self.name)):
+                    inner(source_block_ids, dest_block_ids)
+                    return
+                real = alloc._copy_view
+                alloc._copy_view = real.clone()  # the copy lands here and is dropped
+                try:
+                    inner(source_block_ids, dest_block_ids)  # the adapter's class-level wrapper mirrors it
+                finally:
+                    alloc._copy_view = real
+                dst = set(dest_block_ids)
+                children = [rid for rid, table in alloc.block_table.items() if dst.intersection(table)]
+                ctx.injected(f"copy of blocks {source_block_ids} -> {dest_block_ids} lost", children)
+
+            return copy_blocks
+
+        ctx.wrap(alloc, "copy_blocks", make)
+
+
+class OffloadRestoreLost(Fault):
+    spec = FaultSpec(
+        name="offload-restore-lost",
+        bug_class="offloaded KV never restored, request resumes as if it were",
+        catalogue="B.8 ggml-org/llama.cpp#27068 (failed slot restore leaves corrupted K/V), LMCache/LMCache#4991, "
+        "B.3 vllm-project/vllm#49250 (load failure 'recovered' with garbage)",
+        mechanism="a CPU-offloaded request loses its offloaded flag just before the restore: the engine resumes it at "
+        "its old length on fresh blocks and never copies its KV back",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: never_written (or stale record)",
+        checks=_STALE_CHECKS,
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def make(inner: Any) -> Any:
+            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+                offloaded = [fs.state for fs in requests_in_batch if fs.state.is_cpu_offloaded]
+                if offloaded and ctx.take(self.name):
+                    state = ctx.rng.choice(offloaded)
+                    state.is_cpu_offloaded = False
+                    ctx.injected(
+                        f"restore of {state.request_id!r} ({state.position_offset} tokens) skipped", [state.request_id]
+                    )
+                return inner(requests_in_batch)
+
+            return restore_scheduled_requests
+
+        ctx.wrap(ctx.offloading, "restore_scheduled_requests", make)
+
+
+class _MisdirectedView:
+    """Stands in for an allocator's ``_copy_view`` during one restore: ``index_copy_`` sends blocks of
+    ``remap`` to other blocks; everything else is the real view's."""
+
+    def __init__(self, real: torch.Tensor, remap: dict[int, int]) -> None:
+        self._real = real
+        self._remap = remap
+
+    def index_copy_(self, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        moved = torch.tensor([self._remap.get(int(i), int(i)) for i in index.tolist()], dtype=index.dtype)
+        return self._real.index_copy_(dim, moved.to(index.device), source)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class OffloadRestoreWrongBlock(Fault):
+    spec = FaultSpec(
+        name="offload-restore-wrong-block",
+        bug_class="offload restored into the wrong block",
+        catalogue="B.8 LMCache/LMCache#4991, NVIDIA/TensorRT-LLM#8813 (tokens from other prompts with host KV "
+        "cache); B.16 'restore a stored chunk into block b+1'",
+        mechanism="the restore's copy writes each saved page of one request into the next block of its new table "
+        "(page k -> block k+1, the last into the first); the block table itself is right",
+        model="dense",
+        expected=Expect.MISS,
+        check="none",
+        why_miss="the adapter restores the records into the request's block table as the engine's bookkeeping "
+        "says, not where the copy wrote the bytes, so records and reads agree while the bytes are misplaced; "
+        "caught once the mirror follows the copy's destination ids, or by the KV digest",
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+        om = ctx.offloading
+
+        def make(inner: Any) -> Any:
+            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+                options = []
+                for fs in requests_in_batch:
+                    rid = fs.state.request_id
+                    cpu = om._request_id_to_cpu_blocks.get(rid, {}).get(FULL, []) if fs.state.is_cpu_offloaded else []
+                    table = alloc.block_table.get(rid, [])
+                    n = min(len(cpu), len(table))
+                    if n >= 2:
+                        options.append((rid, [int(b) for b in table[:n]]))
+                if not (options and ctx.take(self.name)):
+                    return inner(requests_in_batch)
+                rid, blocks = ctx.rng.choice(options)
+                remap = {b: blocks[(k + 1) % len(blocks)] for k, b in enumerate(blocks)}
+                real = alloc._copy_view
+                alloc._copy_view = _MisdirectedView(real, remap)
+                try:
+                    out = inner(requests_in_batch)
+                finally:
+                    alloc._copy_view = real
+                ctx.injected(f"restore of {rid!r}: pages written to blocks {[remap[b] for b in blocks]}", [rid])
+                return out
+
+            return restore_scheduled_requests
+
+        ctx.wrap(om, "restore_scheduled_requests", make)

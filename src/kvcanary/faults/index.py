@@ -1,0 +1,217 @@
+"""Faults in the index tensors the engine builds for a step: which slots attention reads and writes,
+the positions and the token ids it feeds the model.
+
+transformers builds these on the host (``get_read_indices``/``get_write_indices`` per allocator, then
+``prepare_batch_tensors`` copies them into static buffers); the faults corrupt either the allocator's
+index construction or the static buffers the forward receives, as a bug in that code would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcanary.faults.base import (
+    FULL,
+    SLIDING,
+    Expect,
+    Fault,
+    FaultContext,
+    FaultSpec,
+    Row,
+    batch_rows,
+)
+
+
+def _row_map(ctx: FaultContext) -> dict[str, Row]:
+    host = ctx.host
+    return {} if host is None else {r.request_id: r for r in batch_rows(host)}
+
+
+class SlotMappingForeign(Fault):
+    spec = FaultSpec(
+        name="slot-mapping-foreign",
+        bug_class="token table / slot mapping points at another request's slots",
+        catalogue="B.6 vllm-project/vllm#54296 (slot mapping reads the adjacent row's block id); B.3 resume onto "
+        "foreign slots",
+        mechanism="the full-attention allocator's read indices for one request map one of its full pages onto "
+        "the block of another request in the batch (same page index, different prefix)",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: token/link mismatch",
+        checks=frozenset({("verify", "token_mismatch"), ("verify", "link_mismatch")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+
+        def make(inner: Any) -> Any:
+            def get_read_indices(request_id: str, past_length: int, query_length: int) -> list[int]:
+                out: list[int] = inner(request_id, past_length, query_length)
+                plan = ctx.guard(self._find)(ctx, alloc, request_id, past_length)
+                if plan is not None and ctx.take(self.name):
+                    page, donor, block = plan
+                    p, stride = ctx.page_size, alloc.block_physical_stride
+                    out[page * p : (page + 1) * p] = range(block * stride, block * stride + p)
+                    ctx.injected(
+                        f"read indices of {request_id!r} page {page} -> block {block} of {donor!r}", [request_id]
+                    )
+                return out
+
+            return get_read_indices
+
+        ctx.wrap(alloc, "get_read_indices", make)
+
+    def _find(self, ctx: FaultContext, alloc: Any, request_id: str, past: int) -> tuple[int, str, int] | None:
+        rows = _row_map(ctx)
+        me = rows.get(request_id)
+        if me is None:
+            return None
+        p = ctx.page_size
+        mine = alloc.block_table.get(request_id, [])
+        options = []
+        for page in range(min(past // p, len(mine))):
+            end = (page + 1) * p
+            for other in rows.values():
+                theirs = alloc.block_table.get(other.request_id, [])
+                if (
+                    other.request_id != request_id
+                    and other.past >= end
+                    and len(theirs) > page
+                    and theirs[page] != mine[page]
+                    and list(other.history[:end]) != list(me.history[:end])  # really different content
+                ):
+                    options.append((page, other.request_id, int(theirs[page])))
+        return ctx.rng.choice(options) if options else None
+
+
+class ChunkBoundaryPosition(Fault):
+    spec = FaultSpec(
+        name="chunk-boundary-position",
+        bug_class="positions off by one at a chunk boundary",
+        catalogue="B.6 sgl-project/sglang#24590 (committed length inflated by one); huggingface/transformers#43082 "
+        "(position_ids per chunk)",
+        mechanism="the position ids the engine builds for a prefill chunk that continues a cached prefix start one "
+        "past the committed length",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: write_position_mismatch",
+        checks=frozenset({("stamp", "write_position_mismatch")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def before_forward(kwargs: dict[str, Any]) -> None:
+            host = ctx.host
+            if host is None:
+                return
+            chunks = [r for r in batch_rows(host) if r.past > 0 and r.query > 1]
+            if chunks and ctx.take(self.name):
+                r = ctx.rng.choice(chunks)
+                kwargs["position_ids"].view(-1)[r.token_start : r.token_start + r.query] += 1
+                ctx.injected(
+                    f"chunk of {r.request_id!r} at {r.past}..{r.past + r.query - 1} shifted by +1", [r.request_id]
+                )
+
+        ctx.on_forward(before_forward)
+
+
+class DroppedWrite(Fault):
+    spec = FaultSpec(
+        name="dropped-write",
+        bug_class="a KV write that never lands in the request's slot",
+        catalogue="B.4 NVIDIA/TensorRT-LLM#5285 (KV of the last draft token not stored); B.10 padding slot ids",
+        mechanism="one decode token's write index is sent to the engine's write-trash slot, so its slot keeps stale KV",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: reserved_slot",
+        checks=frozenset({("stamp", "reserved_slot"), ("verify", "never_written"), ("verify", "position_mismatch")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def before_forward(kwargs: dict[str, Any]) -> None:
+            host = ctx.host
+            if host is None:
+                return
+            alloc = ctx.allocator(FULL)
+            decodes = [r for r in batch_rows(host) if r.query == 1 and r.past > 0]
+            if alloc is not None and decodes and ctx.take(self.name):
+                r = ctx.rng.choice(decodes)
+                write = kwargs["write_index"][ctx.group_index(FULL)]
+                old = int(write[r.token_start])
+                write[r.token_start] = alloc.write_trash_index
+                ctx.injected(
+                    f"write of {r.request_id!r} position {r.past} sent from {old} to the trash", [r.request_id]
+                )
+
+        ctx.on_forward(before_forward)
+
+
+class WrongTokenId(Fault):
+    spec = FaultSpec(
+        name="wrong-token-id",
+        bug_class="a wrong token id written to a slot",
+        catalogue="B.11 NVIDIA/TensorRT-LLM#15546 (reused host buffer, another batch's ids); B.1 "
+        "sgl-project/sglang#38319 (impossible token ids); async carry-over of sampled tokens",
+        mechanism="one decode token's input id is replaced by another token (the carried-over sampled token of "
+        "another row), so its KV is computed for a token the request never produced",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: write_token_mismatch",
+        checks=frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def before_forward(kwargs: dict[str, Any]) -> None:
+            host = ctx.host
+            if host is None:
+                return
+            decodes = [r for r in batch_rows(host) if r.query == 1]
+            if decodes and ctx.take(self.name):
+                r = ctx.rng.choice(decodes)
+                ids = kwargs["input_ids"].view(-1)
+                old = int(ids[r.token_start])
+                others = [int(ids[o.token_start]) for o in decodes if int(ids[o.token_start]) != old]
+                new = ctx.rng.choice(others) if others else (old + 1) % 1000
+                ids[r.token_start] = new
+                ctx.injected(f"input id of {r.request_id!r} at position {r.past}: {old} -> {new}", [r.request_id])
+
+        ctx.on_forward(before_forward)
+
+
+class WindowRingOffByOne(Fault):
+    spec = FaultSpec(
+        name="window-ring-off-by-one",
+        bug_class="sliding-window ring mapping off by one on wrap-around",
+        catalogue="B.5 huggingface/transformers#47708 (sliding window cache index off-by-one on wraparound); "
+        "vllm-project/vllm#42273",
+        mechanism="once a request's ring has wrapped, the sliding allocator starts its read window at ring index "
+        "past % W instead of (past + 1) % W: it reads the token that left the window and misses the newest",
+        model="hybrid",
+        expected=Expect.DETECT,
+        check="verify: position_mismatch",
+        checks=frozenset({("verify", "position_mismatch"), ("verify", "link_mismatch")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(SLIDING)
+        if alloc is None:
+            return
+        window = int(alloc.sliding_window)
+
+        def make(inner: Any) -> Any:
+            def get_read_indices(request_id: str, past_length: int, query_length: int) -> list[int]:
+                if past_length >= window and ctx.take(self.name):
+                    out: list[int] = alloc._token_indices_to_physical_indices(
+                        request_id, past_length % window, window - 1
+                    )
+                    ctx.injected(
+                        f"ring read of {request_id!r} at past {past_length} starts one slot early", [request_id]
+                    )
+                    return out + [alloc.sentinel_index] * query_length
+                result: list[int] = inner(request_id, past_length, query_length)
+                return result
+
+            return get_read_indices
+
+        ctx.wrap(alloc, "get_read_indices", make)

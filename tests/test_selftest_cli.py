@@ -1,0 +1,118 @@
+"""``kvcanary selftest``: the JSON contract, the exit codes (pass, a missed 'detect' fault, environment)
+and argument errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvcanary import cli
+from kvcanary.adapters import UnsupportedEngineVersion
+from kvcanary.faults import FAULTS, Expect
+from kvcanary.faults.command import ProgressBar, fault_names
+
+ROW_KEYS = {"fault", "engine", "trials", "detected", "expected", "check"}
+
+
+def test_json_schema_and_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["selftest", "--faults", "wrong-token-id,kv-bit-flip", "--trials", "1", "--json", "--quiet"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == cli.EXIT_OK and out["passed"] is True
+    assert set(out["results"][0]) >= ROW_KEYS and set(out["controls"]) >= {"runs", "false_positives"}
+    rows = {r["fault"]: r for r in out["results"]}
+    assert set(rows) == {"wrong-token-id", "kv-bit-flip"}
+    detect, miss = rows["wrong-token-id"], rows["kv-bit-flip"]
+    assert detect["expected"] == "detect" and detect["trials"] == 1 and detect["detected"] == 1
+    assert detect["engine"] == "transformers" and detect["check"] == FAULTS["wrong-token-id"].spec.check
+    assert miss["expected"] == "miss" and miss["detected"] == 0 and miss["why_miss"]
+    assert out["controls"]["runs"] >= 1 and out["controls"]["false_positives"] == 0
+
+
+def test_table_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["selftest", "--faults", "dropped-write", "--trials", "1"]) == cli.EXIT_OK
+    captured = capsys.readouterr()
+    assert "dropped-write" in captured.out and "1/1" in captured.out and "result: PASS" in captured.out
+    assert "controls: 1 clean runs, 0 false positive(s)" in captured.out
+    assert "selftest: " in captured.err and "done" in captured.err  # the progress lines (stderr is not a TTY)
+
+
+def test_a_missed_detect_fault_exits_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    flip = FAULTS["kv-bit-flip"]
+    claimed = dataclasses.replace(flip.spec, expected=Expect.DETECT, checks=frozenset({("verify", "token_mismatch")}))
+    monkeypatch.setattr(flip, "spec", claimed)  # claim the canary catches a bit flip: it does not
+    rc = cli.main(["selftest", "--faults", "kv-bit-flip", "--trials", "1", "--json", "--quiet"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == cli.EXIT_CHECK_FAILED and out["passed"] is False
+    assert out["results"][0]["expected"] == "detect" and out["results"][0]["detected"] == 0
+
+
+def test_unsupported_engine_exits_3(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcanary.adapters.transformers_cb import version
+
+    def refuse(*args: object, **kwargs: object) -> str:
+        raise UnsupportedEngineVersion("transformers 0.0 is not supported")
+
+    monkeypatch.setattr(version, "check_version", refuse)
+    assert cli.main(["selftest", "--faults", "dropped-write", "--trials", "1", "--quiet"]) == cli.EXIT_ENVIRONMENT
+    assert "needs transformers" in capsys.readouterr().err
+
+
+def test_unknown_fault_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["selftest", "--faults", "dropped-write,no-such-fault"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no-such-fault" in err and "dropped-write" in err  # names the bad one and lists the choices
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["selftest", "--trials", "0"],
+        ["selftest", "--trials", "many"],
+        ["selftest", "--engine", "vllm"],
+        ["selftest", "--seed", "x"],
+        ["selftest", "--faults"],
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == cli.EXIT_USAGE
+    assert "usage: kvcanary selftest" in capsys.readouterr().err
+
+
+def test_list_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["selftest", "--list"]) == cli.EXIT_OK
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in FAULTS)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["selftest", "--help"])
+    assert exc.value.code == 0
+    assert "exit codes:" in capsys.readouterr().out
+
+
+def test_fault_names_parsing() -> None:
+    assert fault_names(None) is None and fault_names([]) is None
+    assert fault_names(["dropped-write", "kv-bit-flip,dropped-write"]) == [
+        "dropped-write",
+        "kv-bit-flip",
+    ]
+    with pytest.raises(ValueError, match="nope"):
+        fault_names(["nope"])
+    with pytest.raises(ValueError, match="none given"):
+        fault_names([" , "])
+
+
+def test_progress_bar_on_a_log_prints_every_tenth() -> None:
+    import io
+
+    log = io.StringIO()
+    bar = ProgressBar(log)
+    for i in range(101):
+        bar(i, 100, f"run {i}")
+    bar(100, 100, "done")
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 12 and lines[0].startswith("selftest: 0/100") and lines[-1].endswith("done")
