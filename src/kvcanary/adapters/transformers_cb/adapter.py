@@ -363,6 +363,8 @@ class TransformersCBAdapter:
     def _pre_hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is None or "write_index" not in kwargs:
             return  # not a paged continuous-batching forward
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # the engine capturing a CUDA graph: its warm-up forward already counted, the tap follows
         self._forwards_seen += 1
         if self._forwards_seen - 1 > self._taps:
             self._hook_misses += 1
