@@ -44,9 +44,11 @@ class KernelTuning:
     stamp_block: int = 512  # tokens per stamp item
     stamp_warps: int = 8
     carry_block: int = 512  # tokens per step when the finalize re-sums a row's earlier tokens
+    stamp_polls: int = 32  # times a stamp item re-reads its row's earlier items' flags before recomputing
     row_block: int = 1024  # batch rows per step of the plan's row walk
     programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
     interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
+    interpreter_polls: int = 2  # the interpreter runs programs one after another: polling cannot help there
 
     def __post_init__(self) -> None:
         for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
@@ -56,6 +58,9 @@ class KernelTuning:
         for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("stamp_polls", "interpreter_polls"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -277,5 +282,6 @@ def stamp(
         max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),
         HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
         BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
+        POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
         num_warps=tuning.stamp_warps,
     )  # fmt: skip

@@ -71,12 +71,13 @@ def _block_sum(ids_ptr, positions_ptr, inv_ptr, begin, end, n_tokens, n_powers, 
 @triton.jit
 def _carry(
     ids_ptr, positions_ptr, inv_ptr, sums_ptr, flags_ptr, first_item, item, t_begin, epoch, n_tokens, n_powers,
-    BLOCK: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr,
+    BLOCK: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr, POLLS: tl.constexpr,
 ):  # fmt: skip
     """Sum of mix * M**-t over the row's tokens before ``item``'s block.
 
-    With LOOKBACK, earlier items' sums that this call already published (flag == epoch) are read;
-    the others are recomputed here, so no program ever waits for another.
+    With LOOKBACK, earlier items' sums that this call already published (flag == epoch) are read.
+    Their programs started with this one and publish after one round trip, so the flags are polled
+    up to POLLS times; the sums still missing then are recomputed here, so no program waits unboundedly.
     """
     carry = tl.zeros((), tl.int64)
     if LOOKBACK:
@@ -84,6 +85,13 @@ def _carry(
             idx = (i0 + tl.arange(0, LOOK)).to(tl.int64)
             mk = idx < item
             ready = mk & (tl.atomic_add(flags_ptr + idx, 0, mask=mk) == epoch)
+            pending = mk & ~ready
+            tries = tl.zeros((), tl.int32)
+            while (tl.max(pending.to(tl.int32)) > 0) & (tries < POLLS):
+                seen = pending & (tl.atomic_add(flags_ptr + idx, 0, mask=pending) == epoch)
+                ready = ready | seen
+                pending = pending & ~seen
+                tries += 1
             carry += tl.sum(tl.where(ready, tl.atomic_add(sums_ptr + idx, 0, mask=ready), 0))
             missing = mk & ~ready
             for _ in range(tl.sum(missing.to(tl.int32))):
@@ -104,7 +112,7 @@ def _stamp_item(
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
-    BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr,
+    BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr, POLLS: tl.constexpr,
 ):  # fmt: skip
     """reference.stamp for tokens [sub * LANES, (sub + 1) * LANES) of one item: records and log fields.
 
@@ -133,7 +141,7 @@ def _stamp_item(
             tl.atomic_xchg(flags_ptr + item, epoch)  # after the sum, same thread: readers see both
         carry = _carry(
             ids_ptr, positions_ptr, inv_ptr, sums_ptr, flags_ptr, first_item, item, t_begin, epoch, n_tokens,
-            n_powers, BLOCK, CARRY_BLOCK, True,
+            n_powers, BLOCK, CARRY_BLOCK, True, POLLS,
         )  # fmt: skip
     else:
         carry = _block_sum(
@@ -183,7 +191,7 @@ def stamp_kernel(
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, POLLS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -201,7 +209,7 @@ def stamp_kernel(
             truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
             b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
             res0, res1, res2, res3, res4, res5, res6, res7,
-            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True,
+            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True, POLLS,
         )  # fmt: skip
         tl.store(tokens_ptr + slot, tok32, mask=writable)
         tl.store(rec_positions_ptr + slot, pos32, mask=writable)
@@ -233,7 +241,7 @@ def stamp_kernel(
                             truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
                             flags_ptr, epoch, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
                             res0, res1, res2, res3, res4, res5, res6, res7,
-                            HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False,
+                            HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False, POLLS,
                         )  # fmt: skip
                         hit = reasons != 0
                         hit64 = hit.to(tl.int64)
