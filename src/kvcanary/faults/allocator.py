@@ -65,7 +65,7 @@ def allocations_ahead(ctx: FaultContext) -> int:
 class UseAfterFree(Fault):
     spec = FaultSpec(
         name="use-after-free",
-        bug_class="block freed and reused while a request still references it",
+        bug_class="block freed and reused while still referenced",
         catalogue="B.1 vllm-project/vllm#37076 (use-after-free under eviction pressure), vllm-project/vllm#4761, "
         "NVIDIA/TensorRT-LLM#15018 (orphaned blocks recycled)",
         mechanism="between two steps, a full block of a decoding request goes back to the free list while the "

@@ -62,7 +62,7 @@ class Injection:
 class FaultContext:
     """Everything a fault's hooks may touch during one run of the engine.
 
-    Engine objects (``processor``, ``cache``, ``scheduler``, ``io``, ``offloading``) are bound when the
+    Engine objects (``processor``, ``cache``, ``scheduler``, ``offloading``) are bound when the
     engine's batch processor is first seen, before its first step.  ``step`` is the canary step the next
     (or current) forward gets; ``host`` is the host batch of the step being prepared or run.
     """
@@ -75,7 +75,6 @@ class FaultContext:
         rng: random.Random,
         target: tuple[str, int] | None = None,
         page_size: int,
-        sliding_window: int,
     ) -> None:
         if mode is InjectMode.INJECT and target is None:
             raise ValueError("inject mode needs a target (fault name, step)")
@@ -84,7 +83,6 @@ class FaultContext:
         self.rng = rng
         self.target = target
         self.page_size = page_size
-        self.sliding_window = sliding_window
         self.opportunities: dict[str, list[int]] = {}
         self.injection: Injection | None = None
         self.errors: list[BaseException] = []
@@ -103,10 +101,6 @@ class FaultContext:
     @property
     def scheduler(self) -> Any:
         return self.processor.scheduler
-
-    @property
-    def io(self) -> Any:
-        return self.processor.inputs_and_outputs
 
     @property
     def offloading(self) -> Any:

@@ -64,7 +64,7 @@ class ForkSkipCopy(Fault):
 class ForkCopyLost(Fault):
     spec = FaultSpec(
         name="fork-copy-lost",
-        bug_class="fork block copy issued but its bytes never land",
+        bug_class="fork copy issued, its bytes never land",
         catalogue="B.8 vllm-project/vllm#45704 (copy without stream sync), B.11 async copy races",
         mechanism="the fork's copy_blocks call runs (and is mirrored into the records) but writes into a buffer "
         "attention never reads, as an unsynchronised or misdirected copy would",
@@ -103,7 +103,7 @@ class ForkCopyLost(Fault):
 class OffloadRestoreLost(Fault):
     spec = FaultSpec(
         name="offload-restore-lost",
-        bug_class="offloaded KV never restored, request resumes as if it were",
+        bug_class="offload never restored, request resumes anyway",
         catalogue="B.8 ggml-org/llama.cpp#27068 (failed slot restore leaves corrupted K/V), LMCache/LMCache#4991, "
         "B.3 vllm-project/vllm#49250 (load failure 'recovered' with garbage)",
         mechanism="a CPU-offloaded request loses its offloaded flag just before the restore: the engine resumes it at "

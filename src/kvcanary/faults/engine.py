@@ -110,7 +110,7 @@ def run_engine(
 
     from kvcanary.adapters.transformers_cb import install
     from kvcanary.adapters.transformers_cb.patches import PatchSet
-    from kvcanary.demo import PAGE_SIZE, SLIDING_WINDOW, build_prompts
+    from kvcanary.demo import PAGE_SIZE, build_prompts
 
     gen, cb = _configs(workload, seed)
     prompts = build_prompts(workload.prompts, seed)
@@ -124,7 +124,6 @@ def run_engine(
         rng=random.Random(f"{seed}:{target}"),
         target=target,
         page_size=PAGE_SIZE,
-        sliding_window=SLIDING_WINDOW,
     )
     patches = PatchSet()
     errors: list[str] = []
@@ -153,6 +152,10 @@ def run_engine(
             errors.append(f"engine failed: {len(results)}/{expected} results, {len(failed)} failed")
         if adapter.stats()["adapter_errors"]:
             errors.append(f"adapter errors: {adapter.stats()['adapter_errors']}")
+        try:
+            adapter.check_effective()
+        except RuntimeError as exc:
+            errors.append(str(exc))
         return RunOutcome(
             stats=adapter.stats(),
             features=adapter.features(),
@@ -190,7 +193,8 @@ def _generate(
         status = manager.background_thread_status
         rank = manager.distributed_helper.global_rank
         ctx.request_stop = lambda: status.request_stop(BackgroundThreadStatus.HARD_STOP, rank)
-        manager.add_requests(inputs=prompts, max_new_tokens=new_tokens)
+        with manager.pause():  # queue every request before the loop's first look: the same first batch each run
+            manager.add_requests(inputs=prompts, max_new_tokens=new_tokens)
         while len(results) < expected:
             result = manager.get_result(timeout=0.02)
             if result is not None:

@@ -30,7 +30,7 @@ def _row_map(ctx: FaultContext) -> dict[str, Row]:
 class SlotMappingForeign(Fault):
     spec = FaultSpec(
         name="slot-mapping-foreign",
-        bug_class="token table / slot mapping points at another request's slots",
+        bug_class="slot mapping points at another request's slots",
         catalogue="B.6 vllm-project/vllm#54296 (slot mapping reads the adjacent row's block id); B.3 resume onto "
         "foreign slots",
         mechanism="the full-attention allocator's read indices for one request map one of its full pages onto "
@@ -119,7 +119,7 @@ class ChunkBoundaryPosition(Fault):
 class DroppedWrite(Fault):
     spec = FaultSpec(
         name="dropped-write",
-        bug_class="a KV write that never lands in the request's slot",
+        bug_class="a dropped KV write (sent to the trash slot)",
         catalogue="B.4 NVIDIA/TensorRT-LLM#5285 (KV of the last draft token not stored); B.10 padding slot ids",
         mechanism="one decode token's write index is sent to the engine's write-trash slot, so its slot keeps stale KV",
         model="dense",

@@ -20,7 +20,7 @@ from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
 class StalePrefixHit(Fault):
     spec = FaultSpec(
         name="stale-prefix-hit",
-        bug_class="prefix cache serves a block that was freed and reused (stale hash)",
+        bug_class="stale prefix-cache hash serves a reused block",
         catalogue="B.1 vllm-project/vllm#4761 (evicted block still tracked as cached), vllm-project/vllm#49125, "
         "NVIDIA/TensorRT-LLM#15018, sgl-project/sglang#38319",
         mechanism="a cached block is evicted to the free list but its hash stays in the ledger; a request served it "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from kvcanary.faults.base import Expect
@@ -29,7 +30,7 @@ def row_json(row: FaultRow, engine: str) -> dict[str, Any]:
         "mechanism": spec.mechanism,
         "why_miss": spec.why_miss or None,
         "median_steps": row.median_steps,
-        "median_raw_steps": sorted(raw)[len(raw) // 2] if raw else None,
+        "median_raw_steps": statistics.median(raw) if raw else None,
         "late": row.count("late"),
         "missed": row.count("missed"),
         "errors": row.count("error"),
@@ -119,6 +120,9 @@ def _notes(result: SelftestResult) -> list[str]:
         bad = {k: r.count(k) for k in ("late", "missed", "error") if r.count(k)}
         if r.spec.expected is Expect.DETECT and bad:
             notes.append(f"{r.spec.name}: " + ", ".join(f"{v} {k}" for k, v in bad.items()))
+        other = sum(not t.expected_check for t in r.trials if t.outcome == "caught")
+        if r.spec.expected is Expect.DETECT and other:
+            notes.append(f"{r.spec.name}: caught by another check than documented in {other} trial(s): {r.fired}")
         if r.spec.expected is Expect.MISS and r.detected:
             notes.append(f"{r.spec.name}: detected in {r.detected} trial(s) although expected to be missed")
         if len(r.trials) < result.requested_trials:
@@ -148,7 +152,7 @@ def verdict(result: SelftestResult) -> str:
     failing = [r.spec.name for r in result.rows if not r.passed or len(r.trials) < result.requested_trials]
     why = []
     if failing:
-        why.append("faults not caught every time: " + ", ".join(failing))
+        why.append("faults not caught every time by their documented check: " + ", ".join(failing))
     if result.false_positives:
         why.append(f"{result.false_positives} control run(s) raised violations")
     if result.control_errors:

@@ -10,11 +10,13 @@ A trial's verdict:
 
 * the *first affected read* is the oracle's (:mod:`kvcanary.faults.oracle`): the first step at which an
   attention layer received K/V that a correct engine would not have given it;
-* *detection* is the canary's first report at or after the injection step; ``steps`` is detection minus
-  first affected read (negative: caught when the bad write was stamped, before anything read it);
-* *caught* means detected within one step of the first affected read (or detected while no read was ever
-  affected); *late* means detected later; *missed* means never reported.  Reports before the injection are
-  false positives.
+* *detection* is the canary's first report at or after the injection step; ``steps`` goes from the first
+  affected read to detection, counting after that read only the forwards the affected requests ran in (a
+  parked request reads nothing, so nothing can be checked for it): <= 0 caught at or before that read
+  (negative: the bad write was flagged when stamped), 1 caught by the affected requests' next forward;
+* *caught* means ``steps`` <= 1 (or detected while no read was ever affected); *late* means detected
+  later; *missed* means not reported (a faulted run stops a few reported forwards after its verdict is
+  settled, see :mod:`kvcanary.faults.engine`).  Reports before the injection are false positives.
 * a trial whose corruption never reached a read and was not reported (*no effect*), or reached only the
   affected requests' very last forward (*unobservable*: nothing reads those slots again, so no check made
   before a read can see it) does not test the canary: it is counted apart and redrawn with another seed.
@@ -140,9 +142,13 @@ class FaultRow:
 
     @property
     def passed(self) -> bool:
+        """Miss rows: no trial errored or reported before its injection.  Detect rows also: every trial caught
+        within one step, with the documented check among the first report's rows."""
         if any(t.outcome == "error" or t.false_reports for t in self.trials) or not self.trials:
             return False
-        return self.spec.expected is Expect.MISS or self.detected == len(self.trials)
+        if self.spec.expected is Expect.MISS:
+            return True
+        return self.detected == len(self.trials) and all(t.expected_check for t in self.trials)
 
 
 @dataclasses.dataclass(frozen=True)
