@@ -39,6 +39,7 @@ PAGE_SIZE = 8
 _NUM_BLOCKS = {"dense": 48, "hybrid": 48, "sliding": 20}  # tight enough to force offloading
 _PROGRESS_EVERY = 100
 FOLLOW_UP = 8  # prompts of the follow-up wave (after the main wave of DemoOptions.requests prompts)
+WARM_UP = 8  # prompts of the canary's warm-up run before a timed comparison (--baseline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,9 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
         if options.baseline:
             time_baseline(model, prompts, options)  # warm-up (kernels, allocator)
             baseline = time_baseline(model, prompts, options)
+            # The canary's warm-up too (its kernels compile on first use), so both sides are timed warm.
+            warm = dataclasses.replace(options, requests=min(WARM_UP, options.requests), follow_up=0)
+            run_workload(model, prompts[: warm.requests], warm, label="warm-up")
         clean = run_workload(model, prompts, options, label="clean", progress=progress)
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, clean, faulted, baseline)
@@ -333,11 +337,12 @@ def summary(result: DemoResult) -> str:
         f"  engine features exercised: {_features_line(o.model, c.features)}",
     ]
     if c.stats["steps"]:
-        lines.append(f"  host time in the canary: {c.stats['tap_us'] / c.stats['steps'] / 1000:.2f} ms per step")
+        lines.append("  host time in the canary: " + _host_time(c.stats))
     if result.baseline_seconds is not None:
         share = max(c.seconds - result.baseline_seconds, 0.0) / c.seconds if c.seconds else 0.0
         lines.append(
-            f"  without the canary: {result.baseline_seconds:.2f} s; the canary's share of step time: {share:.1%}"
+            f"  without the canary: {result.baseline_seconds:.2f} s; the canary's share of step time: {share:.1%} "
+            "(both timed after a warm-up run)"
         )
     lines.append("")
     inj = x.injected
@@ -367,6 +372,24 @@ def summary(result: DemoResult) -> str:
             why.append("the canary verified no step")
         lines.append("result: FAIL (" + "; ".join(why) + ")")
     return "\n".join(lines)
+
+
+_PHASE_NAMES = (
+    ("capture", "batch capture"),
+    ("translate", "translation"),
+    ("launch", "plan/verify/stamp"),
+    ("host_step", "host step"),
+)
+
+
+def _host_time(stats: dict[str, int]) -> str:
+    """Mean host time per verified step, its median, and the mean of each phase (see the adapter's TapTimer)."""
+    steps = stats["steps"]
+    text = f"{stats['tap_us'] / steps / 1000:.2f} ms per step"
+    if "tap_median_us" not in stats:
+        return text
+    phases = ", ".join(f"{name} {stats[f'tap_{key}_us'] / steps / 1000:.3f}" for key, name in _PHASE_NAMES)
+    return f"{text} (median {stats['tap_median_us'] / 1000:.2f} ms; mean by phase, ms: {phases})"
 
 
 def _model_desc(kind: str) -> str:

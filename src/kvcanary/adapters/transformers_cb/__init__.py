@@ -9,7 +9,8 @@ Usage::
     canary.uninstall()
 
 Supported transformers versions: :data:`SUPPORTED_VERSIONS`.  How the engine's indices map onto the
-canary: :mod:`.translate` and :mod:`.geometry`; the hooks: :mod:`.adapter`; CPU offloading on a host
+canary: :mod:`.translate` and :mod:`.geometry` (the host-side plan of a step: :mod:`.step_plan`, sent to
+the device in one copy by :mod:`.staging`); the hooks: :mod:`.adapter`; CPU offloading on a host
 without an accelerator: :mod:`.cpu_offload`.
 """
 

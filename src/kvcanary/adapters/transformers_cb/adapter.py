@@ -44,6 +44,7 @@ from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.patches import PatchSet
+from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 from kvcanary.adapters.transformers_cb.translate import Translation
 from kvcanary.adapters.transformers_cb.version import check_version
 from kvcanary.config import CanaryConfig, Mode
@@ -110,7 +111,7 @@ class TransformersCBAdapter:
         self._taps = 0
         self._adapter_errors = 0
         self._hook_misses = 0
-        self._tap_ns = 0  # host time spent in the step tap (the device work is asynchronous on GPU)
+        self._timer = TapTimer()  # host time of verified steps (the device work is asynchronous on GPU)
         self._input_probe: Callable[[dict[str, Any]], None] | None = None
         self._warned_long_rows = False
 
@@ -176,8 +177,8 @@ class TransformersCBAdapter:
             adapter_errors=self._adapter_errors,
             hook_misses=self._hook_misses,
             taps=self._taps,
-            tap_us=self._tap_ns // 1000,
         )
+        out.update(self._timer.stats())
         return out
 
     def features(self) -> dict[str, int]:
@@ -247,7 +248,10 @@ class TransformersCBAdapter:
         def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
             # Before the engine advances position_offset: past lengths are read here.
             if self._config.mode is not Mode.OFF:
+                start = time.perf_counter_ns()
                 self._pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
+                self._timer.discard()  # a step prepared but never tapped is not timed
+                self._timer.add("capture", time.perf_counter_ns() - start)
             return original(io, requests_in_batch, *args, **kwargs)
 
         return prepare_batch_tensors
@@ -383,17 +387,19 @@ class TransformersCBAdapter:
         pending, self._pending = self._pending, None
         if self._config.mode is Mode.OFF:
             return
-        start = time.perf_counter_ns()
         # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
         # asynchronous batching) and before the next step rewrites the static buffers.
         with _stream(getattr(runner.inputs_and_outputs, "compute_stream", None)):
             tr = self._verify_step(runner, batch_data, pending)
         binding = self._binding  # bound by _verify_step
         if tr is None or binding is None:
+            self._timer.discard()
             return
+        start = time.perf_counter_ns()
         report = binding.manager.host_step(list(tr.request_ids))
         binding.steps += 1
-        self._tap_ns += time.perf_counter_ns() - start
+        self._timer.add("host_step", time.perf_counter_ns() - start)
+        self._timer.commit()
         self._collect(report)
         if self._on_step is not None:
             self._on_step(binding.steps, tr)
@@ -408,16 +414,20 @@ class TransformersCBAdapter:
                 self._features.warmup_steps += 1
                 return None
             binding = self._bind(runner)
+            start = time.perf_counter_ns()
             tr = binding.translator.translate(batch_data, host)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
             return None
+        translated = time.perf_counter_ns()
         try:
             binding.manager.before_forward(tr.batches)
         except Exception as exc:
             self._adapter_error("the canary refused the step's batch", exc)
             return None
         binding.manager.after_forward()
+        self._timer.add("translate", translated - start)
+        self._timer.add("launch", time.perf_counter_ns() - translated)
         self._count(tr)
         return tr
 

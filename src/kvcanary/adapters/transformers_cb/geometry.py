@@ -110,12 +110,15 @@ class GroupGeometry:
 
     def to_slots(self, index: torch.Tensor) -> torch.Tensor:
         """Physical indices (any int dtype) -> canary slots (int64); see the module docstring."""
+        # Few ops on purpose (each is a kernel launch per step on GPU): alpha folds the multiplies, and
+        # 0 <= idx < num_blocks * stride is one clamp-and-compare.
         idx = index.long()
         block = torch.div(idx, self.stride, rounding_mode="floor")
-        offset = idx - block * self.stride
-        valid = (idx >= 0) & (offset < self.page_size) & (block < self.num_blocks)
-        slots = torch.where(valid, block * self.page_size + offset, self.invalid_slot)
-        return torch.where(idx == self.sentinel_index, self.sentinel_slot, slots)
+        offset = torch.sub(idx, block, alpha=self.stride)
+        in_pool = idx.clamp(0, self.num_blocks * self.stride - 1) == idx
+        valid = in_pool & (offset < self.page_size)
+        slots = torch.where(valid, torch.add(offset, block, alpha=self.page_size), self.invalid_slot)
+        return slots.masked_fill_(idx == self.sentinel_index, self.sentinel_slot)
 
     def block_slots(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Canary slots of whole blocks, block after block (for mirroring block copies)."""

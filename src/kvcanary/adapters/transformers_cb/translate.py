@@ -18,25 +18,37 @@ Not verified: the read entries of the step's own tokens (a full group reads them
 writing them; a sliding group marks them with sentinel entries).  The canonical batch verifies the
 prefix only, so a read index that sends one of them elsewhere for a single step goes unnoticed; from
 the next step on, those tokens are prefix and their read entries are verified.
+
+Cost: whatever follows from the scheduler's host-side lengths is computed with numpy
+(:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`); the device work is a fixed
+number of vectorised ops per group (a gather from the read index, the slot mapping, one scatter into
+the table), whatever the batch, and nothing reads a device value back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy.typing as npt
 import torch
 
+from kvcanary.adapters.transformers_cb import step_plan
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.staging import Staging
 from kvcanary.batch import StepBatch
-from kvcanary.schema import NOT_STORED, UNKNOWN_TOKEN
+from kvcanary.schema import NOT_STORED
+
+_REJECTED_SEGMENT = -(1 << 30)  # start of a mis-delimited segment: every offset from it is out of range
 
 
 @dataclasses.dataclass(frozen=True)
 class Translation:
+    """One step, translated.  The batches' tensors are views of the translator's buffers: valid until
+    its next :meth:`StepTranslator.translate` (clone what must outlive the step)."""
+
     batches: dict[str, StepBatch]  # by group name
     request_ids: tuple[str, ...]  # per batch row
     rows_too_long: int  # rows left out: longer than the table (counted, never verified)
@@ -45,13 +57,25 @@ class Translation:
     block_table: bool  # decode fast path
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spans:
-    """Host-side per-row plan of one group: which positions to fill from where."""
+class _Pack:
+    """Host arrays collected for one :meth:`Staging.send`; ``add`` returns the index of the device view."""
 
-    starts: list[int]  # first verified position per row
-    counts: list[int]  # verified positions per row (0 for rows left out)
-    expected_seg: list[int]  # read-segment length the scheduler expects
+    def __init__(self) -> None:
+        self.arrays: list[npt.NDArray[Any]] = []
+
+    def add(self, a: npt.NDArray[Any]) -> int:
+        self.arrays.append(a)
+        return len(self.arrays) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupWork:
+    """One group's host plan and where its arrays sit in the pack."""
+
+    geometry: GroupGeometry
+    entries: step_plan.GroupEntries
+    n_write: int  # write entries translated (min(write index length, tokens))
+    arrays: dict[str, int]
 
 
 class StepTranslator:
@@ -73,7 +97,8 @@ class StepTranslator:
         self.device = torch.device(device)
         shape = (max_batch + 1, max_context)
         self.tables = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in self.geometries}
-        self.truth = torch.full(shape, UNKNOWN_TOKEN, dtype=torch.int32, device=self.device)
+        self._cells = {name: t.view(-1) for name, t in self.tables.items()}  # the scatter target
+        self._staging = Staging(self.device)
 
     # ------------------------------------------------------------------ entry point
 
@@ -89,161 +114,145 @@ class StepTranslator:
                 f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
                 "the host batch and the forward kwargs are out of step"
             )
-        live = [p + q <= self.width for p, q in zip(host.past_lens, host.query_lens, strict=True)]
-        dev = self.device
-        rows = torch.tensor([r + 1 if ok else 0 for r, ok in enumerate(live)], dtype=torch.int64, device=dev)
-        prefix = torch.tensor(host.past_lens, dtype=torch.int64, device=dev)
-        extend = torch.tensor(host.query_lens, dtype=torch.int64, device=dev)
-        truth_lens = self._fill_truth(host, live)
         block_table = kwargs.get("block_table")
         cu_q = kwargs.get("cu_seq_lens_q")
         padded = n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
 
+        rows = step_plan.RowPlan.of(host, self.width)
+        pack = _Pack()
+        truth, truth_lens = step_plan.truth_table(host, rows, self.width)
+        common = {
+            "rows": pack.add(rows.table_rows()),
+            "prefix": pack.add(rows.past),
+            "extend": pack.add(rows.query),
+            "truth": pack.add(truth),
+            "truth_lens": pack.add(truth_lens),
+        }
+        work = [self._plan_group(g, rows, kwargs, pack, n_tok, host.num_tokens) for g in self.geometries]
+        dev = self._staging.send(pack.arrays)
+
         batches: dict[str, StepBatch] = {}
-        wraps = 0
-        for g in self.geometries:
-            spans = self._spans(g, host, live)
+        for w in work:
             if block_table is not None:
-                out_loc = self._fill_from_block_table(g, block_table[g.index], host, spans, n_tok)
+                out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
             else:
-                self._fill_from_read_index(g, kwargs, b, spans)
-                out_loc = self._out_cache_loc(g, kwargs["write_index"][g.index], host, n_tok)
-            if g.is_sliding:
-                wraps += _ring_wraps(g.sliding_window, host, live)
-            batches[g.name] = StepBatch(
-                rows=rows,
-                prefix_lens=prefix,
-                extend_lens=extend,
-                table=self.tables[g.name],
+                out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
+            batches[w.geometry.name] = StepBatch(
+                rows=dev[common["rows"]],
+                prefix_lens=dev[common["prefix"]],
+                extend_lens=dev[common["extend"]],
+                table=self.tables[w.geometry.name],
                 input_ids=input_ids,
                 positions=positions,
                 out_cache_loc=out_loc,
-                truth=self.truth,
-                truth_lens=truth_lens,
+                truth=dev[common["truth"]],
+                truth_lens=dev[common["truth_lens"]],
             )
+        wraps = sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
         return Translation(
             batches=batches,
             request_ids=host.request_ids,
-            rows_too_long=live.count(False),
+            rows_too_long=int((~rows.live).sum()),
             ring_wraps=wraps,
             padded=padded,
             block_table=block_table is not None,
         )
 
-    # ------------------------------------------------------------------ ground truth
+    # ------------------------------------------------------------------ host plan
 
-    def _fill_truth(self, host: HostBatch, live: list[bool]) -> torch.Tensor:
-        lens = [min(len(t), self.width) if ok else 0 for t, ok in zip(host.truth, live, strict=True)]
-        total = sum(lens)
-        if total:
-            flat = torch.tensor(
-                list(itertools.chain.from_iterable(t[:n] for t, n in zip(host.truth, lens, strict=True))),
-                dtype=torch.int32,
+    def _plan_group(
+        self,
+        g: GroupGeometry,
+        rows: step_plan.RowPlan,
+        kwargs: Mapping[str, Any],
+        pack: _Pack,
+        n_tok: int,
+        num_tokens: int,
+    ) -> _GroupWork:
+        entries = step_plan.group_entries(g, rows, self.width)
+        arrays: dict[str, int] = {}
+        if entries.count:
+            arrays["cells"] = pack.add(entries.cells)
+        if entries.edges.shape[0]:
+            arrays["edges"] = pack.add(entries.edges)
+        block_table = kwargs.get("block_table")
+        if block_table is not None:
+            bt = block_table[g.index]
+            lookups = step_plan.block_lookups(g, rows, entries, (int(bt.shape[0]), int(bt.shape[1])))
+            arrays.update(
+                bt_row=pack.add(lookups.bt_row),
+                bt_col=pack.add(lookups.bt_col),
+                page_offset=pack.add(lookups.page_offset),
+                in_table=pack.add(lookups.in_table),
             )
-            n = torch.tensor(lens, dtype=torch.int64)
-            row = torch.repeat_interleave(torch.arange(len(lens)), n)
-            col = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-            self.truth[(row + 1).to(self.device), col.to(self.device)] = flat.to(self.device)
-        return torch.tensor(lens, dtype=torch.int64, device=self.device)
+            return _GroupWork(g, entries, num_tokens, arrays)
+        n_write = min(int(kwargs["write_index"][g.index].reshape(-1).shape[0]), n_tok)
+        if entries.count:
+            arrays.update(
+                row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
+            )
+        trash = step_plan.trash_writes(g, rows, n_write)
+        if trash is not None:
+            arrays["trash"] = pack.add(trash)
+        return _GroupWork(g, entries, n_write, arrays)
 
-    # ------------------------------------------------------------------ tables
+    # ------------------------------------------------------------------ device work
 
-    def _spans(self, g: GroupGeometry, host: HostBatch, live: list[bool]) -> _Spans:
-        starts, counts, expected = [], [], []
-        for past, query, ok in zip(host.past_lens, host.query_lens, live, strict=True):
-            start = max(0, past - g.canary_window) if g.is_sliding else 0
-            starts.append(start)
-            counts.append(past - start if ok else 0)
-            expected.append(past - start + query)
-        return _Spans(starts, counts, expected)
-
-    def _entries(self, spans: _Spans) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(batch row, offset in the read segment, table column) of every verified position."""
-        counts = torch.tensor(spans.counts, dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(len(spans.counts)), counts)
-        j = torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        col = torch.tensor(spans.starts, dtype=torch.int64)[row] + j
-        return row.to(self.device), j.to(self.device), col.to(self.device)
-
-    def _mark_window_edges(self, g: GroupGeometry, table: torch.Tensor, spans: _Spans) -> None:
-        if not g.is_sliding:
-            return
-        edge = [(r, s - 1) for r, (s, c) in enumerate(zip(spans.starts, spans.counts, strict=True)) if s > 0 and c]
-        if edge:
-            idx = torch.tensor(edge, dtype=torch.int64, device=self.device)
-            table[idx[:, 0] + 1, idx[:, 1]] = g.read_trash_slot
-
-    def _fill_from_read_index(self, g: GroupGeometry, kwargs: Mapping[str, Any], b: int, spans: _Spans) -> None:
-        table = self.tables[g.name]
-        row, j, col = self._entries(spans)
-        if row.numel():
+    def _from_read_index(
+        self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
+    ) -> torch.Tensor:
+        """Fill the table from the read index; return out_cache_loc from the write index."""
+        g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
+        write = kwargs["write_index"][g.index].reshape(-1)[: w.n_write]
+        gathered = None
+        if w.entries.count:
             read = kwargs["read_index"][g.index].reshape(-1)
-            cu_k = kwargs["cu_seq_lens_k"][g.name].reshape(-1).long()
-            if cu_k.shape[0] < b + 1:
-                slots = torch.full_like(row, g.invalid_slot)
+            cu_k = kwargs["cu_seq_lens_k"][g.name].reshape(-1)
+            n_read = int(read.shape[0])
+            if int(cu_k.shape[0]) < b + 1 or n_read == 0:
+                cells.index_fill_(0, dev[a["cells"]], g.invalid_slot)
             else:
-                seg_start = cu_k[:b]
-                seg_ok = (cu_k[1 : b + 1] - seg_start) == torch.tensor(spans.expected_seg, device=self.device)
-                src = seg_start[row] + j
-                n_read = int(read.shape[0])
-                ok = seg_ok[row] & (src >= 0) & (src < n_read)
-                gathered = read[src.clamp(0, max(n_read - 1, 0))] if n_read else torch.zeros_like(src)
-                slots = torch.where(ok, g.to_slots(gathered), g.invalid_slot)
-            table[row + 1, col] = slots.to(torch.int32)
-        self._mark_window_edges(g, table, spans)
+                cu = cu_k[: b + 1]
+                seg_ok = (cu[1:] - cu[:-1]) == dev[a["expected"]]
+                seg_start = torch.where(seg_ok, cu[:-1], _REJECTED_SEGMENT)
+                src = seg_start[dev[a["row"]]] + dev[a["offset"]]
+                src_in = src.clamp(0, n_read - 1)
+                gathered = torch.where(src_in == src, read[src_in], -1)  # -1 maps to the invalid slot
+        # Writes first: out_cache_loc is then the start of the mapped tensor (aligned for the kernels).
+        slots = g.to_slots(write if gathered is None else torch.cat([write, gathered]))
+        if gathered is not None:
+            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+        if "edges" in a:
+            cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
+        out = slots[: w.n_write]
+        if "trash" in a:
+            by_design = dev[a["trash"]] & (write == g.write_trash_index)
+            out = torch.where(by_design, NOT_STORED, out)
+        return _pad_writes(out, n_tok)
 
-    def _out_cache_loc(self, g: GroupGeometry, write: torch.Tensor, host: HostBatch, n_tok: int) -> torch.Tensor:
-        write = write.reshape(-1)
-        m = min(int(write.shape[0]), n_tok)
-        out = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=self.device)
-        slots = g.to_slots(write[:m])
-        if g.is_sliding:
-            # The first query - W tokens of a long query are computed but not kept: trash writes by design.
-            trash = torch.zeros(n_tok, dtype=torch.bool)
-            t = 0
-            for q in host.query_lens:
-                trash[t : t + max(0, q - g.sliding_window)] = True
-                t += q
-            by_design = trash[:m].to(self.device) & (write[:m] == g.write_trash_index)
-            slots = torch.where(by_design, NOT_STORED, slots)
-        out[:m] = slots
-        return out
-
-    def _fill_from_block_table(
-        self, g: GroupGeometry, block_table: torch.Tensor, host: HostBatch, spans: _Spans, n_tok: int
+    def _from_block_table(
+        self, w: _GroupWork, block_table: torch.Tensor, dev: list[torch.Tensor], n_tok: int
     ) -> torch.Tensor:
         """Decode fast path: entries are ``block * (stride // page)``; slot of pos = entry * page + pos % page."""
-        table = self.tables[g.name]
-        bt = block_table.long()
-        n_cols = int(bt.shape[1])
-        page = g.page_size
+        g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
+        ok = dev[a["in_table"]]
+        if block_table.numel():
+            entry = block_table[dev[a["bt_row"]], dev[a["bt_col"]]].long()
+            phys = torch.where(ok & (entry >= 0), torch.add(dev[a["page_offset"]], entry, alpha=g.page_size), -1)
+        else:
+            phys = torch.full(ok.shape, -1, dtype=torch.int64, device=self.device)
+        slots = g.to_slots(phys)
+        if w.entries.count:
+            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+        if "edges" in a:
+            cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
+        return _pad_writes(slots[: w.n_write], n_tok)
 
-        def phys(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            page_idx = torch.div(pos, page, rounding_mode="floor")
-            ok = (rows < bt.shape[0]) & (page_idx < n_cols) & (pos >= 0)
-            entry = bt[rows.clamp(0, bt.shape[0] - 1), page_idx.clamp(0, n_cols - 1)]
-            return torch.where(ok & (entry >= 0), entry * page + pos % page, -1)
 
-        row, _, col = self._entries(spans)
-        if row.numel():
-            table[row + 1, col] = g.to_slots(phys(row, col)).to(torch.int32)
-        self._mark_window_edges(g, table, spans)
-        q = torch.tensor(host.query_lens, dtype=torch.int64)
-        trow = torch.repeat_interleave(torch.arange(host.batch_size), q)
-        tpos = torch.tensor(host.past_lens, dtype=torch.int64)[trow] + (
-            torch.arange(int(q.sum())) - torch.repeat_interleave(torch.cumsum(q, 0) - q, q)
-        )
-        out = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=self.device)
-        if trow.numel():
-            out[: trow.numel()] = g.to_slots(phys(trow.to(self.device), tpos.to(self.device)))
+def _pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
+    """out_cache_loc for every token of the forward: tokens past the translated writes are not stored."""
+    if int(out.shape[0]) == n_tok:
         return out
-
-
-def _ring_wraps(window: int, host: HostBatch, live: list[bool]) -> int:
-    """Stored writes at positions >= W: each overwrote the ring slot of position - W."""
-    n = 0
-    for past, q, ok in zip(host.past_lens, host.query_lens, live, strict=True):
-        if ok:
-            end = past + q
-            n += max(0, end - max(window, end - min(q, window)))
-    return n
+    full = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=out.device)
+    full[: out.shape[0]] = out
+    return full

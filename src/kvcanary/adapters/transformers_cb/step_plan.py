@@ -1,0 +1,158 @@
+"""The host half of a step's translation: everything that follows from the scheduler's lengths (numpy).
+
+The scheduler knows each row's past and query lengths on the host, so which table cells a step fills,
+which read-segment offset each comes from, and which tokens are written to the trash by design are
+computed here with a few vectorised numpy calls, then sent to the device in one copy
+(:mod:`.staging`).  Only what the engine handed to attention -- the index tensors -- is read on the
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.schema import UNKNOWN_TOKEN
+
+I64 = npt.NDArray[np.int64]
+MAX_ENTRIES = 1 << 30  # per group and step; keeps a rejected segment's offsets (-2^30 + offset) negative
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Per batch row: past and query lengths, and whether the row fits the table (``live``)."""
+
+    past: I64
+    query: I64
+    live: npt.NDArray[np.bool_]
+
+    @classmethod
+    def of(cls, host: HostBatch, width: int) -> RowPlan:
+        past = np.array(host.past_lens, dtype=np.int64)
+        query = np.array(host.query_lens, dtype=np.int64)
+        return cls(past, query, past + query <= width)
+
+    @property
+    def size(self) -> int:
+        return int(self.past.shape[0])
+
+    def table_rows(self) -> I64:
+        """Row ``r + 1`` of the table for batch row r; the padding row 0 for rows left out."""
+        return np.where(self.live, np.arange(1, self.size + 1, dtype=np.int64), 0)
+
+    def token_rows(self) -> I64:
+        """The batch row of every query token, in batch order."""
+        return np.repeat(np.arange(self.size, dtype=np.int64), self.query)
+
+    def token_offsets(self) -> I64:
+        """Each query token's index within its row."""
+        return _offsets_within(self.query)
+
+
+def _offsets_within(counts: I64) -> I64:
+    """``0..c-1`` for each count c, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def truth_table(host: HostBatch, rows: RowPlan, width: int) -> tuple[npt.NDArray[np.int32], I64]:
+    """Ground truth ``(b + 1, L)`` (row r + 1 for batch row r, row 0 unused) and its valid length per row.
+
+    ``L`` is the longest valid length (at least 1: a zero-size truth would be passed to the kernels as a
+    stand-in of another dtype).  Cells past a row's length are never read.
+    """
+    lengths = np.fromiter((len(t) for t in host.truth), dtype=np.int64, count=rows.size)
+    lens = np.where(rows.live, np.minimum(lengths, width), 0)
+    out = np.full((rows.size + 1, max(1, int(lens.max(initial=0)))), UNKNOWN_TOKEN, dtype=np.int32)
+    for r, (tokens, n) in enumerate(zip(host.truth, lens.tolist(), strict=True)):
+        if n:
+            out[r + 1, :n] = tokens if n == len(tokens) else tokens[:n]
+    return out, lens
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupEntries:
+    """The table cells one group verifies this step, in batch-row then position order.
+
+    ``row``/``offset``: the batch row and the offset in its read segment each cell is filled from;
+    ``position``: the token position the cell stands for; ``cells``: flat index into the
+    ``(max_batch + 1, width)`` table; ``edges``: cells just before a sliding window, set to the read
+    trash; ``expected_seg``: per batch row, the read-segment length the scheduler expects.
+    """
+
+    row: I64
+    offset: I64
+    position: I64
+    cells: I64
+    edges: I64
+    expected_seg: I64
+
+    @property
+    def count(self) -> int:
+        return int(self.row.shape[0])
+
+
+def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
+    """Full group: positions ``0..past-1``; sliding group: the last ``W - 1`` of them (see :mod:`.translate`)."""
+    past = rows.past
+    starts = np.maximum(past - g.canary_window, 0) if g.is_sliding else np.zeros_like(past)
+    counts = np.where(rows.live, past - starts, 0)
+    if int(counts.sum()) >= MAX_ENTRIES:
+        raise ValueError(f"group {g.name!r}: {int(counts.sum())} verify entries in one step, more than {MAX_ENTRIES}")
+    row = np.repeat(np.arange(rows.size, dtype=np.int64), counts)
+    offset = _offsets_within(counts)
+    position = starts[row] + offset
+    cells = (row + 1) * width + position
+    if g.is_sliding:
+        has_edge = np.flatnonzero((starts > 0) & (counts > 0))
+        edges = (has_edge + 1) * width + starts[has_edge] - 1
+    else:
+        edges = np.zeros(0, dtype=np.int64)
+    return GroupEntries(row, offset, position, cells, edges, past - starts + rows.query)
+
+
+def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool_] | None:
+    """Mask over the first ``n`` write entries: the first ``query - W`` tokens of each row of a sliding
+    group, which transformers sends to the write trash by design; None when there is none."""
+    if not g.is_sliding or not bool((rows.query > g.sliding_window).any()):
+        return None
+    mask = rows.token_offsets() < (rows.query - g.sliding_window)[rows.token_rows()]
+    out = np.zeros(n, dtype=np.bool_)
+    k = min(n, int(mask.shape[0]))
+    out[:k] = mask[:k]
+    return out
+
+
+def ring_wraps(window: int, rows: RowPlan) -> int:
+    """Stored writes at positions >= W: each overwrote the ring slot of position - W."""
+    end = rows.past + rows.query
+    stored_from = np.maximum(window, end - np.minimum(rows.query, window))
+    return int(np.where(rows.live, np.maximum(end - stored_from, 0), 0).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLookups:
+    """Decode fast path: for each write then each verified entry, the block-table cell and page offset."""
+
+    bt_row: I64  # clamped into the table
+    bt_col: I64
+    page_offset: I64
+    in_table: npt.NDArray[np.bool_]  # row and page inside the block table, position >= 0
+
+
+def block_lookups(g: GroupGeometry, rows: RowPlan, entries: GroupEntries, bt_shape: tuple[int, int]) -> BlockLookups:
+    n_rows, n_cols = bt_shape
+    brow = np.concatenate([rows.token_rows(), entries.row])
+    pos = np.concatenate([rows.past[rows.token_rows()] + rows.token_offsets(), entries.position])
+    page = np.floor_divide(pos, g.page_size)
+    ok = (brow < n_rows) & (page < n_cols) & (pos >= 0)
+    return BlockLookups(
+        bt_row=np.clip(brow, 0, max(n_rows - 1, 0)),
+        bt_col=np.clip(page, 0, max(n_cols - 1, 0)),
+        page_offset=np.remainder(pos, g.page_size),
+        in_table=ok,
+    )

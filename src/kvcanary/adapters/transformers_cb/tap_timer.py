@@ -1,0 +1,50 @@
+"""Host time the adapter spends on each verified step, by phase (its own overhead, reported in stats).
+
+Phases: ``capture`` (the scheduler's view of the batch, read while the engine prepares it),
+``translate`` (forward kwargs -> StepBatches), ``launch`` (plan/verify/stamp issued by the manager;
+on GPU the device work itself runs asynchronously) and ``host_step`` (the lagged report of the
+previous step).  The median is taken over the last :data:`RECENT_STEPS` steps, so a one-off cost
+(kernel compilation on first use) shows in the mean but not in the median.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+
+PHASES = ("capture", "translate", "launch", "host_step")
+RECENT_STEPS = 4096
+
+
+class TapTimer:
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self.phase_ns = dict.fromkeys(PHASES, 0)
+        self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
+        self._step = dict.fromkeys(PHASES, 0)  # the step being timed
+
+    def add(self, phase: str, ns: int) -> None:
+        self._step[phase] += ns
+
+    def discard(self) -> None:
+        """Forget the step being timed (it was not verified)."""
+        for k in self._step:
+            self._step[k] = 0
+
+    def commit(self) -> None:
+        """The step being timed was verified: add it to the totals."""
+        total = 0
+        for k, ns in self._step.items():
+            self.phase_ns[k] += ns
+            total += ns
+            self._step[k] = 0
+        self.total_ns += total
+        self._recent.append(total)
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            "tap_us": self.total_ns // 1000,
+            "tap_median_us": int(statistics.median(self._recent)) // 1000 if self._recent else 0,
+        }
+        out.update({f"tap_{k}_us": ns // 1000 for k, ns in self.phase_ns.items()})
+        return out

@@ -1,0 +1,155 @@
+"""What the transformers adapter's per-step translation costs: fixed device work, no host sync.
+
+On a GPU each torch op is a kernel launch and each host read of a device value (or a blocking
+host-to-device copy) waits for the model's forward; the translator must issue the same few ops whatever
+the batch, read nothing back, and send its host-side arrays in one asynchronous copy.  Counted here on
+CPU with a dispatch-mode op counter; the ``gpu`` test checks the no-sync claim on CUDA directly.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from test_adapter_transformers_unit import PAGE, STRIDE, FakeEngine
+
+# Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
+_NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "unsqueeze", "select", "scalar_tensor"}
+# Ops that read a device value on the host or build a tensor from Python data (a blocking copy on GPU).
+_SYNCING = {"_local_scalar_dense", "item", "lift_fresh", "nonzero", "is_nonzero", "tolist"}
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def geometry(window: int) -> GroupGeometry:
+    """The unit tests' layout with room for four requests of four pages."""
+    name = "sliding_attention" if window else "full_attention"
+    return GroupGeometry(name, 0, window, PAGE, STRIDE, 24, 0, 1, STRIDE * 2)
+
+
+def decode_step(n_requests: int, window: int, device: str = "cpu") -> tuple[FakeEngine, StepTranslator]:
+    """A translator that has seen one prefill step (7 tokens) of ``n_requests`` requests."""
+    g = geometry(window)
+    rids = [f"r{i}" for i in range(n_requests)]
+    tables = {rid: [4 + 4 * i + k for k in range(4)] for i, rid in enumerate(rids)}  # clear of the trash blocks
+    tokens = {rid: [100 * i + p for p in range(4 * PAGE)] for i, rid in enumerate(rids)}
+    eng = FakeEngine(g, tables, tokens)
+    tr = StepTranslator([g], max_batch=4, max_context=32, device=device)
+    kwargs, host = eng.step(dict.fromkeys(rids, 7))
+    tr.translate(_to(kwargs, device), host)
+    return eng, tr
+
+
+def device_ops(n_requests: int, window: int) -> collections.Counter[str]:
+    eng, tr = decode_step(n_requests, window)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+    with OpCounter() as counter:
+        tr.translate(kwargs, host)
+    return counter.ops
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_translation_issues_the_same_few_ops_whatever_the_batch_and_reads_nothing_back(window: int) -> None:
+    one, four = device_ops(1, window), device_ops(4, window)
+    assert one == four  # no per-request op
+    kernels = {op: n for op, n in four.items() if op not in _NO_KERNEL}
+    assert sum(kernels.values()) <= 30, kernels
+    assert not _SYNCING & set(four), four
+
+
+def test_geometry_to_slots_matches_its_definition_on_every_index() -> None:
+    def slot(g: GroupGeometry, i: int) -> int:
+        if i == g.sentinel_index:
+            return g.sentinel_slot
+        block, offset = divmod(i, g.stride)
+        if i < 0 or offset >= g.page_size or block >= g.num_blocks:
+            return g.invalid_slot
+        return block * g.page_size + offset
+
+    for page, stride in ((PAGE, STRIDE), (1, 3), (4, 4)):
+        g = GroupGeometry("full_attention", 0, 0, page, stride, 6, 0, 1, stride * 2)
+        idx = torch.arange(-2 * stride, (g.num_blocks + 2) * stride)
+        for dtype in (torch.int64, torch.int32):
+            assert g.to_slots(idx.to(dtype)).tolist() == [slot(g, i) for i in idx.tolist()]
+
+
+def test_staging_sends_typed_aligned_views_and_grows() -> None:
+    st = Staging(torch.device("cpu"))
+    arrays = [
+        np.arange(3, dtype=np.int64),
+        np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32),
+        np.array([True, False, True]),
+        np.zeros(0, dtype=np.int64),
+        np.array([-7], dtype=np.int64),
+    ]
+    views = st.send(arrays)
+    for a, v in zip(arrays, views, strict=True):
+        assert v.tolist() == a.tolist() and tuple(v.shape) == a.shape and v.is_contiguous()
+        assert v.data_ptr() % ALIGN == 0 or v.numel() == 0
+    assert [v.dtype for v in views] == [torch.int64, torch.int32, torch.bool, torch.int64, torch.int64]
+    big = np.arange(100_000, dtype=np.int64)
+    (v,) = st.send([big])
+    assert st.capacity >= big.nbytes and torch.equal(v, torch.from_numpy(big))
+    with pytest.raises(TypeError, match="int64, int32 or bool"):
+        st.send([np.zeros(2, dtype=np.float32)])
+
+
+def _to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, list):
+            return [move(v) for v in x]
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return {k: move(v) for k, v in kwargs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 3])
+def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    eng, cpu = decode_step(4, window)
+    _, gpu = decode_step(4, window, device="cuda")
+    steps: list[tuple[dict[str, Any], HostBatch]] = [eng.step(dict.fromkeys(eng.tables, 1)) for _ in range(6)]
+    cuda_steps = [(_to(kw, "cuda"), host) for kw, host in steps]
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda._sleep(50_000_000)  # keep the stream busy: a hidden wait would still be caught, and copies queue
+        for kw, host in cuda_steps:  # back to back: each step's staging must survive the next one's
+            t = gpu.translate(kw, host)
+            b = next(iter(t.batches.values()))
+            outs.append(
+                [
+                    x.clone()
+                    for x in (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
+                ]
+            )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for (kw, host), got in zip(steps, outs, strict=True):
+        b = next(iter(cpu.translate(kw, host).batches.values()))
+        want = (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
+        assert all(torch.equal(w, x.cpu()) for w, x in zip(want, got, strict=True))
