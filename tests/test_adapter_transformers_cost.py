@@ -9,6 +9,8 @@ CPU with a dispatch-mode op counter; the ``gpu`` test checks the no-sync claim o
 from __future__ import annotations
 
 import collections
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,9 +19,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.batch import StepBatch
 from test_adapter_transformers_unit import PAGE, STRIDE, FakeEngine
 
 # Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
@@ -124,32 +126,39 @@ def _to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: move(v) for k, v in kwargs.items()}
 
 
+@contextlib.contextmanager
+def sync_debug(mode: str) -> Iterator[None]:
+    """torch's CUDA sync-debug mode for a block, whatever it was before (it is process-wide)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 3])
 def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    eng, cpu = decode_step(4, window)
-    _, gpu = decode_step(4, window, device="cuda")
-    steps: list[tuple[dict[str, Any], HostBatch]] = [eng.step(dict.fromkeys(eng.tables, 1)) for _ in range(6)]
-    cuda_steps = [(_to(kw, "cuda"), host) for kw, host in steps]
-    torch.cuda.synchronize()
+    with sync_debug("default"):  # the set-up copies to the device synchronously
+        eng, cpu = decode_step(4, window)
+        _, gpu = decode_step(4, window, device="cuda")
+        steps = [eng.step(dict.fromkeys(eng.tables, 1)) for _ in range(6)]
+        cuda_steps = [(_to(kw, "cuda"), host) for kw, host in steps]
+        torch.cuda.synchronize()
     outs = []
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        torch.cuda._sleep(50_000_000)  # keep the stream busy: a hidden wait would still be caught, and copies queue
+    with sync_debug("error"):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy: the step copies queue behind it
         for kw, host in cuda_steps:  # back to back: each step's staging must survive the next one's
-            t = gpu.translate(kw, host)
-            b = next(iter(t.batches.values()))
-            outs.append(
-                [
-                    x.clone()
-                    for x in (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
-                ]
-            )
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+            b = next(iter(gpu.translate(kw, host).batches.values()))
+            outs.append([x.clone() for x in _fields(b)])
     for (kw, host), got in zip(steps, outs, strict=True):
-        b = next(iter(cpu.translate(kw, host).batches.values()))
-        want = (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
+        want = _fields(next(iter(cpu.translate(kw, host).batches.values())))
         assert all(torch.equal(w, x.cpu()) for w, x in zip(want, got, strict=True))
+
+
+def _fields(b: StepBatch) -> list[torch.Tensor]:
+    fields = (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
+    return [t for t in fields if t is not None]
