@@ -38,12 +38,11 @@ TARGETS = (
 )
 
 
-def _newest() -> tuple[Path, dict]:
-    files = sorted(HERE.glob("results/*.json"))
-    if not files:
-        raise SystemExit("no results in benchmarks/results")
-    loaded = [(f, json.loads(f.read_text())) for f in files]
-    return max(loaded, key=lambda fd: fd[1]["meta"]["date"])
+def _newest(scenario_key: str) -> tuple[Path, dict] | None:
+    """The newest results file (by meta date) holding records with ``scenario_key``."""
+    loaded = [(f, json.loads(f.read_text())) for f in sorted(HERE.glob("results/*.json"))]
+    loaded = [(f, d) for f, d in loaded if any(scenario_key in r for r in d["records"])]
+    return max(loaded, key=lambda fd: fd[1]["meta"]["date"]) if loaded else None
 
 
 def _verdict(rec: dict) -> str:
@@ -61,7 +60,10 @@ def _verdict(rec: dict) -> str:
 
 
 def render() -> str:
-    path, data = _newest()
+    newest = _newest("entries")
+    if newest is None:
+        raise SystemExit("no kernel results in benchmarks/results")
+    path, data = newest
     m = data["meta"]
     lines = [INTRO, f"## Latest: {m['gpu']}, commit {m['commit']}, {m['date']}", ""]
     lines.append(
@@ -81,7 +83,32 @@ def render() -> str:
             f"| {r['bytes']:,} | {r['floor_us']:.2f} | {r['median_us'] / r['floor_us']:.2f} "
             f"| {r['reference_median_us'] / 1000:.2f} | {_verdict(r)} |"
         )
+    lines += _host_section()
     return "\n".join(lines) + "\n"
+
+
+def _host_section() -> list[str]:
+    """Host (Python) time per step of the runtime on the GPU path (benchmarks/bench_host_step.py)."""
+    newest = _newest("median_us")
+    hosts = []
+    for f in sorted(HERE.glob("results/*.json")):
+        d = json.loads(f.read_text())
+        hosts += [(d["meta"], f, r) for r in d["records"] if str(r.get("scenario", "")).startswith("host_step")]
+    if newest is None or not hosts:
+        return []
+    date = max(m["date"] for m, _, _ in hosts)
+    lines = ["", f"## Host time per step (`bench_host_step.py`), {date}", ""]
+    lines.append("Target: at most 15 us of host (Python) work per step on the GPU path with graphs.")
+    lines += ["", "| scenario | commit | median us | p20 | p80 | target | source |", "|---|---|---:|---:|---:|---|---|"]
+    for m, f, r in hosts:
+        if m["date"] != date:
+            continue
+        verdict = "meets" if r["median_us"] <= 15 else "misses"
+        lines.append(
+            f"| {r['scenario']} | {m['commit']} | {r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} "
+            f"| {verdict} <= 15 us | `{f.relative_to(HERE)}` |"
+        )
+    return lines
 
 
 def main() -> None:
