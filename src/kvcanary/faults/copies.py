@@ -1,16 +1,17 @@
 """Faults in the engine's bulk KV moves: fork block copies and CPU offload/restore.
 
-The adapter keeps the records in step with these moves by mirroring the engine's calls
-(``CacheAllocator.copy_blocks``) and its bookkeeping (the request's block table when a restore completes).
-What the canary can see therefore depends on where the bug sits:
+The adapter moves the records where the engine's copies actually write in the cache (it watches the
+block writes of ``CacheAllocator.copy_blocks`` and ``OffloadingManager.restore_scheduled_requests``), not
+where its bookkeeping says the bytes should go.  So both kinds of bug are seen:
 
-* the move is missing from the engine's bookkeeping (a copy never requested, a restore never run while
-  the request resumes at its old length): the records were not moved either, the request reads slots whose
-  records belong to someone else or to nobody -- detected;
-* the bookkeeping is right but the bytes go astray (a copy that never lands, a restore that writes the
-  right pages into the wrong blocks): the records were moved as the bookkeeping says, so they describe
-  where the bytes *should* be -- missed until a digest of the KV bytes is checked (or, for restores, until
-  the adapter mirrors the copy's own destination ids instead of the block table).
+* the move is missing from the bookkeeping (a copy never requested, a restore never run while the request
+  resumes at its old length): nothing is written, the request reads slots whose records belong to someone
+  else or to nobody;
+* the bookkeeping is right but the bytes go astray (a copy that lands in a buffer attention never reads, a
+  restore that writes the right pages into the wrong blocks): the records follow the bytes, so the blocks
+  the request reads hold records of other positions, or none.
+
+The faults corrupt below the observation point: the engine's real ``index_copy_`` writes elsewhere.
 """
 
 from __future__ import annotations
@@ -66,13 +67,12 @@ class ForkCopyLost(Fault):
         name="fork-copy-lost",
         bug_class="fork copy issued, its bytes never land",
         catalogue="B.8 vllm-project/vllm#45704 (copy without stream sync), B.11 async copy races",
-        mechanism="the fork's copy_blocks call runs (and is mirrored into the records) but writes into a buffer "
-        "attention never reads, as an unsynchronised or misdirected copy would",
+        mechanism="the fork's copy_blocks call runs with the right arguments but its index_copy_ writes into a "
+        "buffer attention never reads, as an unsynchronised or misdirected copy would",
         model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="the records are moved by mirroring copy_blocks' arguments, not the bytes: they say the child's "
-        "block holds the parent's KV while it holds stale bytes; needs the KV digest",
+        expected=Expect.DETECT,
+        check="verify: never_written (or stale record)",
+        checks=_STALE_CHECKS,
     )
 
     def install(self, ctx: FaultContext) -> None:
@@ -88,7 +88,7 @@ class ForkCopyLost(Fault):
                 real = alloc._copy_view
                 alloc._copy_view = real.clone()  # the copy lands here and is dropped
                 try:
-                    inner(source_block_ids, dest_block_ids)  # the adapter's class-level wrapper mirrors it
+                    inner(source_block_ids, dest_block_ids)  # the adapter sees the write miss the cache
                 finally:
                     alloc._copy_view = real
                 dst = set(dest_block_ids)
@@ -133,7 +133,8 @@ class OffloadRestoreLost(Fault):
 
 class _MisdirectedView:
     """Stands in for an allocator's ``_copy_view`` during one restore: ``index_copy_`` sends blocks of
-    ``remap`` to other blocks; everything else is the real view's."""
+    ``remap`` to other blocks; everything else is the real view's.  The real ``index_copy_`` runs with the
+    wrong ids, so what the adapter's write observer sees is the misdirected write itself."""
 
     def __init__(self, real: torch.Tensor, remap: dict[int, int]) -> None:
         self._real = real
@@ -156,11 +157,9 @@ class OffloadRestoreWrongBlock(Fault):
         mechanism="the restore's copy writes each saved page of one request into the next block of its new table "
         "(page k -> block k+1, the last into the first); the block table itself is right",
         model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="the adapter restores the records into the request's block table as the engine's bookkeeping "
-        "says, not where the copy wrote the bytes, so records and reads agree while the bytes are misplaced; "
-        "caught once the mirror follows the copy's destination ids, or by the KV digest",
+        expected=Expect.DETECT,
+        check="verify: position/token/link mismatch (page k read from block k+1)",
+        checks=_STALE_CHECKS,
     )
 
     def install(self, ctx: FaultContext) -> None:

@@ -14,7 +14,8 @@ Where it hooks (transformers 5.24.0, ``transformers.generation.continuous_batchi
 * a forward pre-hook on the model -- only counts paged forwards, so a forward that ran without the tap
   (the engine changed its call path) is noticed: the adapter is then not in effect.
 * bulk KV moves mirrored into the records: ``CacheAllocator.copy_blocks`` (forks),
-  ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore).
+  ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore); copies
+  and restores move the records where their block writes land in the cache (:mod:`.byte_moves`).
 * feature counters: ``search_prefix_match`` (prefix hits), ``BlockLedger.acquire`` (cached block
   reuse), ``mark_complete_blocks`` (in-place de-duplication), ``prepare_fork_request`` (forks).
   Prefix sharing, cached blocks and de-duplication need no mirroring: a block is only shared or swapped
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import mirror
+from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
@@ -269,12 +270,16 @@ class TransformersCBAdapter:
 
     def _wrap_copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
-            out = original(allocator, source_block_ids, dest_block_ids)
             b = self._binding
-            if b is not None and b.owns_allocator(allocator):
-                name = str(allocator.layer_type)
-                mirror.copy_blocks(b.geometries[name], b.records(name), list(source_block_ids), list(dest_block_ids))
-                self._features.fork_block_copies += len(source_block_ids)
+            if b is None or not b.owns_allocator(allocator):
+                return original(allocator, source_block_ids, dest_block_ids)
+            name = str(allocator.layer_type)
+            # The records follow the block writes seen in the cache, not the arguments (see .mirror).
+            with byte_moves.BlockWriteObserver({name: byte_moves.block_view(allocator)}) as seen:
+                out = original(allocator, source_block_ids, dest_block_ids)
+            for write in seen.writes:
+                mirror.apply_block_write(b.geometries[name], b.records(name), write)
+            self._features.fork_block_copies += len(source_block_ids)
             return out
 
         return copy_blocks
@@ -342,14 +347,19 @@ class TransformersCBAdapter:
             b = self._binding
             mine = b is not None and b.is_for(om.cache)
             rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded] if mine else []
-            out = original(om, requests_in_batch)
-            if b is not None and rids:
-                with _stream(om._compute_stream):
-                    for rid in rids:
-                        for name, allocator in om.cache.cache_allocators.items():
-                            blocks = list(allocator.block_table.get(rid, ()))
-                            b.shadow.restore(rid, b.geometries[name], b.records(name), blocks)
-                self._features.restores += len(rids)
+            if b is None or not rids:
+                return original(om, requests_in_batch)
+            allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
+            # The records go where the restore's copy writes the pages, not to the new block tables.
+            views = {n: byte_moves.block_view(a) for n, a in allocators.items()}
+            with byte_moves.BlockWriteObserver(views) as seen:
+                out = original(om, requests_in_batch)
+            tables = {rid: {n: len(a.block_table.get(rid, ())) for n, a in allocators.items()} for rid in rids}
+            records = {n: b.records(n) for n in allocators}
+            geometries = {n: b.geometries[n] for n in allocators}
+            with _stream(om._compute_stream):
+                mirror.restore_observed(b.shadow, rids, tables, geometries, records, seen.writes)
+            self._features.restores += len(rids)
             return out
 
         return restore_scheduled_requests
