@@ -42,7 +42,7 @@ class GroupCanary:
         self.backend = backend
         self.records = RecordStore.allocate(group.num_slots, self.device)
         self.workspace = PlanWorkspace.allocate(caps, self.device)
-        self._planned: tuple[tuple[int, ...], ...] | None = None
+        self._planned: tuple[int, int] | None = None
 
     def new_log(self) -> ViolationLog:
         return ViolationLog.allocate(self.caps.log_rows, self.device)
@@ -109,5 +109,6 @@ class GroupCanary:
         self.stamp(batch, log)
 
 
-def _shape_key(batch: StepBatch) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(t.shape) if t is not None else () for t in batch.tensors().values())
+def _shape_key(batch: StepBatch) -> tuple[int, int]:
+    # The workspace is laid out by batch rows and tokens; every other index is bounds-checked anyway.
+    return (batch.batch_size, batch.num_tokens)
