@@ -8,6 +8,8 @@ before these functions are called (:mod:`kvcanary.batch`); they assume only well
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvcanary import hashing
@@ -52,6 +54,22 @@ def is_reserved(group: CanaryGroup, slot: torch.Tensor) -> torch.Tensor:
     for s in group.reserved_slots:
         out |= slot == s
     return out
+
+
+class Resolved(NamedTuple):
+    """One lookup of table indices into the pool, with the reason each index fails, if any."""
+
+    slot: torch.Tensor  # the pool slot (-1 when the lookup failed; the raw value when out of the pool)
+    lookup_bad: torch.Tensor  # the index is outside the lookup table
+    out_of_pool: torch.Tensor  # the looked-up slot is outside the pool
+    in_pool: torch.Tensor  # safe to dereference (reserved slots included)
+    reserved: torch.Tensor  # in the pool but a reserved slot
+
+
+def resolve(group: CanaryGroup, lookup: torch.Tensor | None, full: torch.Tensor, num_slots: int) -> Resolved:
+    slot, lookup_bad = translate(lookup, full)
+    ok = in_pool(slot, num_slots) & ~lookup_bad
+    return Resolved(slot, lookup_bad, ~lookup_bad & ~ok, ok, ok & is_reserved(group, slot))
 
 
 def expected_tokens(group: CanaryGroup, batch: StepBatch, batch_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -144,11 +162,11 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
         sfull = table_slots(group, batch.table, srow, spos)
     else:
         sfull = torch.zeros_like(rows)
-    sslot, slookup_bad = translate(batch.lookup, sfull)
+    sslot, slookup_bad, seed_oor, sin_pool, sreserved = resolve(group, batch.lookup, sfull, records.num_slots)
     slookup_bad &= need_seed
-    seed_oor = need_seed & ~slookup_bad & ~in_pool(sslot, records.num_slots)
+    seed_oor &= need_seed
     slink = records.links[sslot.clamp(0, records.num_slots - 1)]
-    trusted = need_seed & ~slookup_bad & ~seed_oor & ~is_reserved(group, sslot) & (slink != hashing.EMPTY_LINK)
+    trusted = need_seed & sin_pool & ~sreserved & (slink != hashing.EMPTY_LINK)
     seed_links = torch.where(trusted, slink, _ANCHOR)
 
     ws.write_offsets[: b + 1] = write_offsets
@@ -205,16 +223,13 @@ def verify(
     trow = batch.rows.long()[r]
 
     full = table_slots(group, batch.table, trow, pos)
-    slot, lookup_bad = translate(batch.lookup, full)
-    ok = in_pool(slot, n_slots) & ~lookup_bad
-    slot_oor = ~lookup_bad & ~ok
+    slot, lookup_bad, slot_oor, ok, reserved = resolve(group, batch.lookup, full, n_slots)
     sc = slot.clamp(0, n_slots - 1)
     tok32 = records.tokens[sc]
     pos32 = records.positions[sc]
     stored_tok = torch.where(ok, tok32.long(), 0)
     stored_pos = torch.where(ok, pos32.long(), 0)
     stored_link = torch.where(ok, records.links[sc], 0)
-    reserved = ok & is_reserved(group, slot)
     never = ok & ~reserved & (stored_link == hashing.EMPTY_LINK)
     checked = ok & ~reserved & ~never
 
@@ -307,11 +322,10 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
 
     full = batch.out_cache_loc[t].long()
     stored = full != NOT_STORED
-    slot, lookup_bad = translate(batch.lookup, full)
+    slot, lookup_bad, slot_oor, ok, reserved = resolve(group, batch.lookup, full, n_slots)
+    # A NOT_STORED token resolves to nothing and is no violation: it is simply not kept.
     lookup_bad &= stored
-    ok = in_pool(slot, n_slots) & ~lookup_bad
-    slot_oor = stored & ~lookup_bad & ~ok
-    reserved = ok & is_reserved(group, slot)
+    slot_oor &= stored
     writable = ok & ~reserved
     exp_tok = expected_tokens(group, batch, r, exp_pos)
     wpos_bad = pos64 != exp_pos
