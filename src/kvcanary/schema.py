@@ -29,9 +29,12 @@ REASONS: tuple[Reason, ...] = tuple(Reason)
 NUM_REASONS = len(REASONS)
 
 
+REASON_NAMES: tuple[str, ...] = tuple(str(r.name).lower() for r in REASONS)  # as logs and metrics spell them
+
+
 def reason_names(bits: int) -> list[str]:
     """Lower-case names of the reasons set in ``bits``, in bit order."""
-    return [str(r.name).lower() for r in REASONS if bits & r]
+    return [name for r, name in zip(REASONS, REASON_NAMES, strict=True) if bits & r]
 
 
 class Phase(enum.IntEnum):

@@ -43,15 +43,13 @@ from kvcanary.runtime.report import (
     affected,
     decode_row,
 )
-from kvcanary.schema import NUM_COUNTERS, REASONS, Counter
+from kvcanary.schema import NUM_COUNTERS, REASON_NAMES, Counter
 from kvcanary.workspace import Capacities
 
 logger = logging.getLogger("kvcanary")
 
 FailRequestCallback = Callable[[list[object], StepReport], None]
 Problem = tuple[str, str | None, str]  # a failed check: (check, group or None, detail)
-
-_REASON_NAMES = [str(r.name).lower() for r in REASONS]
 
 
 def _capturing(device: torch.device) -> bool:
@@ -354,7 +352,7 @@ class CanaryManager:
                 continue
             total += rows
             group_counts[name] = rows
-            for r, reason in enumerate(_REASON_NAMES):
+            for r, reason in enumerate(REASON_NAMES):
                 if delta[g, r]:
                     counts[reason] = counts.get(reason, 0) + int(delta[g, r])
             violations.extend(decode_row(row, name, buf.request_ids) for row in log.rows().tolist())
@@ -438,7 +436,7 @@ class CanaryManager:
         groups = tuple(
             GroupTotals(
                 name=g.name,
-                reasons={r: int(seen[i, j]) for j, r in enumerate(_REASON_NAMES)},
+                reasons={r: int(seen[i, j]) for j, r in enumerate(REASON_NAMES)},
                 rows=int(seen[i, Counter.VIOLATIONS]),
                 verified=int(seen[i, Counter.VERIFIED]),
                 skipped=int(seen[i, Counter.SKIPPED]),
