@@ -15,9 +15,16 @@ from kvcanary.adapters import UnsupportedEngineVersion
 def test_demo_json_run_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--json", "--quiet"]) == cli.EXIT_OK
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"clean", "faulted"}
+    assert set(out) == {"passed", "engine", "clean", "faulted"} and out["passed"] is True
     assert set(out["clean"]) == {"steps", "verified_slots", "violations"}
-    assert set(out["faulted"]) == {"fault", "detected", "first_detection_step", "violations"}
+    assert set(out["faulted"]) == {
+        "fault", "injected_step", "injected_request", "detected", "first_detection_step", "violations", "first_report"
+    }  # fmt: skip
+    first = out["faulted"]["first_report"]
+    assert first["step"] >= out["faulted"]["injected_step"] >= 0 and first["lines"]
+    assert all(f"request={out['faulted']['injected_request']!r}" in line for line in first["lines"][:1]) or any(
+        repr(out["faulted"]["injected_request"]) in line for line in first["lines"]
+    )
     assert out["clean"]["violations"] == 0 and out["clean"]["steps"] > 100 and out["clean"]["verified_slots"] > 0
     assert out["faulted"]["fault"] == demo.DEFAULT_FAULT and out["faulted"]["detected"] is True
     assert out["faulted"]["violations"] > 0 and out["faulted"]["first_detection_step"] >= 0

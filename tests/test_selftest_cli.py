@@ -116,3 +116,24 @@ def test_progress_bar_on_a_log_prints_every_tenth() -> None:
     bar(100, 100, "done")
     lines = log.getvalue().splitlines()
     assert len(lines) == 12 and lines[0].startswith("selftest: 0/100") and lines[-1].endswith("done")
+
+
+def test_progress_counts_never_go_back() -> None:
+    from kvcanary.faults.runner import run_selftest
+
+    calls: list[tuple[int, int]] = []
+    run_selftest(["dropped-write"], trials=2, progress=lambda done, total, label: calls.append((done, total)))
+    dones, totals = [c[0] for c in calls], [c[1] for c in calls]
+    assert dones == sorted(dones) and totals == sorted(totals), calls
+    assert all(d <= t for d, t in calls) and calls[-1][0] == calls[-1][1] >= 4
+
+
+def test_list_columns_are_aligned(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["selftest", "--list"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["fault", "expect"] and len(lines) == len(FAULTS) + 1
+    expect_col = lines[0].index("expect")
+    check_col = lines[0].index("check")
+    for line in lines[1:]:
+        assert line[expect_col - 2 : expect_col] == "  " and line[expect_col] != " "
+        assert line[check_col - 2 : check_col] == "  " and line[check_col] != " "

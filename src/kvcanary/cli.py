@@ -10,7 +10,8 @@ Exit codes:
 * 1 -- the check failed (``demo``: a violation in the clean run, or the fault went unnoticed;
   ``selftest``: a 'detect' fault missed or caught late, a control raised a violation, or a run failed);
 * 2 -- bad command-line usage;
-* 3 -- the environment cannot run the command (an engine missing or of an unsupported version).
+* 3 -- the environment cannot run the command (an engine missing or of an unsupported version, no CUDA
+  device for ``--device cuda``, ...).
 """
 
 from __future__ import annotations
@@ -25,20 +26,38 @@ EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 
+EXIT_CODES = """exit codes:
+  0  success (demo: the clean run raised no violation and the injected fault was caught;
+     selftest: every 'detect' fault caught in every trial and the clean controls silent)
+  1  the check failed (a violation in a clean run, a fault missed or caught late, a run failed)
+  2  bad command-line usage (unknown option or value, an option combination that cannot work)
+  3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing)
+"""
+INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
+
 
 def _parser() -> argparse.ArgumentParser:
+    from kvcanary import __version__
     from kvcanary.adapters.transformers_cb.faults import FAULTS
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
     from kvcanary.faults import command as selftest
     from kvcanary.ops import Backend
 
-    parser = argparse.ArgumentParser(prog="kvcanary", description="Run-time detection of silent KV-cache corruption.")
+    parser = argparse.ArgumentParser(
+        prog="kvcanary",
+        description="Run-time detection of silent KV-cache corruption.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
         help="run the canary on transformers continuous batching: a clean run, then one with an injected fault",
         description="Builds a tiny random-weight model (no download), runs 64+ requests through transformers' "
         "generate_batch with the canary on, then reruns with one injected index fault.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--model", choices=MODEL_KINDS, default="dense", help="model kind (default: dense)")
     demo.add_argument("--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject ({DEFAULT_FAULT})")
@@ -67,9 +86,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace) -> int:
     from kvcanary.adapters.base import UnsupportedEngineVersion
+    from kvcanary.cli_checks import demo_refusal
     from kvcanary.demo import DemoOptions, run_demo, summary
     from kvcanary.ops import Backend
 
+    refusal = demo_refusal(args)
+    if refusal is not None:
+        print(f"kvcanary demo: {refusal[1]}", file=sys.stderr)
+        return refusal[0]
     try:
         options = DemoOptions(
             model=args.model,
@@ -88,7 +112,7 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         result = run_demo(options, progress=None if args.quiet else sys.stderr)
     except (ImportError, UnsupportedEngineVersion) as exc:
-        print(f"kvcanary demo needs transformers (pip install 'kvcanary[transformers]'): {exc}", file=sys.stderr)
+        print(f"kvcanary demo needs transformers 5.24.0 ({INSTALL_HINT}): {exc}", file=sys.stderr)
         return EXIT_ENVIRONMENT
     if args.json:
         print(json.dumps(result.as_json()))
@@ -97,13 +121,24 @@ def _demo(args: argparse.Namespace) -> int:
     return EXIT_OK if result.passed else EXIT_CHECK_FAILED
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = _parser()
     except ImportError as exc:  # the demo's choices come from kvcanary modules that import torch
         print(f"kvcanary: {exc}", file=sys.stderr)
         return EXIT_ENVIRONMENT
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # name the subcommand's own usage, not the top level's
+        sub = _subparser(parser, args.command)
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
         return _demo(args)
     if args.command == "selftest":

@@ -82,14 +82,17 @@ class RunResult:
     first_detection_step: int | None = None
     injected: Any = None  # faults.InjectedFault | None
 
+    def first_report(self) -> StepReport | None:
+        """The first report naming the corrupted request, at or after the injection."""
+        if self.injected is None:
+            return None
+        inj = self.injected
+        return next((r for r in self.reports if r.step >= inj.step and inj.request_id in r.affected_request_ids), None)
+
     @property
     def detected(self) -> bool:
         """The fault was injected and a report at or after its step names the corrupted request."""
-        if self.injected is None:
-            return False
-        return any(
-            r.step >= self.injected.step and self.injected.request_id in r.affected_request_ids for r in self.reports
-        )
+        return self.first_report() is not None
 
 
 @dataclasses.dataclass
@@ -105,13 +108,20 @@ class DemoResult:
         return self.clean.stats["violations"] == 0 and self.clean.stats["steps"] > 0 and self.faulted.detected
 
     def as_json(self) -> dict[str, Any]:
+        inj = self.faulted.injected
+        first = self.faulted.first_report()
         return {
+            "passed": self.passed,
+            "engine": {"name": "transformers", "version": self.engine},
             "clean": {k: self.clean.stats[k] for k in ("steps", "verified_slots", "violations")},
             "faulted": {
                 "fault": self.options.fault,
+                "injected_step": None if inj is None else inj.step,
+                "injected_request": None if inj is None else inj.request_id,
                 "detected": self.faulted.detected,
                 "first_detection_step": self.faulted.first_detection_step,
                 "violations": self.faulted.stats["violations"],
+                "first_report": None if first is None else {"step": first.step, "lines": first.lines()},
             },
         }
 
@@ -355,7 +365,8 @@ def summary(result: DemoResult) -> str:
                 f"  caught at step {x.first_detection_step} ({x.stats['violations']} violation rows over the run); "
                 "the first report:"
             )
-            first = next(r for r in x.reports if inj.request_id in r.affected_request_ids)
+            first = x.first_report()
+            assert first is not None  # detected
             lines.extend("  " + line for line in first.block().splitlines())
         else:
             lines.append(f"  NOT caught ({x.stats['violations']} violation rows)")

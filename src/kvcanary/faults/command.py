@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import TextIO
+from collections.abc import Mapping
+from typing import Any, TextIO
 
 ENGINES = ("transformers",)
 DEFAULT_TRIALS = 20
@@ -72,6 +73,14 @@ def fault_names(values: list[str] | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
+def fault_list(faults: Mapping[str, Any]) -> str:
+    """``--list``: one aligned row per fault (name, expectation, the check expected to fire, bug class)."""
+    rows = [("fault", "expect", "check", "bug class")]
+    rows += [(name, cls.spec.expected.value, cls.spec.check, cls.spec.bug_class) for name, cls in faults.items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows)
+
+
 class ProgressBar:
     """A one-line bar on a terminal; on a log (not a TTY), a line every tenth of the way."""
 
@@ -103,9 +112,7 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
     from kvcanary.faults.catalogue import FAULTS
 
     if args.list:
-        for name, cls in FAULTS.items():
-            s = cls.spec
-            print(f"{name:28s} {s.expected.value:6s} {s.check:42s} {s.bug_class}")
+        print(fault_list(FAULTS))
         return exit_ok
     try:
         names = fault_names(args.faults)
@@ -119,7 +126,11 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
         progress = None if args.quiet else ProgressBar(sys.stderr)
         result = run_selftest(names, trials=args.trials, seed=args.seed, progress=progress)
     except (ImportError, UnsupportedEngineVersion) as exc:
-        print(f"kvcanary selftest needs transformers (pip install 'kvcanary[transformers]'): {exc}", file=sys.stderr)
+        print(
+            "kvcanary selftest needs transformers 5.24.0 (see the README's Install section: "
+            f"pip install -e '.[transformers]' after a CPU or CUDA torch): {exc}",
+            file=sys.stderr,
+        )
         return exit_env
     if args.json:
         print(json.dumps(as_json(result, args.seed)))

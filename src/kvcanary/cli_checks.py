@@ -1,0 +1,53 @@
+"""Refusals before any work starts: option combinations the machine or the model cannot honour.
+
+Each check answers with the documented exit code (2: usage, 3: environment) and a message naming the
+problem and the way out, so a user never waits minutes for a run that could not do what was asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+EXIT_USAGE = 2
+EXIT_ENVIRONMENT = 3
+
+# The allocator groups each demo model has (transformers names them after the layer types).
+_DEMO_GROUPS = {
+    "dense": ("full_attention",),
+    "hybrid": ("sliding_attention", "full_attention"),
+    "sliding": ("sliding_attention",),
+}
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def demo_refusal(args: argparse.Namespace) -> tuple[int, str] | None:
+    """``(exit code, message)`` when the demo's options cannot work here, else ``None``."""
+    on_cuda = str(args.device).startswith("cuda")
+    if not on_cuda and str(args.device) != "cpu":
+        return EXIT_USAGE, f"--device must be cpu or cuda[:N], got {args.device!r}"
+    if on_cuda and not _cuda_available():
+        return EXIT_ENVIRONMENT, "--device cuda: torch sees no CUDA device here (run with --device cpu)"
+    for flag, wanted in (("--async-batching", args.async_batching), ("--cuda-graphs", args.cuda_graphs)):
+        if wanted and not on_cuda:
+            return EXIT_USAGE, f"{flag} needs --device cuda (transformers runs it on CUDA only)"
+    if args.backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            return EXIT_ENVIRONMENT, "--backend triton: triton is not installed (pip install 'kvcanary[triton]')"
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            return EXIT_USAGE, (
+                "--backend triton on the CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1, "
+                "or use --backend reference"
+            )
+    groups = _DEMO_GROUPS.get(args.model, ())
+    if args.fault_group is not None and args.fault_group not in groups:
+        return EXIT_USAGE, (
+            f"--fault-group {args.fault_group}: the {args.model} model has no such group (it has: {', '.join(groups)})"
+        )
+    return None
