@@ -132,7 +132,7 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
         rows = torch.arange(1, s.batch + 1, dtype=torch.int32, device=dev)
         if s.prefix:  # stamp the prefix with the reference (one big step, setup only)
             setup_caps = Capacities(max_batch=s.batch, max_tokens=s.batch * s.prefix, verify_entries=1)
-            sws = PlanWorkspace.allocate(setup_caps, dev)
+            sws = PlanWorkspace.allocate(setup_caps, dev, num_slots=num_slots)
             pos = torch.arange(s.prefix, device=dev).repeat(s.batch)
             pre = StepBatch(
                 rows=rows,
@@ -162,7 +162,7 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
                 lookup=lut,
             )
         )
-    ws = PlanWorkspace.allocate(caps, dev)
+    ws = PlanWorkspace.allocate(caps, dev, num_slots=num_slots)
     log = ViolationLog.allocate(caps.log_rows, dev)
     return World(group, caps, records, ws, log, batches, _batch_bytes(s, lookup))
 

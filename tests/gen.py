@@ -108,6 +108,7 @@ def _make_group(rng: random.Random) -> tuple[CanaryGroup, int]:
             token_offset=offset,
             reserved_slots=(),
             padding_row=padding_row,
+            checks_new_reads=group_id != 5,  # derived, not drawn: the seeds keep their cases
         ),
         page,
     )
@@ -463,7 +464,7 @@ def _warm_up(rng: random.Random, world: _World, records: RecordStore) -> None:
     cursors = {id(r): 0 for r in world.requests}
     n_steps = rng.randint(1, 3)
     caps = Capacities(max_batch=MAX_ROWS + 4, max_tokens=MAX_ROWS * MAX_CONTEXT + 8, verify_entries=4096)
-    ws = PlanWorkspace.allocate(caps)
+    ws = PlanWorkspace.allocate(caps, num_slots=records.num_slots)
     log = ViolationLog.allocate(4)
     for step in range(n_steps):
         chunks = []
@@ -530,9 +531,13 @@ def random_case(rng: random.Random | int, *, corrupt: bool) -> Case:
     log = ViolationLog.allocate(caps.log_rows)
     if r.random() < 0.3:
         _prefill_log(r, log)
-    ws = PlanWorkspace.allocate(caps)
+    ws = PlanWorkspace.allocate(caps, num_slots=group.num_slots)
     for t in (ws.verify_offsets, ws.write_offsets, ws.window_starts, ws.seed_links, ws.row_state):
         t.fill_(JUNK)
+    # Marks left by earlier steps: stale ones (any value) and, now and then, the period's wrap point.
+    ws.epoch.fill_(r.choice([0, r.randrange(1 << 40), PlanWorkspace.MARK_PERIOD - 1]))
+    ws.read_marks.random_(-(2**31), 2**31, generator=torch.Generator().manual_seed(seed))
+    ws.write_marks.random_(-(2**31), 2**31, generator=torch.Generator().manual_seed(seed + 1))
     return Case(group=group, caps=caps, batch=batch, records=records, log=log, ws=ws, seed=seed, faults=tuple(faults))
 
 
@@ -586,6 +591,11 @@ def diff_outputs(a: Case, b: Case, *, skip_slots: Iterable[int] = ()) -> list[st
         x, y = getattr(a.ws, name)[:n], getattr(b.ws, name)[:n]
         if not torch.equal(x, y):
             diffs.append(f"workspace.{name}[:{n}] differ: {x.tolist()} vs {y.tolist()}")
+    for name in ("epoch", "read_marks", "write_marks"):  # the same-step marks, whole
+        x, y = getattr(a.ws, name), getattr(b.ws, name)
+        if not torch.equal(x, y):
+            bad = (x != y).nonzero().flatten().tolist()
+            diffs.append(f"workspace.{name} differ at {bad[:8]}: {x[bad[:8]].tolist()} vs {y[bad[:8]].tolist()}")
     for name in ("counters", "first", "last"):
         x, y = getattr(a.log, name), getattr(b.log, name)
         if not torch.equal(x, y):

@@ -214,7 +214,31 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     ws.window_starts[:bs] = torch.tensor(starts, dtype=torch.int64)
     ws.seed_links[:bs] = torch.tensor([to_signed64(s) for s in seeds], dtype=torch.int64)
     ws.row_state[:bs] = torch.tensor(states, dtype=torch.int32)
+    ws.epoch[0] = int(ws.epoch[0]) + 1  # a new step
     out.write_back(log)
+
+
+def _mark(ws: PlanWorkspace) -> int:
+    """This step's mark: 1 + epoch mod the period (never 0, the value of a fresh mark)."""
+    return 1 + int(ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
+
+
+def _mark_writes(group: CanaryGroup, b: _Batch, ws: PlanWorkspace, n_slots: int) -> None:
+    """Every slot a token of an active row stores into: 2 * mark, + 1 when two or more tokens do."""
+    offsets = _list(ws.write_offsets[: len(b.rows) + 1])
+    states = _list(ws.row_state[: len(b.rows)])
+    writers: dict[int, int] = {}
+    for r in range(len(b.rows)):
+        if states[r] != ROW_ACTIVE:
+            continue
+        for t in range(offsets[r], min(offsets[r + 1], len(b.input_ids))):
+            if b.out_loc[t] == NOT_STORED:
+                continue
+            slot, lookup_bad = _to_pool(b, b.out_loc[t])
+            if not lookup_bad and 0 <= slot < n_slots and slot not in group.reserved_slots:
+                writers[slot] = writers.get(slot, 0) + 1
+    for slot, n in writers.items():
+        ws.write_marks[slot] = 2 * _mark(ws) + (1 if n > 1 else 0)
 
 
 # --------------------------------------------------------------------------- verify
@@ -241,6 +265,7 @@ def verify(
         return 0 <= s < n_slots
 
     checked_entries = 0
+    read_live: set[int] = set()
     for r in range(bs):
         row = b.rows[r]
         for k in range(offsets[r + 1] - offsets[r]):
@@ -254,6 +279,8 @@ def verify(
             s_tok, s_pos, s_link = (tokens[slot], positions[slot], links[slot]) if readable else (0, 0, 0)
             is_reserved = readable and slot in reserved
             never = readable and not is_reserved and s_link == EMPTY_LINK
+            if readable and not is_reserved:
+                read_live.add(slot)  # attention gathers it this step
             checked = readable and not is_reserved and not never
             exp_tok = _expected_token(group, b, r, pos)
 
@@ -320,6 +347,9 @@ def verify(
                         BAD_INDEX=bad_index,
                     )
                 )
+    for slot in read_live:
+        ws.read_marks[slot] = _mark(ws)
+    _mark_writes(group, b, ws, n_slots)
     out.counters[Counter.VERIFIED] += checked_entries
     out.counters[Counter.SKIPPED] += offsets[bs] - checked_entries
     out.counters[Counter.CALLS] += 1
@@ -345,6 +375,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     states = _list(ws.row_state[:bs])
     out = _Log(log)
     written: Rewrites = {}
+    marks = (_mark(ws), _list(ws.read_marks), _list(ws.write_marks), n_slots)
 
     for r in range(bs):
         if states[r] != ROW_ACTIVE:
@@ -375,6 +406,9 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
                 else:
                     tokens[slot], positions[slot], links[slot] = tok, _i32(pos), to_signed64(link)
                     written.setdefault(slot, []).append((tok, _i32(pos), to_signed64(link)))
+                    same, new_index = _same_step(group, b, marks, r, exp_pos, slot)
+                    reasons |= same
+                    bad_index = new_index
             if pos != exp_pos:
                 reasons |= Reason.WRITE_POSITION_MISMATCH
             if exp_tok != UNKNOWN_TOKEN and tok != exp_tok:
@@ -404,6 +438,36 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     records.positions.copy_(torch.tensor(positions, dtype=torch.int32))
     records.links.copy_(torch.tensor(links, dtype=torch.int64))
     return {s: w for s, w in written.items() if len(w) > 1}
+
+
+def _same_step(
+    group: CanaryGroup, b: _Batch, marks: tuple[int, list[int], list[int], int], r: int, pos: int, slot: int
+) -> tuple[int, int]:
+    """Reasons of a token of batch row ``r`` stored at ``slot`` for KV position ``pos``, against what this
+    step reads; and the table entry of its own position when that entry leads elsewhere (else -1)."""
+    mark, read_marks, write_marks, n_slots = marks
+    row, pre = b.rows[r], b.prefix[r]
+    reasons, bad_index = 0, -1
+    if read_marks[slot] == mark:
+        # A window's ring: the token at pos may reuse the slot of its own row's pos - window - 1,
+        # a position it no longer attends to.
+        q = pos - group.window - 1
+        ring = False
+        if group.window > 0 and max(pre - group.window, 0) <= q < pre:
+            own, own_bad = _to_pool(b, _table_index(group, b, row, q))
+            ring = not own_bad and own == slot
+        if not ring:
+            reasons |= Reason.WRITE_INTO_LIVE_SLOT
+    if write_marks[slot] == 2 * mark + 1:
+        reasons |= Reason.DUPLICATE_WRITE
+    if group.checks_new_reads:
+        entry = _table_index(group, b, row, pos)
+        read, read_bad = _to_pool(b, entry)
+        exempt = not read_bad and 0 <= read < n_slots and read in group.reserved_slots
+        if not exempt and (read_bad or read != slot):
+            reasons |= Reason.NEW_READ_MISMATCH
+            bad_index = entry
+    return reasons, bad_index
 
 
 def step(

@@ -134,7 +134,11 @@ class _State:
     @classmethod
     def make(cls, group: CanaryGroup, caps: Capacities, dev: torch.device) -> _State:
         records = RecordStore.allocate(group.num_slots, dev)
-        return cls(records, PlanWorkspace.allocate(caps, dev), ViolationLog.allocate(caps.log_rows, dev))
+        return cls(
+            records,
+            PlanWorkspace.allocate(caps, dev, num_slots=group.num_slots),
+            ViolationLog.allocate(caps.log_rows, dev),
+        )
 
     def assert_equal(self, other: _State, b: int, phase: str) -> None:
         pairs = {
@@ -149,6 +153,8 @@ class _State:
             pairs[f"ws.{name}"] = (getattr(self.ws, name)[: b + 1], getattr(other.ws, name)[: b + 1])
         for name in ("window_starts", "seed_links", "row_state"):
             pairs[f"ws.{name}"] = (getattr(self.ws, name)[:b], getattr(other.ws, name)[:b])
+        for name in ("epoch", "read_marks", "write_marks"):
+            pairs[f"ws.{name}"] = (getattr(self.ws, name), getattr(other.ws, name))
         for name, (x, y) in pairs.items():
             x, y = x.cpu(), y.cpu()
             assert torch.equal(x, y), f"after {phase}: {name} differs:\nreference {x.tolist()}\nkernels   {y.tolist()}"

@@ -794,6 +794,20 @@ def test_negative_table_entry_in_a_block_table() -> None:
             STORED_LINK=0,
             BAD_INDEX=-8,
         ),
+        # The new token's own table entry (position 5, block -2) does not lead to the slot it writes.
+        expect(
+            Phase.STAMP,
+            Reason.NEW_READ_MISMATCH,
+            BATCH_ROW=0,
+            TABLE_ROW=1,
+            SLOT=21,
+            EXPECTED_POSITION=5,
+            STORED_POSITION=5,
+            EXPECTED_TOKEN=-1,
+            STORED_TOKEN=4,
+            STORED_LINK=chain([4], [5])[0],
+            BAD_INDEX=-7,
+        ),
     ]
     # The seed was not trusted: position 5 chains from the anchor.
     assert records_at(canary, [21]) == [(4, 5, chain([4], [5])[0])]
@@ -1084,7 +1098,7 @@ def test_length_out_of_range() -> None:
 def test_every_reason_is_produced_above() -> None:
     # A compact ledger: the corruptions used above, replayed; together they raise every reason.
     seen = 0
-    for probe in (_reason_probe_verify, _reason_probe_stamp, _reason_probe_plan):
+    for probe in (_reason_probe_verify, _reason_probe_stamp, _reason_probe_plan, _reason_probe_same_step):
         seen |= probe()
     assert seen == (1 << NUM_REASONS) - 1, [r.name for r in Reason if not seen & r]
 
@@ -1120,6 +1134,14 @@ def _reason_probe_stamp() -> int:
     canary, log, table = two_requests()
     truth = torch.zeros(3, 8, dtype=torch.int64)
     canary.step(decode_both(table, pos=[9, 3], loc=[11, 0], truth=truth, truth_lens=[5, 4]), log)
+    return _counted(log)
+
+
+def _reason_probe_same_step() -> int:
+    # A writes B's live slot 21 and B's own slot 23; B's table sends its new token to slot 27.
+    canary, log, table = two_requests()
+    table[2, 3] = 27
+    canary.step(make_batch(table, [1, 2], [4, 3], [2, 1], [15, 1, 34], [4, 5, 3], [21, 23, 23]), log)
     return _counted(log)
 
 

@@ -81,6 +81,12 @@ def _perturbations() -> list[tuple[str, object]]:
     def offsets(c: gen.Case) -> None:
         c.ws.verify_offsets[c.batch.batch_size] += 1
 
+    def read_mark(c: gen.Case) -> None:
+        c.ws.read_marks[-1] += 1
+
+    def write_mark(c: gen.Case) -> None:
+        c.ws.write_marks[0] ^= 1
+
     def counter(c: gen.Case) -> None:
         c.log.counters[Counter.STAMPED] += 1
 
@@ -95,6 +101,8 @@ def _perturbations() -> list[tuple[str, object]]:
         ("records.links", link),
         ("workspace.seed_links", seed_link),
         ("workspace.verify_offsets", offsets),
+        ("workspace.read_marks", read_mark),
+        ("workspace.write_marks", write_mark),
         ("log.counters", counter),
         ("log.first", row_field),
         ("log.last", last_row),

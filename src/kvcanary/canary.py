@@ -41,7 +41,7 @@ class GroupCanary:
         self.device = resolve_device(device)
         self.backend = backend
         self.records = RecordStore.allocate(group.num_slots, self.device)
-        self.workspace = PlanWorkspace.allocate(caps, self.device)
+        self.workspace = PlanWorkspace.allocate(caps, self.device, num_slots=group.num_slots)
         self._planned: tuple[int, int] | None = None
 
     def new_log(self) -> ViolationLog:

@@ -24,6 +24,8 @@ class CanaryGroup:
     batch.  ``token_offset`` is 1 for a speculative-draft pool, whose KV at position p holds the
     token of position p + 1.  ``reserved_slots`` (padding, trash, sentinel) must never hold a live
     token.  ``padding_row`` is the table row of padding batch rows (sglang's row 0), or None.
+    ``checks_new_reads``: the table also holds the entries of the step's own tokens (positions
+    ``[prefix_len, prefix_len + extend_len)``), so stamp checks each against the slot the token writes.
     """
 
     num_slots: int
@@ -36,6 +38,7 @@ class CanaryGroup:
     token_offset: int = 0
     reserved_slots: tuple[int, ...] = (0,)
     padding_row: int | None = 0
+    checks_new_reads: bool = True
 
     MAX_RESERVED = 8
 

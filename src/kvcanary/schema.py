@@ -23,6 +23,9 @@ class Reason(enum.IntFlag):
     WRITE_TOKEN_MISMATCH = 1 << 10
     ROW_OUT_OF_RANGE = 1 << 11
     LENGTH_OUT_OF_RANGE = 1 << 12
+    WRITE_INTO_LIVE_SLOT = 1 << 13  # a write lands on a slot attention reads as live this step
+    DUPLICATE_WRITE = 1 << 14  # two tokens of one step write one slot
+    NEW_READ_MISMATCH = 1 << 15  # a new token's table entry does not resolve to the slot it writes
 
 
 REASONS: tuple[Reason, ...] = tuple(Reason)

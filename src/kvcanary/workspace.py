@@ -55,6 +55,12 @@ class PlanWorkspace:
     row_state: torch.Tensor  # int32 [B]: ROW_ACTIVE / ROW_PADDING / ROW_BAD
     mult_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT**i, for the reference's scan
     inv_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT_INV**i
+    # Same-step write checks (4 + 4 bytes a slot): plan bumps the epoch; verify stores mark_of(epoch) for
+    # every slot it reads live and 2 * mark (+ 1 when several tokens write it) for every slot written;
+    # stamp compares.  Marks of earlier steps never equal this step's (until the period wraps).
+    epoch: torch.Tensor  # int64 [1]: plan calls so far
+    read_marks: torch.Tensor  # int32 [num_slots]: mark of the last step that read the slot live
+    write_marks: torch.Tensor  # int32 [num_slots]: 2 * mark of the last step that wrote it, + 1 if twice
     # Kernel scratch (the reference leaves it alone).  Work is cut into items: one block of one row's
     # verify entries or written tokens.  Sized for the smallest block, so any block size fits.
     verify_items: torch.Tensor  # int64 [B+1]: exclusive prefix sum of verify items per row
@@ -69,6 +75,11 @@ class PlanWorkspace:
     ROW_PADDING = 1
     ROW_BAD = 2
     SCRATCH_BLOCK = 128  # smallest item size (entries or tokens) a kernel may use
+    MARK_PERIOD = (1 << 30) - 1  # marks are 1 + epoch % MARK_PERIOD: never 0 (fresh), 2 * mark + 1 fits int32
+
+    @staticmethod
+    def mark_of(epoch: int) -> int:
+        return 1 + epoch % PlanWorkspace.MARK_PERIOD
 
     @staticmethod
     def max_items(entries: int, max_batch: int) -> int:
@@ -76,7 +87,10 @@ class PlanWorkspace:
         return -(-entries // PlanWorkspace.SCRATCH_BLOCK) + max_batch
 
     @classmethod
-    def allocate(cls, caps: Capacities, device: torch.device | str = "cpu") -> PlanWorkspace:
+    def allocate(cls, caps: Capacities, device: torch.device | str = "cpu", *, num_slots: int) -> PlanWorkspace:
+        """Buffers for one group of ``num_slots`` slots (the same-step marks are per slot)."""
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
         b = caps.max_batch
 
         def i64(n: int) -> torch.Tensor:
@@ -90,6 +104,9 @@ class PlanWorkspace:
             row_state=torch.zeros(b, dtype=torch.int32, device=device),
             mult_powers=hashing.power_table(hashing.LINK_MULT, caps.max_tokens + 1, device),
             inv_powers=hashing.power_table(hashing.LINK_MULT_INV, caps.max_tokens + 1, device),
+            epoch=i64(1),
+            read_marks=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            write_marks=torch.zeros(num_slots, dtype=torch.int32, device=device),
             verify_items=i64(b + 1),
             write_items=i64(b + 1),
             verify_counts=torch.zeros(cls.max_items(caps.verify_entries, b), dtype=torch.int32, device=device),

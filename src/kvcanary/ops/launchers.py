@@ -109,6 +109,9 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
         ("row_state", torch.int32, (b,)),
         ("mult_powers", torch.int64, (t,)),
         ("inv_powers", torch.int64, (t,)),
+        ("epoch", torch.int64, (1,)),
+        ("read_marks", torch.int32, (n,)),
+        ("write_marks", torch.int32, (n,)),
         ("verify_items", torch.int64, (b + 1,)),
         ("write_items", torch.int64, (b + 1,)),
         ("verify_counts", torch.int32, (int(ws.verify_counts.shape[0]),)),
@@ -197,7 +200,7 @@ def plan(
         _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy),
         _ptr(batch.table, dummy), lookup, records.links,
         ws.write_offsets, ws.verify_offsets, ws.window_starts, ws.seed_links, ws.row_state,
-        ws.verify_items, ws.write_items, log.first, log.last, log.counters,
+        ws.verify_items, ws.write_items, ws.epoch, log.first, log.last, log.counters,
         batch.batch_size, n_rows, n_cols, n_cols * group.page_size, n_lookup, group.num_slots, batch.num_tokens,
         group.window, int(group.padding_row is not None), group.padding_row or 0, group.page_size, log.capacity,
         group.group_id, *_reserved(group),
@@ -239,10 +242,11 @@ def verify(
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
         log.first, log.last, log.counters,
+        _ptr(batch.out_cache_loc, dummy), ws.write_offsets, ws.write_items, ws.epoch, ws.read_marks, ws.write_marks,
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
-        log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group),
+        log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
         PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
-        BLOCK=block, BLOCK_B=_row_block(ws, tuning), num_warps=tuning.verify_warps,
+        BLOCK=block, BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
 
@@ -257,9 +261,9 @@ def stamp(
 ) -> None:
     """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds.
 
-    Two tokens of one step that write the same slot: the reference leaves the winner unspecified; here
-    each of the three fields holds one of the writes (they are stored separately, so the record may
-    mix them, and the next verify reports the slot).
+    Two tokens of one step that write the same slot are both reported (``duplicate_write``); which record
+    survives is unspecified, and here each of the three fields holds one of the writes (they are stored
+    separately, so the record may mix them; the next verify reports a mixed record too).
     """
     dev = _check_state(group, records, ws, log)
     _check_batch(group, batch, ws, dev)
@@ -271,16 +275,18 @@ def stamp(
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
+    n_rows, n_cols = (int(s) for s in batch.table.shape)
     stamp_kernel[_grid(max_items, dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.input_ids, dummy),
         _ptr(batch.positions, dummy), _ptr(batch.out_cache_loc, dummy), lookup, truth, truth_lens,
         ws.write_offsets, ws.seed_links, ws.write_items, ws.mult_powers, ws.inv_powers,
         records.tokens, records.positions, records.links, ws.stamp_counts, ws.stamp_sums, ws.stamp_flags,
         ws.sync[_STAMP_SYNC:],
-        log.first, log.last, log.counters,
+        log.first, log.last, log.counters, _ptr(batch.table, dummy), ws.epoch, ws.read_marks, ws.write_marks,
         batch.batch_size, batch.num_tokens, max_tokens + 1, n_lookup, t_rows, t_cols, group.num_slots,
         max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),
-        HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        n_rows, n_cols, group.page_size, group.window,
+        HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth, PAGED=group.page_size > 1, CHECK_NEW=group.checks_new_reads,
         BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
         POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
         num_warps=tuning.stamp_warps,

@@ -8,88 +8,28 @@ before these functions are called (:mod:`kvcanary.batch`); they assume only well
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from kvcanary import hashing
 from kvcanary.batch import StepBatch
 from kvcanary.layout import CanaryGroup, RecordStore
-from kvcanary.schema import NOT_STORED, NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
+from kvcanary.ops import same_step
+from kvcanary.ops.resolution import (  # noqa: F401  (re-exported: the reference's index helpers)
+    Resolved,
+    expected_tokens,
+    in_pool,
+    is_reserved,
+    resolve,
+    table_slots,
+    translate,
+)
+from kvcanary.schema import NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
 from kvcanary.workspace import PlanWorkspace, ViolationLog
 
 _ANCHOR = hashing.to_signed64(hashing.LINK_ANCHOR)
 # extend_lens saturate here before their row sums: no real step writes 2**32 tokens, and a corrupt int64
 # length must not wrap the sums (a wrapped sum would make a bad row look active).
 MAX_EXTEND = 1 << 32
-
-
-# --------------------------------------------------------------------------- index resolution
-
-
-def table_slots(group: CanaryGroup, table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Table entry for (row, pos), in the table's index space; rows and pos must be in range."""
-    if group.page_size == 1:
-        return table[rows, pos].long()
-    page = group.page_size
-    return table[rows, pos // page].long() * page + pos % page
-
-
-def translate(lookup: torch.Tensor | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map table indices into the group's pool; returns (slot, lookup_out_of_range)."""
-    if lookup is None:
-        return full, torch.zeros_like(full, dtype=torch.bool)
-    n = lookup.shape[0]
-    bad = (full < 0) | (full >= n)
-    slot = lookup[full.clamp(0, max(n - 1, 0))].long() if n > 0 else torch.zeros_like(full)
-    return torch.where(bad, torch.full_like(slot, -1), slot), bad
-
-
-def in_pool(slot: torch.Tensor, num_slots: int) -> torch.Tensor:
-    return (slot >= 0) & (slot < num_slots)
-
-
-def is_reserved(group: CanaryGroup, slot: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(slot, dtype=torch.bool)
-    for s in group.reserved_slots:
-        out |= slot == s
-    return out
-
-
-class Resolved(NamedTuple):
-    """One lookup of table indices into the pool, with the reason each index fails, if any."""
-
-    slot: torch.Tensor  # the pool slot (-1 when the lookup failed; the raw value when out of the pool)
-    lookup_bad: torch.Tensor  # the index is outside the lookup table
-    out_of_pool: torch.Tensor  # the looked-up slot is outside the pool
-    in_pool: torch.Tensor  # safe to dereference (reserved slots included)
-    reserved: torch.Tensor  # in the pool but a reserved slot
-
-
-def resolve(group: CanaryGroup, lookup: torch.Tensor | None, full: torch.Tensor, num_slots: int) -> Resolved:
-    slot, lookup_bad = translate(lookup, full)
-    ok = in_pool(slot, num_slots) & ~lookup_bad
-    return Resolved(slot, lookup_bad, ~lookup_bad & ~ok, ok, ok & is_reserved(group, slot))
-
-
-def expected_tokens(group: CanaryGroup, batch: StepBatch, batch_rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Ground-truth token at ``pos + token_offset`` (int64, -1 = unknown) for each (batch row, pos)."""
-    if batch.truth is None or batch.truth_lens is None:
-        return torch.full_like(pos, UNKNOWN_TOKEN)
-    truth, lens = batch.truth, batch.truth_lens.long()
-    table_rows = batch.rows.long()[batch_rows]
-    idx = pos + group.token_offset
-    ok = (
-        (idx >= 0)
-        & (idx < lens[batch_rows])
-        & (idx < truth.shape[1])
-        & (table_rows >= 0)
-        & (table_rows < truth.shape[0])
-    )
-    if truth.numel() == 0:
-        return torch.full_like(pos, UNKNOWN_TOKEN)
-    tok = truth[table_rows.clamp(0, truth.shape[0] - 1), idx.clamp(0, truth.shape[1] - 1)]
-    return torch.where(ok, tok.to(torch.int32).long(), torch.full_like(pos, UNKNOWN_TOKEN))
 
 
 # --------------------------------------------------------------------------- the log
@@ -177,6 +117,7 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
         pad, PlanWorkspace.ROW_PADDING, torch.where(active, PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_BAD)
     )
     ws.row_state[:b] = state.to(torch.int32)
+    ws.epoch += 1  # a new step: the same-step marks of earlier steps go stale
 
     reasons = (
         row_bad.long() * Reason.ROW_OUT_OF_RANGE
@@ -248,6 +189,7 @@ def verify(
     link_checked = checked & (~has_pred | pred_usable)
     exp_link = torch.where(link_checked, hashing.link_step_t(prev_link, tok32, pos32), 0)
     link_bad = link_checked & (exp_link != stored_link)
+    same_step.mark_step(group, batch, ws, slot[ok & ~reserved], n_slots)
 
     reasons = (
         lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
@@ -294,19 +236,14 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     Links follow the tokens actually written (so one bad input does not cascade).  A token whose
     ``out_cache_loc`` is ``NOT_STORED`` (-1, e.g. vLLM's padding slot id, a window's trash write) is
     not stored and raises no slot violation, but still advances its row's chain and is still checked
-    for position and token.  Two tokens of one step that write the same slot leave either record:
-    which one is unspecified.
+    for position and token.  The same-step checks (:mod:`.same_step`) use the marks verify left: a write
+    into a slot read live this step, a slot written twice (every writer reported; which record survives
+    is unspecified) and a new token's table entry that resolves elsewhere.
     """
-    b = batch.batch_size
     dev = batch.device
     n_slots = records.num_slots
-    woff = ws.write_offsets[: b + 1]
-    n_tok = min(int(woff[b]), batch.num_tokens)
-    t = torch.arange(n_tok, dtype=torch.int64, device=dev)
-    r = torch.searchsorted(woff[1:], t, right=True)
-    live = ws.row_state[r] == PlanWorkspace.ROW_ACTIVE
-    t, r = t[live], r[live]
-    i = t - woff[r]
+    wt = same_step.write_tokens(group, batch, ws, n_slots)
+    t, r, i = wt.t, wt.r, wt.i
     exp_pos = batch.prefix_lens.long()[r] + i
     tok32 = batch.input_ids[t].to(torch.int32)
     pos64 = batch.positions[t].long()
@@ -320,13 +257,12 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     seg = csum - (csum - w)[k - i] if t.shape[0] else csum
     links = ws.mult_powers[i + 1] * ws.seed_links[r] + ws.mult_powers[t] * seg
 
-    full = batch.out_cache_loc[t].long()
-    stored = full != NOT_STORED
-    slot, lookup_bad, slot_oor, ok, reserved = resolve(group, batch.lookup, full, n_slots)
+    full, writable = wt.full, wt.writable
+    slot, lookup_bad, slot_oor, _ok, reserved = wt.res
     # A NOT_STORED token resolves to nothing and is no violation: it is simply not kept.
-    lookup_bad &= stored
-    slot_oor &= stored
-    writable = ok & ~reserved
+    lookup_bad = lookup_bad & wt.stored
+    slot_oor = slot_oor & wt.stored
+    same, new_read_index = same_step.write_reasons(group, batch, ws, wt, n_slots)
     exp_tok = expected_tokens(group, batch, r, exp_pos)
     wpos_bad = pos64 != exp_pos
     wtok_bad = (exp_tok != UNKNOWN_TOKEN) & (tok32.long() != exp_tok)
@@ -342,8 +278,9 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
         | reserved.long() * Reason.RESERVED_SLOT
         | wpos_bad.long() * Reason.WRITE_POSITION_MISMATCH
         | wtok_bad.long() * Reason.WRITE_TOKEN_MISMATCH
+        | same
     )
-    bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, -1))
+    bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, new_read_index))
     hit = (reasons != 0).nonzero().flatten()
     out = _new_rows(int(hit.shape[0]), Phase.STAMP, group, dev)
     out[:, Field.REASONS] = reasons[hit]

@@ -97,7 +97,7 @@ def _plan_rows(
 )
 def plan_kernel(
     rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
-    write_off_ptr, verify_off_ptr, starts_ptr, seeds_ptr, state_ptr, verify_items_ptr, write_items_ptr,
+    write_off_ptr, verify_off_ptr, starts_ptr, seeds_ptr, state_ptr, verify_items_ptr, write_items_ptr, epoch_ptr,
     first_ptr, last_ptr, counters_ptr,
     b, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
@@ -105,6 +105,7 @@ def plan_kernel(
     VERIFY_BLOCK: tl.constexpr, STAMP_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     """reference.plan with one program: workspace rows, then the log rows in batch-row order."""
+    tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)  # a new step: earlier same-step marks go stale
     tl.store(write_off_ptr, 0)
     tl.store(verify_off_ptr, 0)
     tl.store(verify_items_ptr, 0)

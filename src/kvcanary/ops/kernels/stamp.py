@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kvcanary.ops.kernels.hashing import mix
-from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, translate
+from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import (
     CALLS,
     COUNTER_LANES,
@@ -33,12 +33,17 @@ from kvcanary.ops.kernels.log import (
 )
 from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
+from kvcanary.workspace import PlanWorkspace
 
 SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
 LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
 RESERVED = tl.constexpr(int(Reason.RESERVED_SLOT))
 WRITE_POSITION_BAD = tl.constexpr(int(Reason.WRITE_POSITION_MISMATCH))
 WRITE_TOKEN_BAD = tl.constexpr(int(Reason.WRITE_TOKEN_MISMATCH))
+INTO_LIVE = tl.constexpr(int(Reason.WRITE_INTO_LIVE_SLOT))
+DUPLICATE = tl.constexpr(int(Reason.DUPLICATE_WRITE))
+NEW_READ_BAD = tl.constexpr(int(Reason.NEW_READ_MISMATCH))
+MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
 PHASE = tl.constexpr(int(Phase.STAMP))
 NOT_STORED = tl.constexpr(_NOT_STORED)
 FINAL_LANES = tl.constexpr(128)  # tokens per sub-block when the finalize re-derives an item
@@ -106,13 +111,43 @@ def _carry(
 
 
 @triton.jit
+def _same_step(
+    slot, writable, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, table_ptr, lookup_ptr,
+    n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, CHECK_NEW: tl.constexpr,
+):  # fmt: skip
+    """reference same_step.write_reasons: the marks verify left, the ring exception, the new token's entry."""
+    live = writable & (tl.load(read_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == mark)
+    # A window's ring: the token at p may reuse the slot of its own row's p - window - 1 (out of its sight).
+    q = exp_pos - window - 1
+    zero = tl.zeros_like(q)
+    ring = live & (zero + window > 0) & (q >= zero + tl.maximum(pre - window, 0)) & (q < zero + pre)
+    qfull = table_entry(table_ptr, trow, q, n_rows, n_cols, page, ring, PAGED)
+    qslot, qbad = translate(lookup_ptr, n_lookup, qfull, ring, HAS_LOOKUP)
+    live = live & ~(ring & ~qbad & in_pool(qslot, num_slots) & (qslot == slot))
+    dup = writable & (tl.load(write_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == 2 * mark + 1)
+    reasons = tl.where(live, INTO_LIVE, 0) | tl.where(dup, DUPLICATE, 0)
+    new_index = tl.zeros_like(slot) - 1
+    if CHECK_NEW:
+        nfull = table_entry(table_ptr, trow, exp_pos, n_rows, n_cols, page, writable, PAGED)
+        nslot, nbad = translate(lookup_ptr, n_lookup, nfull, writable, HAS_LOOKUP)
+        nres = ~nbad & in_pool(nslot, num_slots) & is_reserved(nslot, res0, res1, res2, res3, res4, res5, res6, res7)
+        new_bad = writable & ~nres & (nslot != slot)
+        reasons = reasons | tl.where(new_bad, NEW_READ_BAD, 0)
+        new_index = tl.where(new_bad, nfull, new_index)
+    return reasons, new_index
+
+
+@triton.jit
 def _stamp_item(
     item, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
+    mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page, window,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
     BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, LOOKBACK: tl.constexpr, POLLS: tl.constexpr,
+    PAGED: tl.constexpr, CHECK_NEW: tl.constexpr,
 ):  # fmt: skip
     """reference.stamp for tokens [sub * LANES, (sub + 1) * LANES) of one item: records and log fields.
 
@@ -165,14 +200,20 @@ def _stamp_item(
     exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, exp_pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
     wpos_bad = m & (pos64 != exp_pos)
     wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
+    same, new_index = _same_step(
+        slot, writable, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, table_ptr, lookup_ptr,
+        n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
+        PAGED, HAS_LOOKUP, CHECK_NEW,
+    )  # fmt: skip
     reasons = (
         tl.where(lookup_bad, LOOKUP_OOR, 0)
         | tl.where(slot_oor, SLOT_OOR, 0)
         | tl.where(reserved, RESERVED, 0)
         | tl.where(wpos_bad, WRITE_POSITION_BAD, 0)
         | tl.where(wtok_bad, WRITE_TOKEN_BAD, 0)
+        | same
     ).to(tl.int64)
-    bad_index = tl.where(lookup_bad, full, tl.where(slot_oor, slot, -1))
+    bad_index = tl.where(lookup_bad, full, tl.where(slot_oor, slot, new_index))
     return r, trow, slot, writable, tok32, pos32, pos64, links, exp_pos, exp_tok, bad_index, reasons
 
 
@@ -181,17 +222,19 @@ def _stamp_item(
     do_not_specialize=[
         "b", "n_tokens", "n_powers", "n_lookup", "t_rows", "t_cols", "num_slots", "max_items", "log_k", "group_id",
         "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
+        "n_rows", "n_cols", "page", "window",
     ]
 )  # fmt: skip
 def stamp_kernel(
     rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
     tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
-    first_ptr, last_ptr, counters_ptr,
+    first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7,
+    res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, POLLS: tl.constexpr,
+    PAGED: tl.constexpr, CHECK_NEW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -199,6 +242,7 @@ def stamp_kernel(
     row_ends = tl.load(witems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
     n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
     epoch = tl.load(sync_ptr + EPOCH) + 1  # the last program stores it when the call ends
+    mark = 1 + tl.load(mark_epoch_ptr) % MARK_PERIOD  # the step's same-step mark (plan bumped its epoch)
 
     found = tl.zeros((), tl.int64)
     written = tl.zeros((), tl.int64)
@@ -207,9 +251,10 @@ def stamp_kernel(
         _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
             item, 0, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
             truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
+            mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page, window,
             b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
             res0, res1, res2, res3, res4, res5, res6, res7,
-            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True, POLLS,
+            HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True, POLLS, PAGED, CHECK_NEW,
         )  # fmt: skip
         tl.store(tokens_ptr + slot, tok32, mask=writable)
         tl.store(rec_positions_ptr + slot, pos32, mask=writable)
@@ -239,9 +284,11 @@ def stamp_kernel(
                         r, trow, slot, _w, tok32, _p32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
                             j, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr,
                             truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
-                            flags_ptr, epoch, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
+                            flags_ptr, epoch, mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page,
+                            window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
                             res0, res1, res2, res3, res4, res5, res6, res7,
-                            HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False, POLLS,
+                            HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False, POLLS, PAGED,
+                            CHECK_NEW,
                         )  # fmt: skip
                         hit = reasons != 0
                         hit64 = hit.to(tl.int64)

@@ -30,7 +30,9 @@ from kvcanary.ops.kernels.log import (
     select_items,
     store_rows,
 )
+from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
+from kvcanary.workspace import PlanWorkspace
 
 LINK_BAD = tl.constexpr(int(Reason.LINK_MISMATCH))
 POSITION_BAD = tl.constexpr(int(Reason.POSITION_MISMATCH))
@@ -42,6 +44,8 @@ PRED_OOR = tl.constexpr(int(Reason.PREDECESSOR_OUT_OF_RANGE))
 LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
 PHASE = tl.constexpr(int(Phase.VERIFY))
 FINAL_LANES = tl.constexpr(128)  # entries per sub-block when the finalize re-derives an item
+NOT_STORED = tl.constexpr(_NOT_STORED)
+MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
 
 
 @triton.jit
@@ -114,7 +118,35 @@ def _verify_item(
         lookup_bad, full, tl.where(slot_oor, slot, tl.where(plookup_bad, pfull, tl.where(pred_oor, pslot, -1)))
     )
     pred = tl.where(pred_resolved, pslot, -1)
-    return r, trow, m, slot, pred, pos, stored_pos, exp_tok, stored_tok, exp_link, stored_link, bad_index, reasons
+    live = ok & ~reserved  # a slot attention gathers this step
+    return (
+        r, trow, live, slot, pred, pos, stored_pos, exp_tok, stored_tok, exp_link, stored_link, bad_index, reasons
+    )  # fmt: skip
+
+
+@triton.jit
+def _mark_writes(
+    pid, n_programs, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup, num_slots,
+    mark, res0, res1, res2, res3, res4, res5, res6, res7,
+    HAS_LOOKUP: tl.constexpr, STAMP_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """reference same_step.mark_step's writes: 2 * mark on every slot stored this step, + 1 when twice.
+
+    The last of several writers to swap the mark in sees it already set and adds the 1 after its swap,
+    so the bit survives whatever the order.
+    """
+    for item in range(pid, tl.load(witems_ptr + b), n_programs):
+        r = find_row(witems_ptr, b, item, BLOCK_B)
+        t = tl.load(woff_ptr + r) + (item - tl.load(witems_ptr + r)) * STAMP_BLOCK + tl.arange(0, STAMP_BLOCK)
+        m = t < tl.minimum(tl.load(woff_ptr + r + 1), n_tokens)
+        full = tl.load(loc_ptr + t, mask=m, other=NOT_STORED).to(tl.int64)
+        stored = m & (full != NOT_STORED)
+        slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
+        ok = stored & ~lookup_bad & in_pool(slot, num_slots)
+        writable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+        old = tl.atomic_xchg(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 2 * mark, mask=writable)
+        twice = writable & ((old >> 1) == mark)
+        tl.atomic_or(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 1, mask=twice)
 
 
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
@@ -141,18 +173,21 @@ def _verify_item(
         "res5",
         "res6",
         "res7",
+        "n_tokens",
     ]
 )
 def verify_kernel(
     rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
     voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
+    loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr,
     b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7,
+    res0, res1, res2, res3, res4, res5, res6, res7, n_tokens,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, STAMP_BLOCK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    mark = (1 + tl.load(epoch_ptr) % MARK_PERIOD).to(tl.int32)
     planned = tl.load(voff_ptr + b)
     rb = tl.arange(0, BLOCK_B)
     row_ends = tl.load(vitems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
@@ -163,17 +198,22 @@ def verify_kernel(
     found = tl.zeros((), tl.int64)
     bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for item in range(pid, n_items, n_programs):
-        _r, _trow, _m, _slot, _pred, _pos, _spos, _etok, _stok, _elink, _slink, _bad, reasons = _verify_item(
+        _r, _trow, live, slot, _pred, _pos, _spos, _etok, _stok, _elink, _slink, _bad, reasons = _verify_item(
             item, 0, row_ends, rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr,
             positions_ptr, links_ptr, voff_ptr, starts_ptr, vitems_ptr, b, n_rows, n_cols, n_lookup, t_rows, t_cols,
             num_slots, n_verify, page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
             PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B,
         )  # fmt: skip
+        tl.store(read_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + mark, mask=live)  # 4 bytes an entry
         n_hit = tl.sum((reasons != 0).to(tl.int32))
         if n_hit > 0:  # clean items leave their count at 0
             tl.atomic_xchg(counts_ptr + item, n_hit)
             bits += reason_counts(reasons)
             found += n_hit
+    _mark_writes(
+        pid, n_programs, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup, num_slots,
+        mark, res0, res1, res2, res3, res4, res5, res6, res7, HAS_LOOKUP, STAMP_BLOCK, BLOCK_B,
+    )  # fmt: skip
     if found > 0:
         tl.atomic_add(sync_ptr + PENDING, found)
         add_counters(counters_ptr, bits)
