@@ -158,6 +158,18 @@ BAD_BATCHES: list[tuple[str, Callable[[StepBatch], StepBatch], type[Exception], 
         ValueError,
         r"truth must be 2-D",
     ),
+    (
+        "truth with fewer rows than the table",
+        _replace(truth=lambda b: b.table[:2].clone(), truth_lens=torch.tensor([6, 0, 3])),
+        ValueError,
+        r"truth has 2 rows, but batch rows \[2\] use table rows \[2\]",
+    ),
+    (
+        "truth_lens beyond the truth's width",
+        _replace(truth=lambda b: b.table[:, :4].clone(), truth_lens=torch.tensor([6, 0, 3])),
+        ValueError,
+        r"truth_lens exceeds the truth's width 4 at batch rows \[0\]",
+    ),
     ("lookup for a full group", _replace(lookup=torch.arange(64)), ValueError, r"takes no lookup table"),
 ]
 

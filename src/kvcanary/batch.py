@@ -69,12 +69,17 @@ def validate_batch(
     max_batch: int,
     max_tokens: int,
     check_values: bool,
+    engine_values: bool = True,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument if ``batch`` breaks the contract.
 
-    Metadata (dtype, shape, device, capacities) is always checked.  Values are checked when
-    ``check_values`` is set; this reads the tensors on the host, so the per-step GPU path leaves it
-    off and relies on the kernels, which turn every bad value into a violation instead.
+    Metadata (dtype, shape, device, capacities, the ground truth's shape) is always checked.  Values
+    are checked when ``check_values`` is set; this reads the tensors on the host, so the per-step GPU
+    path leaves it off.  Two kinds of values: the ground truth's lengths are the adapter's own
+    claim, so a bad one is API misuse and raises; lengths and rows come from the engine's state,
+    which the plan turns into violations (``row_out_of_range``, ``length_out_of_range``), so with
+    ``engine_values=False`` (the manager's choice: a corrupt engine is reported, never raised) they
+    are left to it.
     """
     bs = _check_tensor("rows", batch.rows, 1, device).shape[0]
     for name in ("prefix_lens", "extend_lens"):
@@ -92,9 +97,7 @@ def validate_batch(
     if (batch.truth is None) != (batch.truth_lens is None):
         raise ValueError("truth and truth_lens must be given together")
     if batch.truth is not None:
-        _check_tensor("truth", batch.truth, 2, device)
-        if _check_tensor("truth_lens", batch.truth_lens, 1, device).shape[0] != bs:
-            raise ValueError(f"truth_lens has {batch.truth_lens.shape[0]} entries, rows has {bs}")  # type: ignore[union-attr]
+        _check_truth_shape(batch, device, bs)
     if group.uses_lookup and batch.lookup is None:
         raise ValueError(f"group {group.name!r} uses a lookup table but the batch has none")
     if not group.uses_lookup and batch.lookup is not None:
@@ -102,7 +105,45 @@ def validate_batch(
     if batch.lookup is not None:
         _check_tensor("lookup", batch.lookup, 1, device)
     if check_values:
-        _check_values(batch, group)
+        _check_truth_values(batch, group)
+        if engine_values:
+            _check_values(batch, group)
+
+
+def _check_truth_shape(batch: StepBatch, device: torch.device, bs: int) -> None:
+    # Truth is indexed by table row: a shorter one would silently switch token checks off for the rest.
+    truth = _check_tensor("truth", batch.truth, 2, device)
+    lens = _check_tensor("truth_lens", batch.truth_lens, 1, device)
+    if lens.shape[0] != bs:
+        raise ValueError(f"truth_lens has {lens.shape[0]} entries, rows has {bs}")
+    if truth.shape[0] == 0 and bs > 0:
+        raise ValueError("truth has no rows: it is indexed by table row, like the table")
+
+
+def _check_truth_values(batch: StepBatch, group: CanaryGroup) -> None:
+    """The truth must cover what it claims: every live row's table row and ``truth_lens`` columns."""
+    if batch.truth is None or batch.truth_lens is None:
+        return
+    rows = batch.rows.long()
+    in_table = (rows >= 0) & (rows < batch.table.shape[0])  # rows outside the table are the plan's violations
+    if group.padding_row is not None:
+        in_table &= rows != group.padding_row
+    uncovered = in_table & (rows >= batch.truth.shape[0])
+    if bool(uncovered.any()):
+        raise ValueError(
+            f"truth has {batch.truth.shape[0]} rows, but batch rows {_where(uncovered)} use table rows "
+            f"{[int(v) for v in rows[uncovered][:8]]}: it is indexed by table row, like the table"
+        )
+    lens = batch.truth_lens
+    if bool((lens < 0).any()):
+        raise ValueError(f"truth_lens has negative entries at batch rows {_where(lens < 0)}")
+    width = int(batch.truth.shape[1])
+    beyond = lens > width
+    if bool(beyond.any()):
+        raise ValueError(
+            f"truth_lens exceeds the truth's width {width} at batch rows {_where(beyond)} "
+            f"(values {[int(v) for v in lens[beyond][:8]]}): the truth holds no tokens there"
+        )
 
 
 def _check_values(batch: StepBatch, group: CanaryGroup) -> None:
@@ -127,8 +168,6 @@ def _check_values(batch: StepBatch, group: CanaryGroup) -> None:
     total = int(extend.sum())
     if total > batch.num_tokens:
         raise ValueError(f"extend_lens sums to {total} tokens, but input_ids holds {batch.num_tokens}")
-    if batch.truth_lens is not None and bool((batch.truth_lens < 0).any()):
-        raise ValueError(f"truth_lens has negative entries at batch rows {_where(batch.truth_lens < 0)}")
 
 
 def _where(mask: torch.Tensor) -> list[int]:

@@ -43,6 +43,7 @@ from kvcanary.runtime.report import (
     affected,
     decode_row,
 )
+from kvcanary.runtime.validation import validate_step
 from kvcanary.schema import NUM_COUNTERS, REASON_NAMES, Counter
 from kvcanary.workspace import Capacities
 
@@ -179,13 +180,11 @@ class CanaryManager:
                 "before_forward is being captured in a CUDA graph but the canary uses the reference path, "
                 "which reads values on the host and would leave nothing in the graph; use Backend.AUTO/TRITON"
             )
-        check_values = False if capturing else self.config.check_values
-        for canary, batch in zip(self.canaries.values(), ordered, strict=True):
-            try:
-                canary.validate(batch, check_values)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"group {canary.group.name!r}: {exc}") from None
-        self._work.before(ordered, check_values)
+        check_values = not capturing and (
+            self.config.check_values if self.config.check_values is not None else self.device.type == "cpu"
+        )
+        validate_step(list(self.canaries.values()), ordered, check_values)
+        self._work.before(ordered, False)  # validated above
         self._open = True
         self._open_capturing = capturing
 
