@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcanary.arguments import require_affordable
 from kvcanary.batch import StepBatch, validate_batch
 from kvcanary.layout import CanaryGroup, RecordStore
 from kvcanary.ops import Backend
@@ -14,6 +15,8 @@ from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
 def resolve_device(device: torch.device | str) -> torch.device:
     """``cuda`` -> ``cuda:<current>``: tensors report an indexed device, and batches are compared with it."""
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!s}: torch sees no CUDA device here (use device='cpu')")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -40,6 +43,11 @@ class GroupCanary:
         self.caps = caps
         self.device = resolve_device(device)
         self.backend = backend
+        per_slot = RecordStore.BYTES_PER_SLOT + PlanWorkspace.MARK_BYTES_PER_SLOT
+        require_affordable(
+            f"group {group.name!r}", group.num_slots * per_slot, self.device, num_slots=group.num_slots,
+            bytes_per_slot=per_slot,
+        )  # fmt: skip
         self.records = RecordStore.allocate(group.num_slots, self.device)
         self.workspace = PlanWorkspace.allocate(caps, self.device, num_slots=group.num_slots)
         self._planned: tuple[int, int] | None = None

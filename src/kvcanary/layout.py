@@ -7,6 +7,8 @@ import enum
 
 import torch
 
+from kvcanary.arguments import require_enum, require_int, require_int_tuple
+
 
 class GroupKind(enum.Enum):
     FULL = "full"
@@ -43,6 +45,12 @@ class CanaryGroup:
     MAX_RESERVED = 8
 
     def __post_init__(self) -> None:
+        for name in ("num_slots", "group_id", "window", "page_size", "token_offset"):
+            require_int(name, getattr(self, name))
+        require_enum("kind", self.kind, GroupKind)
+        require_int_tuple("reserved_slots", self.reserved_slots)
+        if self.padding_row is not None:
+            require_int("padding_row", self.padding_row)
         if self.num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {self.num_slots}")
         if not 0 <= self.group_id < 2**31:
@@ -75,6 +83,8 @@ class RecordStore:
     tokens: torch.Tensor
     positions: torch.Tensor
     links: torch.Tensor
+
+    BYTES_PER_SLOT = 16  # int32 token + int32 position + int64 link
 
     @classmethod
     def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> RecordStore:

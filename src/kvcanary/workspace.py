@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from kvcanary import hashing
+from kvcanary.arguments import require_int
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH, Counter, Field
 
 
@@ -28,6 +29,8 @@ class Capacities:
     log_rows: int = 64
 
     def __post_init__(self) -> None:
+        for name in ("max_batch", "max_tokens", "verify_entries", "max_context", "log_rows"):
+            require_int(f"capacity {name}", getattr(self, name))
         for name in ("max_batch", "max_tokens", "verify_entries", "log_rows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"capacity {name} must be positive, got {getattr(self, name)}")
@@ -75,6 +78,7 @@ class PlanWorkspace:
     ROW_PADDING = 1
     ROW_BAD = 2
     SCRATCH_BLOCK = 128  # smallest item size (entries or tokens) a kernel may use
+    MARK_BYTES_PER_SLOT = 8  # read_marks + write_marks, int32 each
     MARK_PERIOD = (1 << 30) - 1  # marks are 1 + epoch % MARK_PERIOD: never 0 (fresh), 2 * mark + 1 fits int32
 
     @staticmethod
