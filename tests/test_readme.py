@@ -24,3 +24,12 @@ def test_the_generic_engine_example_runs_and_fails_the_corrupted_request(capsys:
     exec(compile(code, str(README), "exec"), scope)  # the example asserts its own outcome too
     assert scope["failed"] == ["req-b"]
     assert "2 violations; failed: ['req-b']" in capsys.readouterr().out
+
+
+def test_the_reasons_table_lists_every_reason() -> None:
+    from kvcanary.schema import REASON_NAMES
+
+    text = README.read_text()
+    table = text[text.index("## Violation reasons") : text.index("## Configuration")]
+    missing = [name for name in REASON_NAMES if f"`{name}`" not in table]
+    assert not missing, f"README's reasons table misses {missing}"
