@@ -24,7 +24,7 @@ if [ "${KEEP_VENV:-0}" != 1 ] || [ ! -x "$VENV/bin/python" ]; then
   say "sglang 0.5.23 (--no-deps: its metadata pins CUDA torch 2.14.1, flashinfer, sglang-kernel)"
   "${PIP[@]}" --no-deps sglang==0.5.23
   # The light packages that sglang.srt.mem_cache.*, model_executor.forward_batch_info and
-  # layers.attention.torch_native_backend import at module level (measured in shared/research/engines.md §3).
+  # layers.attention.torch_native_backend import at module level (found by importing them in a bare venv).
   say "light dependencies of sglang's memory and attention modules"
   # torch==2.13.0 is repeated so that no package's requirement can move it; triton because sglang.srt.utils
   # imports it at module level (3.9 runs on the CPU torch).

@@ -1,7 +1,7 @@
 """The fault library and ``kvcanary selftest``: proof, on a real engine, of what the canary catches.
 
-Each fault (:data:`FAULTS`) corrupts the engine's own state the way a catalogued bug does
-(``shared/research/peers-and-faults.md`` part B) and says whether the canary should detect it, with which
+Each fault (:data:`FAULTS`) corrupts the engine's own state the way a real engine bug did (each spec
+names an example issue) and says whether the canary should detect it, with which
 check, or why it cannot.  :func:`run_selftest` runs each in randomized trials on transformers' continuous
 batching, judged against an independent oracle of when attention first read corrupted KV, plus clean
 controls; :mod:`.report` renders the detection matrix.

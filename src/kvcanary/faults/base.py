@@ -3,7 +3,7 @@
 A fault is written against the *engine* (its allocator, block tables, the index tensors it builds, its
 block copies, offload restore, sampled token ids, the KV bytes), never against the canary: the canary must
 find out by itself.  Each fault class carries a :class:`FaultSpec` -- the bug class it models, an example
-issue from the catalogue (``shared/research/peers-and-faults.md`` part B), whether the canary is expected
+issue of that class in a real engine's tracker, whether the canary is expected
 to detect it and by which check, or why it cannot.
 
 Injection is two-phase so that the injected step is a *random eligible* one: on the clean control run every
@@ -38,7 +38,7 @@ class Expect(enum.StrEnum):
 class FaultSpec:
     name: str
     bug_class: str  # short: what goes wrong, in the catalogue's vocabulary
-    catalogue: str  # section of peers-and-faults.md part B and example issue(s)
+    catalogue: str  # the real bug(s) it models: engine and example issue(s)
     mechanism: str  # what the fault does to the engine, one sentence
     model: str  # workload model kind: "dense" (full attention) or "hybrid" (sliding + full)
     expected: Expect
