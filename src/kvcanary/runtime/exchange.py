@@ -1,0 +1,124 @@
+"""The verdict exchange between ranks: one small fixed-size all_reduce per host step, awaited a step later.
+
+Every rank writes one row ``(host step, violation rows)`` into a zeroed ``[world, 2]`` int64 tensor
+and all-reduces it (sum) asynchronously.  The row of a clean rank is ``(step, 0)``, so after the
+reduce every rank holds every rank's row: a clean step is one collective that completed while the
+engine ran its next step, and one check of a small array.  Only when some row is non-zero do the
+ranks exchange their reports (:meth:`VerdictExchange.gather_bytes`, a synchronous slow path).
+
+Waits are bounded: gloo's ``Work.wait(timeout)`` on CPU; on CUDA the collective's completion is
+copied to pinned host memory behind an event that is polled until the deadline (NCCL's own wait
+only orders streams).  A dead or stuck peer becomes :class:`CanaryPeerError`, never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+_POLL_S = 20e-6  # how long a CUDA wait sleeps between event queries (the event is normally done already)
+
+
+class CanaryPeerError(RuntimeError):
+    """A peer rank did not take part in the verdict exchange in time (dead or stuck), or is out of step."""
+
+
+class VerdictExchange:
+    """The per-step collective of one rank in ``group`` (tensors on ``device``: CPU for gloo, CUDA for NCCL)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._cuda = device.type == "cuda"
+        self._device = device
+        # Host staging of this rank's row; on CUDA pinned, so the copies in and out are asynchronous.
+        self._stage = torch.zeros(self.world, 2, dtype=torch.int64, pin_memory=self._cuda)
+        self._stage_np: npt.NDArray[np.int64] = self._stage.numpy()
+        self._flags = self._stage if not self._cuda else torch.zeros(self.world, 2, dtype=torch.int64, device=device)
+        self._result = self._stage if not self._cuda else torch.zeros_like(self._stage).pin_memory()
+        self._result_np: npt.NDArray[np.int64] = self._result.numpy()
+        self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
+        self._work: dist.Work | None = None
+        self._step = -1
+
+    @property
+    def pending(self) -> bool:
+        return self._work is not None
+
+    def start(self, step: int, rows: int) -> None:
+        """All-reduce this rank's ``(step, rows)`` asynchronously (the previous exchange must be finished)."""
+        if self._work is not None:
+            raise RuntimeError("VerdictExchange.start: the previous exchange was not finished")
+        self._stage_np.fill(0)
+        self._stage_np[self.rank, 0] = step
+        self._stage_np[self.rank, 1] = rows
+        if self._cuda:
+            self._flags.copy_(self._stage, non_blocking=True)
+        work = dist.all_reduce(self._flags, group=self.group, async_op=True)
+        if self._cuda:
+            assert self._event is not None
+            work.wait()  # NCCL: the current stream waits for the collective; the host does not
+            self._result.copy_(self._flags, non_blocking=True)
+            self._event.record()
+        self._work = work
+        self._step = step
+
+    def finish(self) -> npt.NDArray[np.int64]:
+        """Every rank's ``(step, rows)`` of the pending exchange, shape ``[world, 2]`` (a view; read it now)."""
+        work, self._work = self._work, None
+        if work is None:
+            raise RuntimeError("VerdictExchange.finish: no exchange is pending")
+        self._await(work, self._event, f"the verdict exchange of host step {self._step}")
+        steps = self._result_np[:, 0]
+        if (steps != self._step).any():
+            at = ", ".join(f"rank {r}: {int(s)}" for r, s in enumerate(steps))
+            raise CanaryPeerError(
+                f"kvcanary: ranks are out of step at the verdict exchange (host step per rank: {at}); every "
+                "rank must call host_step/flush the same number of times with the same canary mode"
+            )
+        return self._result_np
+
+    def gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
+        """Every rank's ``payload`` in rank order (the slow path: synchronous, still time-limited)."""
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        sizes[self.rank] = len(payload)
+        sizes = self._reduce_now(sizes, f"{what} (sizes)")
+        buf = torch.zeros(self.world, int(sizes.max()), dtype=torch.uint8)
+        buf[self.rank, : len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        buf = self._reduce_now(buf, what)
+        return [buf[r, : int(sizes[r])].numpy().tobytes() for r in range(self.world)]
+
+    def _reduce_now(self, host: torch.Tensor, what: str) -> torch.Tensor:
+        t = host.to(self._device) if self._cuda else host
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        event = None
+        if self._cuda:
+            work.wait()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        self._await(work, event, what)
+        return t.cpu()
+
+    def _await(self, work: dist.Work, event: torch.cuda.Event | None, what: str) -> None:
+        try:
+            if event is None:
+                work.wait(timeout=self._timeout)
+                return
+            deadline = time.monotonic() + self.timeout_s
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the collective did not complete")
+                time.sleep(_POLL_S)
+        except (RuntimeError, TimeoutError) as exc:
+            raise CanaryPeerError(
+                f"kvcanary: {what} did not complete within {self.timeout_s:g} s on rank {self.rank} of "
+                f"{self.world}: a peer rank is dead or stuck, so this rank stops instead of waiting ({exc})"
+            ) from exc

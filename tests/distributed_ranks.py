@@ -1,0 +1,116 @@
+"""One rank of the multi-process canary tests (run as a script by tests/test_distributed.py).
+
+    python distributed_ranks.py RANK WORLD PORT OUT_DIR SCENARIO[,SCENARIO...]
+
+Joins a gloo world on localhost, runs each scenario with a fresh :class:`DistributedCanary` over a
+real :class:`CanaryManager` (reference path, real StepBatches from the manager tests' workload), and
+writes what it saw to ``OUT_DIR/rank<RANK>.json``.  Every rank builds the same batches (tensor
+parallel: the same tables on every rank); a fault edits only the faulty rank's own table copy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvcanary import CanaryConfig, CanaryGroup, Mode
+from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedViolation
+from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+
+STEPS = 6
+FAULT_AT = 2
+PEER_TIMEOUT_S = 2.0
+IDS = ["req-a", "req-b"]
+
+
+class Counting(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def make(mode: Mode, calls: list[Any]) -> DistributedCanary:
+    def on_fail(ids: list[object], verdict: object) -> None:
+        calls.append(ids)
+
+    callback = on_fail if mode is Mode.FAIL_REQUEST else None
+    config = CanaryConfig(mode=mode, health_every=0)
+    groups = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
+    return DistributedCanary.create(
+        groups, CAPS, config, dist.group.WORLD, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S
+    )
+
+
+def drive(canary: DistributedCanary, faulty: bool, exit_at: int | None = None, stall: bool = False) -> dict[str, Any]:
+    """Prefill then decode two requests; returns per call the verdict seen (or the error raised)."""
+    wl = Workload()
+    seen: list[Any] = []
+    for k in range(STEPS):
+        if faulty and k == FAULT_AT:
+            alias_first_slot(wl, victim=2, owner=1)
+        if exit_at == k:
+            if stall:  # a stuck peer: alive, connected, silent past the others' timeout
+                time.sleep(PEER_TIMEOUT_S + 1.5)
+            os._exit(17)  # a killed peer: no goodbye to the others
+        n = 4 if k == 0 else 1
+        canary.before_forward({"full": wl.batch([(1, n), (2, n)])})
+        canary.after_forward()
+        t0 = time.monotonic()
+        try:
+            v = canary.host_step(IDS)
+        except RankedViolation as exc:
+            return {"seen": seen, "raised_at": k, "ranks": list(exc.verdict.ranks), "step": exc.verdict.step}
+        except CanaryPeerError as exc:
+            return {"seen": seen, "peer_error_at": k, "message": str(exc), "waited_s": time.monotonic() - t0}
+        seen.append(None if v is None else {"step": v.step, "ranks": list(v.ranks), "ids": v.affected_request_ids})
+    flushed = [{"step": v.step, "ranks": list(v.ranks), "ids": v.affected_request_ids} for v in canary.flush()]
+    return {"seen": seen, "flushed": flushed}
+
+
+def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
+    handler = Counting()
+    logging.getLogger("kvcanary").addHandler(handler)
+    calls: list[Any] = []
+    faulty_rank = world - 1 if name != "raise" else 0
+    mode = {"clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE}
+    canary = make(mode.get(name, Mode.LOG), calls)
+    if name in ("kill", "stall"):
+        out = drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
+    else:
+        out = drive(canary, faulty=name != "clean" and rank == faulty_rank)
+    logging.getLogger("kvcanary").removeHandler(handler)
+    out.update(callbacks=calls, warnings=handler.messages)
+    return out
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out_dir, names = Path(sys.argv[4]), sys.argv[5].split(",")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    results = {name: scenario(name, rank, world) for name in names}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: a killed peer would make it wait
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""DistributedCanary on CPU with gloo: 2 and 4 real processes, a fault on one rank only.
+
+Each world runs as subprocesses of tests/distributed_ranks.py (localhost, a free port, time-limited);
+the scenarios of one world share its processes so the tests stay fast on a small machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
+
+WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
+SCENARIOS = "clean,log,fail,raise"
+RUN_LIMIT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world(world: int, scenarios: str, out: Path) -> dict[int, dict[str, Any]]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), scenarios],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=RUN_LIMIT_S)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results = {}
+    for r in range(world):
+        path = out / f"rank{r}.json"
+        results[r] = json.loads(path.read_text()) if path.exists() else {"missing": logs}
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    out = tmp_path_factory.mktemp(f"world{request.param}")
+    results = run_world(request.param, SCENARIOS, out)
+    for r, res in results.items():
+        assert "missing" not in res, f"rank {r} wrote no result; its output:\n{res['missing']}"
+    return results
+
+
+def test_clean_run_is_silent_on_every_rank(world: dict[int, dict[str, Any]]) -> None:
+    for res in world.values():
+        clean = res["clean"]
+        assert clean["seen"] == [None] * STEPS and clean["flushed"] == []
+        assert clean["warnings"] == [] and clean["callbacks"] == []
+
+
+def test_fault_on_one_rank_is_reported_by_every_rank_at_the_same_step(world: dict[int, dict[str, Any]]) -> None:
+    faulty = len(world) - 1
+    first_hits = set()
+    for res in world.values():
+        seen = res["log"]["seen"]
+        hits = [k for k, v in enumerate(seen) if v is not None]
+        assert hits, "a rank did not report the fault"
+        first_hits.add(hits[0])
+        v = seen[hits[0]]
+        assert v["step"] == FAULT_AT and v["ranks"] == [faulty] and v["ids"] == ["req-b"]
+        assert any(f"found on rank(s) [{faulty}]" in m for m in res["log"]["warnings"])
+    # decoded at FAULT_AT + 1 by the faulty rank's manager, agreed on at FAULT_AT + 2 by everyone
+    assert first_hits == {FAULT_AT + 2}
+    assert len({json.dumps(res["log"]["seen"]) for res in world.values()}) == 1
+
+
+def test_fail_request_fails_the_request_on_every_rank_once_per_step(world: dict[int, dict[str, Any]]) -> None:
+    expected = None
+    for res in world.values():
+        calls = res["fail"]["callbacks"]
+        # the fault persists: one call per reported step, each naming the victim once
+        assert calls and all(c == ["req-b"] for c in calls)
+        expected = len(calls) if expected is None else expected
+        assert len(calls) == expected
+
+
+def test_raise_mode_raises_on_every_rank_at_the_same_step(world: dict[int, dict[str, Any]]) -> None:
+    for res in world.values():
+        raised = res["raise"]
+        assert raised.get("raised_at") == FAULT_AT + 2, raised
+        assert raised["ranks"] == [0] and raised["step"] == FAULT_AT
+
+
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_a_dead_or_stuck_peer_gives_a_clear_error_within_the_timeout(how: str, tmp_path: Path) -> None:
+    results = run_world(2, how, tmp_path)
+    assert "missing" in results[1]  # the lost rank never wrote
+    lost = results[0][how]
+    # The peer vanished before its host step FAULT_AT: a stuck one had finished its last exchange, so
+    # rank 0 times out on the next; a killed one may die with its last exchange still in flight.
+    at = (FAULT_AT + 1,) if how == "stall" else (FAULT_AT, FAULT_AT + 1)
+    assert lost.get("peer_error_at") in at, lost
+    assert "dead or stuck" in lost["message"] and f"within {PEER_TIMEOUT_S:g} s" in lost["message"]
+    assert f"host step {lost['peer_error_at'] - 1} " in lost["message"] and "rank 0 of 2" in lost["message"]
+    assert lost["waited_s"] < PEER_TIMEOUT_S + 2.0
