@@ -375,7 +375,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     states = _list(ws.row_state[:bs])
     out = _Log(log)
     written: Rewrites = {}
-    marks = (_mark(ws), _list(ws.read_marks), _list(ws.write_marks), n_slots)
+    marks = (_mark(ws), _list(ws.read_marks), _list(ws.write_marks), list(positions))  # as verify saw them
 
     for r in range(bs):
         if states[r] != ROW_ACTIVE:
@@ -441,19 +441,20 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
 
 
 def _same_step(
-    group: CanaryGroup, b: _Batch, marks: tuple[int, list[int], list[int], int], r: int, pos: int, slot: int
+    group: CanaryGroup, b: _Batch, marks: tuple[int, list[int], list[int], list[int]], r: int, pos: int, slot: int
 ) -> tuple[int, int]:
     """Reasons of a token of batch row ``r`` stored at ``slot`` for KV position ``pos``, against what this
     step reads; and the table entry of its own position when that entry leads elsewhere (else -1)."""
-    mark, read_marks, write_marks, n_slots = marks
+    mark, read_marks, write_marks, old_positions = marks
+    n_slots = len(read_marks)
     row, pre = b.rows[r], b.prefix[r]
     reasons, bad_index = 0, -1
     if read_marks[slot] == mark:
-        # A window's ring: the token at pos may reuse the slot of its own row's pos - window - 1,
-        # a position it no longer attends to.
-        q = pos - group.window - 1
+        # A window's ring: the token may reuse the slot of a position of its own row's window that it no
+        # longer attends to (the position the slot held when verify read it).
+        q = old_positions[slot]
         ring = False
-        if group.window > 0 and max(pre - group.window, 0) <= q < pre:
+        if group.window > 0 and max(pre - group.window, 0) <= q < pre and q < pos - group.window:
             own, own_bad = _to_pool(b, _table_index(group, b, row, q))
             ring = not own_bad and own == slot
         if not ring:

@@ -149,6 +149,13 @@ def test_ring_overwrite_of_the_oldest_position_is_legal() -> None:
         assert _ring_step(canary, log, table, pre, 1) == []
     # A two-token chunk: position 9 overwrites position 5's slot, which the verify span [5, 8) holds.
     assert _ring_step(canary, log, table, 8, 2) == []
+    # A chunk as long as the ring: each token overwrites a position of the span it no longer sees.
+    canary = canary_for(RING)
+    log = canary.new_log()
+    assert _ring_step(canary, log, table, 0, 4) == []
+    assert _ring_step(canary, log, table, 4, 1) == []
+    assert _ring_step(canary, log, table, 5, 1) == []
+    assert _ring_step(canary, log, table, 6, 4) == []
 
 
 def test_ring_write_into_a_position_still_in_the_window_is_reported() -> None:

@@ -73,6 +73,7 @@ class PlanWorkspace:
     stamp_sums: torch.Tensor  # int64 [max stamp items]: each item's sum of its link-scan terms
     stamp_flags: torch.Tensor  # int64 [max stamp items]: call epoch in which stamp_sums[i] was published
     sync: torch.Tensor  # int64 [8]: per phase (verify, stamp): pending violations, finished programs, epoch
+    write_old_positions: torch.Tensor  # int32 [max_tokens]: window groups: the position each written slot held
 
     ROW_ACTIVE = 0
     ROW_PADDING = 1
@@ -118,6 +119,7 @@ class PlanWorkspace:
             stamp_sums=i64(cls.max_items(caps.max_tokens, b)),
             stamp_flags=i64(cls.max_items(caps.max_tokens, b)),
             sync=i64(8),
+            write_old_positions=torch.zeros(max(caps.max_tokens, 1), dtype=torch.int32, device=device),
         )
 
 

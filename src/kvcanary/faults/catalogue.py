@@ -14,6 +14,7 @@ from kvcanary.faults.index import (
     DroppedWrite,
     SlotMappingForeign,
     WindowRingOffByOne,
+    WriteIntoLiveSlot,
     WrongTokenId,
 )
 from kvcanary.faults.prefix import StalePrefixHit
@@ -26,6 +27,7 @@ _ALL: tuple[type[Fault], ...] = (
     DoubleFree,
     ChunkBoundaryPosition,
     DroppedWrite,
+    WriteIntoLiveSlot,
     RollbackKeepsDraft,
     WindowRingOffByOne,
     ForkSkipCopy,

@@ -147,6 +147,48 @@ class DroppedWrite(Fault):
         ctx.on_forward(before_forward)
 
 
+class WriteIntoLiveSlot(Fault):
+    spec = FaultSpec(
+        name="write-into-live-slot",
+        bug_class="a write into another request's live slot",
+        catalogue="B.3 slots reused while still referenced; B.6 vllm-project/vllm#54296 (slot mapping points at "
+        "the adjacent row's block)",
+        mechanism="one decode token's write index is sent to a cached position of another request in the same "
+        "batch, which that request reads in this very step",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: write_into_live_slot",
+        checks=frozenset({("stamp", "write_into_live_slot")}),
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        def before_forward(kwargs: dict[str, Any]) -> None:
+            host = ctx.host
+            alloc = ctx.allocator(FULL)
+            if host is None or alloc is None:
+                return
+            pairs = [
+                (r, o)
+                for r in batch_rows(host)
+                for o in batch_rows(host)
+                if r.query == 1 and r.past > 0 and o.request_id != r.request_id and o.past > 0
+            ]
+            if pairs and ctx.take(self.name):
+                r, victim = ctx.rng.choice(pairs)
+                pos = ctx.rng.randrange(victim.past)
+                p = ctx.page_size
+                block = alloc.block_table[victim.request_id][pos // p]
+                write = kwargs["write_index"][ctx.group_index(FULL)]
+                write[r.token_start] = block * alloc.block_physical_stride + pos % p
+                ctx.injected(
+                    f"write of {r.request_id!r} position {r.past} sent onto position {pos} of "
+                    f"{victim.request_id!r}, read in the same step",
+                    [r.request_id, victim.request_id],
+                )
+
+        ctx.on_forward(before_forward)
+
+
 class WrongTokenId(Fault):
     spec = FaultSpec(
         name="wrong-token-id",

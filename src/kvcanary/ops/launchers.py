@@ -119,6 +119,7 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
         ("stamp_sums", torch.int64, (int(ws.stamp_counts.shape[0]),)),
         ("stamp_flags", torch.int64, (int(ws.stamp_counts.shape[0]),)),
         ("sync", torch.int64, (2 * _SYNC_WORDS,)),
+        ("write_old_positions", torch.int32, (max(t - 1, 1),)),
     ):
         _check_tensor(f"workspace.{name}", getattr(ws, name), dtype, shape, dev)
     k = log.capacity
@@ -243,9 +244,10 @@ def verify(
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
         log.first, log.last, log.counters,
         _ptr(batch.out_cache_loc, dummy), ws.write_offsets, ws.write_items, ws.epoch, ws.read_marks, ws.write_marks,
+        ws.write_old_positions,
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
-        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        group.window, PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
         BLOCK=block, BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
@@ -283,6 +285,7 @@ def stamp(
         records.tokens, records.positions, records.links, ws.stamp_counts, ws.stamp_sums, ws.stamp_flags,
         ws.sync[_STAMP_SYNC:],
         log.first, log.last, log.counters, _ptr(batch.table, dummy), ws.epoch, ws.read_marks, ws.write_marks,
+        ws.write_old_positions,
         batch.batch_size, batch.num_tokens, max_tokens + 1, n_lookup, t_rows, t_cols, group.num_slots,
         max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),
         n_rows, n_cols, group.page_size, group.window,

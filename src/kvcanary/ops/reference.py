@@ -262,7 +262,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     # A NOT_STORED token resolves to nothing and is no violation: it is simply not kept.
     lookup_bad = lookup_bad & wt.stored
     slot_oor = slot_oor & wt.stored
-    same, new_read_index = same_step.write_reasons(group, batch, ws, wt, n_slots)
+    same, new_read_index = same_step.write_reasons(group, batch, ws, wt, records.positions, n_slots)
     exp_tok = expected_tokens(group, batch, r, exp_pos)
     wpos_bad = pos64 != exp_pos
     wtok_bad = (exp_tok != UNKNOWN_TOKEN) & (tok32.long() != exp_tok)

@@ -6,8 +6,11 @@ every slot that a token of an active row writes: ``2 * mark``, plus 1 when two o
 Stamp then reports, per written token:
 
 - ``WRITE_INTO_LIVE_SLOT``: the slot is read live this step (another request's slot, or the request's own
-  earlier position), except a window group's ring overwrite: the token at position ``p`` overwriting its
-  own row's position ``p - window - 1``, which that token no longer sees;
+  earlier position), except a window group's ring reuse: the slot holds a position ``q`` of the writer's
+  own verify span that the writing token at ``p`` no longer attends to (``q < p - window``) and the
+  writer's table maps ``q`` to this slot.  A decode in a tight ring overwrites ``q = p - window - 1``;
+  a chunk longer than the window overwrites older ones too (its earlier tokens attend to them: an
+  engine that gathers the past before it writes, as transformers does, reads them intact);
 - ``DUPLICATE_WRITE``: another token of the step writes the same slot (every writer is reported);
 - ``NEW_READ_MISMATCH`` (groups with ``checks_new_reads``): the table entry at the token's own position
   resolves to another slot than the one it writes.  A reserved entry is exempt: the engine reads that
@@ -71,10 +74,16 @@ def mark_step(
 
 
 def write_reasons(
-    group: CanaryGroup, batch: StepBatch, ws: PlanWorkspace, w: WriteTokens, num_slots: int
+    group: CanaryGroup,
+    batch: StepBatch,
+    ws: PlanWorkspace,
+    w: WriteTokens,
+    old_positions: torch.Tensor,
+    num_slots: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stamp's part: the same-step reasons of each written token, and the table entry of its own position
-    (the BAD_INDEX of a NEW_READ_MISMATCH row, -1 elsewhere)."""
+    """Stamp's part, before any record is written (``old_positions``: the records' positions as verify saw
+    them): the same-step reasons of each written token, and the table entry of its own position (the
+    BAD_INDEX of a NEW_READ_MISMATCH row, -1 elsewhere)."""
     mark = current_mark(ws)
     slot = w.res.slot
     sc = slot.clamp(0, num_slots - 1)
@@ -84,8 +93,10 @@ def write_reasons(
     width = batch.table.shape[1] * group.page_size
     live = w.writable & (ws.read_marks[sc].long() == mark)
     if group.window > 0 and width > 0:
-        q = pos - group.window - 1
-        in_span = (q >= (pre - group.window).clamp(min=0)) & (q < pre)
+        # The slot's record as verify saw it: a position of the writer's own window that this token no
+        # longer attends to, and that the writer's own table maps here, is the ring's reuse.
+        q = old_positions[sc].long()
+        in_span = (q >= (pre - group.window).clamp(min=0)) & (q < pre) & (q < pos - group.window)
         own = resolve(group, batch.lookup, table_slots(group, batch.table, trow, q.clamp(0, width - 1)), num_slots)
         live &= ~(in_span & own.in_pool & (own.slot == slot))
     dup = w.writable & (ws.write_marks[sc].long() == 2 * mark + 1)

@@ -106,6 +106,7 @@ class GroupGeometry:
             page_size=1,  # the adapter's table is a token table filled from the read indices
             reserved_slots=tuple(sorted({self.read_trash_slot, self.write_trash_slot, self.sentinel_slot})),
             padding_row=0,
+            checks_new_reads=False,  # the table is filled over the verify span only (see translate.py)
         )
 
     def to_slots(self, index: torch.Tensor) -> torch.Tensor:

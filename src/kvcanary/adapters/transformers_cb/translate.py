@@ -14,10 +14,14 @@ longer than the window go to the write trash by design; those map to ``NOT_STORE
 
 The decode fast path (flash ``block_table``, GPU only) is translated from the block table instead.
 
-Not verified: the read entries of the step's own tokens (a full group reads them back right after
-writing them; a sliding group marks them with sentinel entries).  The canonical batch verifies the
-prefix only, so a read index that sends one of them elsewhere for a single step goes unnoticed; from
-the next step on, those tokens are prefix and their read entries are verified.
+The step's own tokens: the core checks their writes in the same step (a write into a slot read live
+this step, a slot written twice).  It can also check their read entries in the same step (each must
+resolve to the slot its token writes, a reserved sentinel exempt: ``CanaryGroup.checks_new_reads``),
+but this adapter fills the table over the verify span only, so its groups opt out: a read index that
+sends one of the new tokens elsewhere goes unnoticed for that step, and from the next step on those
+tokens are prefix and their read entries are verified.  Filling their cells from the read index (a
+full group reads them back right after writing them; a sliding group marks them with sentinel
+entries) would close this.
 
 Cost: whatever follows from the scheduler's host-side lengths is computed with numpy
 (:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`); the device work is a fixed

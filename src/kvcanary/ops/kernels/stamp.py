@@ -112,16 +112,17 @@ def _carry(
 
 @triton.jit
 def _same_step(
-    slot, writable, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, table_ptr, lookup_ptr,
+    slot, writable, t, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, lookup_ptr,
     n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, CHECK_NEW: tl.constexpr,
 ):  # fmt: skip
     """reference same_step.write_reasons: the marks verify left, the ring exception, the new token's entry."""
     live = writable & (tl.load(read_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == mark)
-    # A window's ring: the token at p may reuse the slot of its own row's p - window - 1 (out of its sight).
-    q = exp_pos - window - 1
-    zero = tl.zeros_like(q)
-    ring = live & (zero + window > 0) & (q >= zero + tl.maximum(pre - window, 0)) & (q < zero + pre)
+    # A window's ring: the slot held a position of the writer's own window that this token no longer sees.
+    zero = tl.zeros_like(exp_pos)
+    ring = live & (zero + window > 0)
+    q = tl.load(old_pos_ptr + t, mask=ring, other=0).to(tl.int64)  # as verify saw it (see verify.py)
+    ring = ring & (q >= zero + tl.maximum(pre - window, 0)) & (q < zero + pre) & (q < exp_pos - window)
     qfull = table_entry(table_ptr, trow, q, n_rows, n_cols, page, ring, PAGED)
     qslot, qbad = translate(lookup_ptr, n_lookup, qfull, ring, HAS_LOOKUP)
     live = live & ~(ring & ~qbad & in_pool(qslot, num_slots) & (qslot == slot))
@@ -142,7 +143,7 @@ def _same_step(
 def _stamp_item(
     item, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
-    mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page, window,
+    mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
@@ -201,7 +202,8 @@ def _stamp_item(
     wpos_bad = m & (pos64 != exp_pos)
     wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
     same, new_index = _same_step(
-        slot, writable, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, table_ptr, lookup_ptr,
+        slot, writable, t, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr,
+        lookup_ptr,
         n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
         PAGED, HAS_LOOKUP, CHECK_NEW,
     )  # fmt: skip
@@ -229,7 +231,7 @@ def stamp_kernel(
     rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
     tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
-    first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr,
+    first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
@@ -251,7 +253,7 @@ def stamp_kernel(
         _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
             item, 0, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
             truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
-            mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page, window,
+            mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
             b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
             res0, res1, res2, res3, res4, res5, res6, res7,
             HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True, POLLS, PAGED, CHECK_NEW,
@@ -284,8 +286,9 @@ def stamp_kernel(
                         r, trow, slot, _w, tok32, _p32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
                             j, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr,
                             truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
-                            flags_ptr, epoch, mark, read_marks_ptr, write_marks_ptr, table_ptr, n_rows, n_cols, page,
-                            window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
+                            flags_ptr, epoch, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows,
+                            n_cols, page, window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots,
+                            token_offset,
                             res0, res1, res2, res3, res4, res5, res6, res7,
                             HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False, POLLS, PAGED,
                             CHECK_NEW,

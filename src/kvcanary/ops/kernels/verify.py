@@ -127,13 +127,14 @@ def _verify_item(
 @triton.jit
 def _mark_writes(
     pid, n_programs, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup, num_slots,
-    mark, res0, res1, res2, res3, res4, res5, res6, res7,
+    mark, positions_ptr, old_pos_ptr, window, res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, STAMP_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
     """reference same_step.mark_step's writes: 2 * mark on every slot stored this step, + 1 when twice.
 
     The last of several writers to swap the mark in sees it already set and adds the 1 after its swap,
-    so the bit survives whatever the order.
+    so the bit survives whatever the order.  Window groups also keep the position each written slot holds
+    now, before stamp overwrites it, for stamp's ring test.
     """
     for item in range(pid, tl.load(witems_ptr + b), n_programs):
         r = find_row(witems_ptr, b, item, BLOCK_B)
@@ -147,6 +148,8 @@ def _mark_writes(
         old = tl.atomic_xchg(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 2 * mark, mask=writable)
         twice = writable & ((old >> 1) == mark)
         tl.atomic_or(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 1, mask=twice)
+        keep = writable & (tl.zeros_like(slot) + window > 0)
+        tl.store(old_pos_ptr + t, tl.load(positions_ptr + slot, mask=keep, other=0), mask=keep)
 
 
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
@@ -174,14 +177,15 @@ def _mark_writes(
         "res6",
         "res7",
         "n_tokens",
+        "window",
     ]
 )
 def verify_kernel(
     rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
     voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
-    loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr,
+    loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
     b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7, n_tokens,
+    res0, res1, res2, res3, res4, res5, res6, res7, n_tokens, window,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, STAMP_BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -212,7 +216,8 @@ def verify_kernel(
             found += n_hit
     _mark_writes(
         pid, n_programs, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup, num_slots,
-        mark, res0, res1, res2, res3, res4, res5, res6, res7, HAS_LOOKUP, STAMP_BLOCK, BLOCK_B,
+        mark, positions_ptr, old_pos_ptr, window, res0, res1, res2, res3, res4, res5, res6, res7,
+        HAS_LOOKUP, STAMP_BLOCK, BLOCK_B,
     )  # fmt: skip
     if found > 0:
         tl.atomic_add(sync_ptr + PENDING, found)
