@@ -206,7 +206,8 @@ class DistributedCanary:
         found = [r for r in range(self.exchange.world) if flags[r, 1]]
         mine = self._pending_report if self.rank in found else None
         payloads = self.exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
-        reports = {r: pickle.loads(payloads[r]) for r in found}
+        # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
+        reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in found}
         violations = [v for r in sorted(reports) for v in reports[r].violations]
         return RankVerdict(
             step=min(rep.step for rep in reports.values()),

@@ -1,0 +1,107 @@
+"""DistributedCanary in one process (a one-rank gloo world): misuse errors, the verdict, portable reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pickle
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from kvcanary import CanaryConfig, CanaryGroup, Mode
+from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict, _portable_bytes
+from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+
+GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
+
+
+def test_needs_an_initialized_process_group() -> None:
+    assert not dist.is_initialized()
+    mgr = CanaryManager(GROUPS, CAPS, CanaryConfig(mode=Mode.LOG))
+    with pytest.raises(RuntimeError, match="not initialized"):
+        DistributedCanary(mgr, None, Mode.LOG)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def world() -> Iterator[dist.ProcessGroup]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+    )
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()
+
+
+def make(world: dist.ProcessGroup, mode: Mode, **kw: object) -> DistributedCanary:
+    return DistributedCanary.create(GROUPS, CAPS, CanaryConfig(mode=mode), world, **kw)  # type: ignore[arg-type]
+
+
+def test_misuse_is_refused_before_anything_runs(world: dist.ProcessGroup) -> None:
+    acting = CanaryManager(GROUPS, CAPS, CanaryConfig(mode=Mode.RAISE))
+    with pytest.raises(ValueError, match="must run in mode 'log'"):
+        DistributedCanary(acting, world, Mode.RAISE)
+    logging_mgr = CanaryManager(GROUPS, CAPS, CanaryConfig(mode=Mode.LOG))
+    with pytest.raises(ValueError, match="needs an on_fail_request callback"):
+        DistributedCanary(logging_mgr, world, Mode.FAIL_REQUEST)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        DistributedCanary(logging_mgr, world, Mode.LOG, timeout_s=0)
+    with pytest.raises(TypeError, match="CanaryManager"):
+        DistributedCanary(object(), world, Mode.LOG)  # type: ignore[arg-type]
+
+
+def steps(canary: DistributedCanary, n: int, fault_at: int | None) -> list[RankVerdict | None]:
+    wl = Workload()
+    out = []
+    for k in range(n):
+        if k == fault_at:
+            alias_first_slot(wl, victim=2, owner=1)
+        canary.before_forward({"full": wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)])})
+        canary.after_forward()
+        out.append(canary.host_step(["a", "b"]))
+    return out
+
+
+def test_one_rank_world_reports_two_steps_late_and_flushes(world: dist.ProcessGroup) -> None:
+    canary = make(world, Mode.LOG)
+    seen = steps(canary, 4, fault_at=1)
+    assert seen[:3] == [None, None, None]
+    verdict = seen[3]
+    assert verdict is not None and verdict.step == 1 and verdict.reported_at == 3 and verdict.ranks == (0,)
+    assert verdict.affected_request_ids == ("b",) and "found on rank(s) [0]" in verdict.block()
+    assert [v.step for v in canary.flush()] == [2, 3]
+    assert canary.flush() == []
+
+
+def test_raise_mode_raises_a_ranked_violation(world: dist.ProcessGroup) -> None:
+    canary = make(world, Mode.RAISE)
+    with pytest.raises(RankedViolation, match=r"found on rank\(s\) \[0\]") as info:
+        steps(canary, 4, fault_at=1)
+    assert info.value.verdict.step == 1 and info.value.report.step == 1
+
+
+def test_off_mode_exchanges_nothing(world: dist.ProcessGroup) -> None:
+    canary = make(world, Mode.OFF)
+    assert steps(canary, 3, fault_at=1) == [None] * 3 and canary.flush() == []
+    assert not canary.exchange.pending
+
+
+def test_unpicklable_request_ids_travel_as_their_repr(world: dist.ProcessGroup) -> None:
+    canary = make(world, Mode.LOG)
+    steps(canary, 3, fault_at=1)
+    report = canary.manager.flush()
+    assert report is not None and report.violations
+    unpicklable = lambda: None  # noqa: E731  (a lambda does not pickle)
+    violations = tuple(dataclasses.replace(v, request_id=unpicklable) for v in report.violations)
+    report = dataclasses.replace(report, violations=violations, affected_request_ids=(unpicklable,))
+    back = pickle.loads(_portable_bytes(report))
+    assert isinstance(back, StepReport) and back.total == report.total
+    assert back.affected_request_ids == (repr(unpicklable),)
+    assert all(v.request_id == repr(unpicklable) for v in back.violations)
