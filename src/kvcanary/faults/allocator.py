@@ -19,6 +19,7 @@ _ALIASING_CHECKS = frozenset(
         ("verify", "token_mismatch"),
         ("verify", "link_mismatch"),
         ("verify", "never_written"),
+        ("stamp", "write_into_live_slot"),  # the reuse's own write, while the old owner still reads the slot
     }
 )
 
@@ -72,7 +73,7 @@ class UseAfterFree(Fault):
         "request's block table keeps it; the next allocation writes another request's tokens into it",
         model="dense",
         expected=Expect.DETECT,
-        check="verify: position/token/link mismatch",
+        check="verify: position/token/link mismatch, or stamp: write_into_live_slot",
         checks=_ALIASING_CHECKS,
     )
 
@@ -126,7 +127,7 @@ class DoubleFree(Fault):
         "time; its two copies are handed out first, to allocations of two different steps",
         model="dense",
         expected=Expect.DETECT,
-        check="verify: position/token/link mismatch",
+        check="verify: position/token/link mismatch, or stamp: write_into_live_slot",
         checks=_ALIASING_CHECKS,
     )
 
