@@ -141,8 +141,17 @@ def i64(values) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
-def make_forward_batch(mode: ForwardMode, rows, prefix, extend, ids, positions, loc, rids, **extra) -> ForwardBatch:
-    """A real ForwardBatch as ``ForwardBatch.init_new`` would leave it for our fields."""
+def make_forward_batch(
+    mode: ForwardMode, rows, prefix, extend, ids, positions, loc, rids, *, truth=None, **extra
+) -> ForwardBatch:
+    """A real ForwardBatch as ``ForwardBatch.init_new`` would leave it for our fields.
+
+    ``truth``: per batch row, the request's ``origin_input_ids + output_ids``, snapshotted as
+    ``init_new`` does under ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``.
+    """
+    if truth is not None:
+        extra["req_all_ids_flat"] = torch.tensor([t for ids_ in truth for t in ids_], dtype=torch.int64)
+        extra["req_all_ids_lens"] = torch.tensor([len(ids_) for ids_ in truth], dtype=torch.int64)
     seq = [p + e for p, e in zip(prefix, extend, strict=True)]
     fb = ForwardBatch(
         forward_mode=mode,
@@ -213,12 +222,14 @@ class Engine:
         server_kw: dict | None = None,
         model: torch.nn.Module | None = None,
         init_finished: bool = True,
+        truth: bool = True,
     ) -> None:
         from kvcanary.adapters.sglang import install_canary
 
         self.page_size = page_size
         self.chunk = chunk
         self.window = window
+        self.truth = truth  # pass each request's token ids as sglang's init_new snapshots them
         self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
         if window is None:
             self.pool = MHATokenToKVPool(
@@ -380,7 +391,10 @@ class Engine:
             ids += r.tokens[p : p + e]
             pos += range(p, p + e)
             off += e
-        fb = make_forward_batch(ForwardMode.EXTEND, rows, prefix, extend, ids, pos, loc, [r.rid for r in batch])
+        truth = [list(r.tokens) for r in batch] if self.truth else None
+        fb = make_forward_batch(
+            ForwardMode.EXTEND, rows, prefix, extend, ids, pos, loc, [r.rid for r in batch], truth=truth
+        )
         self._forward(fb)
         self.features["extend_steps"] += 1
         for r, e in zip(batch, extend, strict=True):
@@ -398,7 +412,8 @@ class Engine:
             self.rtp.req_to_token[r.row, r.cached] = s
         ids = [r.tokens[r.cached] for r in reqs]
         rids = [r.rid for r in reqs]
-        fb = make_forward_batch(ForwardMode.DECODE, rows, prefix, [1] * len(reqs), ids, prefix, loc, rids)
+        truth = [list(r.tokens) for r in reqs] if self.truth else None
+        fb = make_forward_batch(ForwardMode.DECODE, rows, prefix, [1] * len(reqs), ids, prefix, loc, rids, truth=truth)
         self._forward(fb)
         self.features["decode_steps"] += 1
         for r in reqs:

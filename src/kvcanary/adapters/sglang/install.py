@@ -219,6 +219,9 @@ class SglangCanary:
     def _with_host_step(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def with_host_step(*args: Any, **kwargs: Any) -> Any:
+            if self.init_finished and not _capturing(self.device):
+                # Outside any graph, so that a replay reads this forward's ids (truth.py).
+                self.translator.truth.fill(find_forward_batch(args, kwargs))
             out = forward(*args, **kwargs)
             if self.init_finished and (self._eager_forwards or self._graph_captured):
                 fb = find_forward_batch(args, kwargs)
@@ -232,6 +235,8 @@ class SglangCanary:
 
     def before_forward(self, forward_batch: Any) -> None:
         """Translate and hand the batch to the manager (EAGLE workers may call this directly)."""
+        if not _capturing(self.device):
+            self.translator.truth.fill(forward_batch)  # once per ForwardBatch: free after the runner's fill
         batches = self.translator.translate(forward_batch)
         self.manager.before_forward(batches)
         self._count(forward_batch)
@@ -241,6 +246,7 @@ class SglangCanary:
         if request_ids is not None:
             request_ids = list(request_ids)
         self._eager_forwards = 0
+        self.translator.truth.clear()  # the next forward brings its own snapshot, or none
         return self._keep(self.manager.host_step(request_ids))
 
     def flush(self) -> StepReport | None:
@@ -260,7 +266,7 @@ class SglangCanary:
         return self.manager.stats()
 
     def features(self) -> dict[str, int]:
-        return dict(self._features)
+        return {**self._features, "forwards_with_truth": self.translator.truth.filled_forwards}
 
     def _count(self, fb: Any) -> None:
         """Host-side feature counters from the batch's host mirrors (no device reads)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from kvcanary.adapters.sglang.pools import AttachedPool
+from kvcanary.adapters.sglang.truth import TruthTable
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
 
@@ -66,6 +67,7 @@ class ForwardTranslator:
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self.draft = draft
+        self.truth = TruthTable(table, max_batch)
 
         def i64(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -171,11 +173,13 @@ class ForwardTranslator:
             rows = self._index(getattr(fb, "req_pool_indices", None), "req_pool_indices", bs, self._rows)
             prefix, extend = self.lengths(fb, mode, bs, positions)
         groups = self.attached.groups
-        out = {groups[0].name: StepBatch(rows, prefix, extend, self.table, ids, positions, loc)}
+        truth = {"truth": self.truth.truth, "truth_lens": self.truth.lens[: rows.shape[0]]}  # see truth.py
+        out = {groups[0].name: StepBatch(rows, prefix, extend, self.table, ids, positions, loc, **truth)}
         if self.attached.window_group is not None:
             lookup = self.attached.lookup()
+            window_loc = self._window_loc(loc, lookup)
             out[self.attached.window_group] = StepBatch(
-                rows, prefix, extend, self.table, ids, positions, self._window_loc(loc, lookup), lookup=lookup
+                rows, prefix, extend, self.table, ids, positions, window_loc, lookup=lookup, **truth
             )
         return out
 
