@@ -200,10 +200,9 @@ class DistributedCanary:
     def _finish(self) -> RankVerdict | None:
         if not self.exchange.pending:
             return None
-        flags = self.exchange.finish()
-        if not flags[:, 1].any():  # the clean path ends here
+        found = self.exchange.finish()
+        if not found:  # the clean path ends here
             return None
-        found = [r for r in range(self.exchange.world) if flags[r, 1]]
         mine = self._pending_report if self.rank in found else None
         payloads = self.exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
         # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
