@@ -9,7 +9,8 @@ seconds, float) and ``"step"`` (the host step the event is about).  Kinds:
     (int), ``batch_row`` (int), ``request_id`` (int, str, float, bool or null; other objects as
     ``str()``), ``table_row``, ``slot``, ``pred``, ``expected_position``, ``stored_position``,
     ``expected_token``, ``stored_token``, ``bad_index`` (int, -1 = none/unknown),
-    ``expected_link``, ``stored_link`` (str, ``"0x"`` + 16 hex digits, unsigned).
+    ``expected_link``, ``stored_link`` (str, ``"0x"`` + 16 hex digits, unsigned), ``note`` (str,
+    the report's culprit reading of the row, ``""`` when none; see ``runtime/culprit.py``).
 
 ``step`` (one per host step that had violations, after its ``violation`` events)
     ``reported_at`` (int), ``total`` (int, rows counted on device), ``rows_kept`` (int),
@@ -67,6 +68,7 @@ def violation_event(v: Violation, step: int, reported_at: int, now: float) -> di
         "expected_link": f"0x{v.expected_link:016x}",
         "stored_link": f"0x{v.stored_link:016x}",
         "bad_index": v.bad_index,
+        "note": v.note,
     }
 
 

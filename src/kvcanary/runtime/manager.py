@@ -32,6 +32,7 @@ from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend
 from kvcanary.runtime.buffers import PHASE_AFTER, PHASE_BEFORE, Layout, StepWork
 from kvcanary.runtime.checks import KernelHealth, PhaseCheck, RateLimiter
+from kvcanary.runtime.culprit import annotate
 from kvcanary.runtime.events import EventLog
 from kvcanary.runtime.metrics import GroupTotals, MetricsView, make_registry
 from kvcanary.runtime.pump import HostBuffer, LaggedPump
@@ -354,7 +355,7 @@ class CanaryManager:
             for r, reason in enumerate(REASON_NAMES):
                 if delta[g, r]:
                     counts[reason] = counts.get(reason, 0) + int(delta[g, r])
-            violations.extend(decode_row(row, name, buf.request_ids) for row in log.rows().tolist())
+            violations.extend(annotate([decode_row(row, name, buf.request_ids) for row in log.rows().tolist()]))
         return StepReport(
             step=buf.step,
             reported_at=reported_at,
@@ -379,7 +380,7 @@ class CanaryManager:
                 for line in report.lines():
                     logger.warning(line)
                 note = f"\n  ({suppressed} earlier report(s) suppressed by the rate limit)" if suppressed else ""
-                logger.warning(report.block() + note)
+                logger.warning(report.summary() + note)  # the rows were logged once each, above
             if mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
                 self.on_fail_request(list(report.affected_request_ids), report)
         if problems and mode is Mode.RAISE:

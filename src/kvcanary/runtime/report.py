@@ -18,8 +18,11 @@ stamp rows report the written token/position (stored_*) against what was expecte
 
 Human-readable block (free text, may change between versions): a header line
 ``kvcanary: <n> violation(s) at step <S> (reported at step <R>); requests: <ids>``, one indented
-paragraph per kept row, then the per-reason counts and how many rows were dropped (the device log
-keeps only the first K and last K rows per group and step).
+paragraph per kept row (values that were not computed left out; a culprit note from
+:mod:`kvcanary.runtime.culprit` where it applies), then the per-reason counts and how many rows were
+dropped (the device log keeps only the first K and last K rows per group and step).  In ``log``
+mode each row is logged once, as its line, followed by :meth:`StepReport.summary` (header, culprit
+notes, counts).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Violation:
     expected_link: int  # unsigned 64-bit
     stored_link: int  # unsigned 64-bit
     bad_index: int
+    note: str = ""  # the report's reading of the row (runtime.culprit), free text; "" when none
 
     def line(self, step: int) -> str:
         """The stable one-line format (module docstring)."""
@@ -68,22 +72,34 @@ class Violation:
         )
 
     def describe(self) -> str:
-        """A few human-readable lines for the log block."""
+        """A few human-readable lines for the log block; values that were not computed are left out."""
         who = "unknown request" if self.request_id is None else f"request {self.request_id!r}"
-        head = (
-            f"  [{self.group}] {who} (batch row {self.batch_row}, table row {self.table_row}): "
-            f"{self.phase} of slot {self.slot} at position {self.expected_position}: {', '.join(self.reasons)}"
-        )
-        tok = "?" if self.expected_token < 0 else str(self.expected_token)
-        detail = (
-            f"    stored: token={self.stored_token} position={self.stored_position} "
-            f"link=0x{self.stored_link:016x}; expected: token={tok} position={self.expected_position} "
-            f"link=0x{self.expected_link:016x}"
-        )
-        extra = [] if self.bad_index < 0 else [f"    out-of-range index: {self.bad_index}"]
-        if self.pred >= 0:
-            extra.append(f"    predecessor slot: {self.pred}")
-        return "\n".join([head, detail, *extra])
+        where = f"  [{self.group}] {who} (batch row {self.batch_row}, table row {self.table_row}): "
+        reasons = ", ".join(self.reasons)
+        if self.phase == "plan":
+            lengths = f"prefix_len={self.expected_position} prefix_len+extend_len={self.stored_position}"
+            lines = [f"{where}plan of the row: {reasons}", f"    {lengths}"]
+        else:
+            lines = [f"{where}{self.phase} of slot {self.slot} at position {self.expected_position}: {reasons}"]
+            lines.append(f"    stored: {self._stored()}; expected: {self._expected()}")
+        if self.bad_index >= 0:
+            lines.append(f"    out-of-range index: {self.bad_index}")
+        if self.note:
+            lines.append(f"    {self.note}")
+        return "\n".join(lines)
+
+    def _stored(self) -> str:
+        if self.phase == "verify" and self.stored_link == 0:  # links are odd once written
+            return "nothing (never written)"
+        return f"token={self.stored_token} position={self.stored_position} link=0x{self.stored_link:016x}"
+
+    def _expected(self) -> str:
+        tok = "unknown" if self.expected_token < 0 else str(self.expected_token)
+        out = f"token={tok} position={self.expected_position}"
+        if self.expected_link != 0:  # 0: not computed (no usable predecessor, or a stamp row)
+            pred = f" from predecessor slot {self.pred}" if self.pred >= 0 else " from the anchor"
+            out += f" link=0x{self.expected_link:016x}{pred}"
+        return out
 
 
 def decode_row(row: Sequence[int], group: str, request_ids: Sequence[object] | None) -> Violation:
@@ -134,18 +150,32 @@ class StepReport:
         return [v.line(self.step) for v in self.violations]
 
     def block(self) -> str:
-        """The human-readable block (free text)."""
+        """The human-readable block (free text): header, one paragraph per kept row, counts."""
+        return "\n".join([self._header(), *(v.describe() for v in self.violations), self._counts()])
+
+    def summary(self) -> str:
+        """The block without the per-row paragraphs (log mode logs each row once, as its line)."""
+        notes = [
+            f"  {v.group} request {v.request_id!r} position {v.expected_position}: {v.note}"
+            for v in self.violations
+            if v.note.startswith("likely culprit")
+        ]
+        return "\n".join([self._header(), *notes, self._counts()])
+
+    def _header(self) -> str:
         ids = ", ".join(repr(r) for r in self.affected_request_ids) or "unknown"
-        out = [f"kvcanary: {self.total} violation(s) at step {self.step} (reported at step {self.reported_at}); "]
-        out[0] += f"requests: {ids}"
-        out.extend(v.describe() for v in self.violations)
+        return (
+            f"kvcanary: {self.total} violation(s) at step {self.step} (reported at step {self.reported_at}); "
+            f"requests: {ids}"
+        )
+
+    def _counts(self) -> str:
         counts = " ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
         groups = " ".join(f"{k}={v}" for k, v in self.group_counts.items())
-        out.append(
+        return (
             f"  counts: {counts}; rows per group: {groups}; rows kept {len(self.violations)}, "
             f"dropped {self.rows_dropped}"
         )
-        return "\n".join(out)
 
 
 def affected(violations: Sequence[Violation]) -> tuple[object, ...]:
