@@ -51,7 +51,7 @@ def _row(**kw: object) -> Violation:
         expected_token=-1, stored_token=4, expected_link=0, stored_link=0x1235, bad_index=-1,
     )  # fmt: skip
     base.update(kw)
-    return Violation(**base)  # type: ignore[arg-type]
+    return Violation(**base)
 
 
 def test_values_that_were_not_computed_are_not_printed() -> None:

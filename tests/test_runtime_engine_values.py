@@ -65,7 +65,7 @@ def _truth_batch(**edit: object) -> tuple[CanaryManager, StepBatch]:
     mgr = make_manager(Mode.LOG, check_values=True)
     wl = Workload()
     run_step(mgr, wl.batch([(1, 3)], truth=True), ["a"])
-    return mgr, dataclasses.replace(wl.batch([(1, 1)], truth=True), **edit)  # type: ignore[arg-type]
+    return mgr, dataclasses.replace(wl.batch([(1, 1)], truth=True), **edit)
 
 
 @pytest.mark.parametrize(
