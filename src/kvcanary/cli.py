@@ -1,7 +1,8 @@
 """The ``kvcanary`` command line.
 
-Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run) and
-``selftest`` (the fault library injected into a real engine in randomized trials: the detection matrix).
+Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run),
+``selftest`` (the fault library injected into a real engine in randomized trials: the detection matrix) and
+``report`` (a summary of the runtime's JSON-lines event log).
 
 Exit codes:
 
@@ -29,17 +30,21 @@ EXIT_ENVIRONMENT = 3
 EXIT_CODES = """exit codes:
   0  success (demo: the clean run raised no violation and the injected fault was caught;
      selftest: every 'detect' fault caught in every trial and the clean controls silent)
-  1  the check failed (a violation in a clean run, a fault missed or caught late, a run failed)
-  2  bad command-line usage (unknown option or value, an option combination that cannot work)
-  3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing)
+  1  the check failed (a violation in a clean run, a fault missed or caught late, a run failed;
+     report: the event log records violations or failed health checks)
+  2  bad command-line usage (unknown option or value, an option combination that cannot work,
+     report: the file is missing or not an event log of schema version 1)
+  3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing,
+     --plot without matplotlib)
 """
 INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvcanary import __version__
+    from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.faults import FAULTS
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
+    from kvcanary import soak_command
     from kvcanary.faults import command as selftest
     from kvcanary.ops import Backend
 
@@ -81,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     selftest.add_parser(sub)
+    soak_command.add_parser(sub)
+    report_command.add_parser(sub)
     return parser
 
 
@@ -145,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcanary.faults import command
 
         return command.run(args, EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT)
+    if args.command == "report":
+        from kvcanary import report_command
+
+        return report_command.run(args, EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT)
+    if args.command == "soak":
+        from kvcanary import soak_command
+
+        return soak_command.run(args, EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT)
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE  # not reached: parser.error exits
 

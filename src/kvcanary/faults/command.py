@@ -17,7 +17,7 @@ EPILOG = """exit codes:
      and the clean controls raised no violation
   1  a 'detect' fault was missed or caught late in some trial, a control raised a violation, or a run failed
   2  bad command-line usage (unknown fault, trials < 1, ...)
-  3  the environment cannot run it (transformers missing or of an unsupported version)
+  3  the environment cannot run it (transformers missing or of an unsupported version, --plot without matplotlib)
 """
 
 
@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.add_argument("--list", action="store_true", help="list the faults (bug class, expectation) and exit")
+    p.add_argument("--plot", metavar="FILE.png", help="also draw the detection matrix into FILE.png (needs matplotlib)")
 
 
 def fault_names(values: list[str] | None) -> list[str] | None:
@@ -119,6 +120,14 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
     except ValueError as exc:
         print(f"kvcanary selftest: {exc}", file=sys.stderr)
         return exit_usage
+    if args.plot:  # refuse before the runs, not after minutes of them
+        from kvcanary.plots import PlotsUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotsUnavailable as exc:
+            print(f"kvcanary selftest: {exc}", file=sys.stderr)
+            return exit_env
     try:
         from kvcanary.faults.report import as_json, table
         from kvcanary.faults.runner import run_selftest
@@ -136,4 +145,18 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
         print(json.dumps(as_json(result, args.seed)))
     else:
         print(table(result, args.seed))
+    if args.plot and not _plot(result, args.plot):
+        return exit_usage
     return exit_ok if result.passed else exit_failed
+
+
+def _plot(result: Any, path: str) -> bool:
+    from kvcanary.plots import selftest_matrix
+
+    try:
+        selftest_matrix(result, path)
+    except OSError as exc:
+        print(f"kvcanary selftest: cannot write {path}: {exc}", file=sys.stderr)
+        return False
+    print(f"kvcanary selftest: detection matrix drawn into {path}", file=sys.stderr)
+    return True
