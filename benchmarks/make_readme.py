@@ -1,4 +1,6 @@
-"""Regenerate benchmarks/README.md from the newest results file (by its meta date).
+"""Regenerate benchmarks/README.md from the newest results file (by its meta date), and its plot
+(benchmarks/per_step_time.png: per-step time against verified entries, with the floor and the original
+sglang canary's numbers; needs matplotlib, the ``plots`` extra -- without it the plot is left as it is).
 
 Usage: python benchmarks/make_readme.py
 """
@@ -9,6 +11,11 @@ import json
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PLOT = "per_step_time.png"
+# The original sglang canary's kernels on an H200, per step (microseconds), as quoted in the top README's
+# Performance section: decode at batch 1 (any prefix), 32 x 4k and 256 x 16k; a 16k prefill chunk.
+ORIGINAL_US = {"decode_b1_p512": 22, "decode_b1_p4k": 22, "decode_b1_p16k": 22, "decode_b32_p4k": 53}
+ORIGINAL_US |= {"decode_b256_p16k": 449, "prefill_16k": 8500}
 
 INTRO = """# Benchmarks
 
@@ -74,7 +81,7 @@ def render() -> str:
     )
     if "tuning" in m:
         lines += ["", "Kernel tuning: " + ", ".join(f"{k}={v}" for k, v in m["tuning"].items()) + "."]
-    lines += ["", TARGETS, ""]
+    lines += ["", TARGETS, "", f"![per-step time against verified entries]({PLOT})", ""]
     lines.append("| scenario | entries | median us | p20 | p80 | bytes | floor us | x floor | reference ms | target |")
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in data["records"]:
@@ -110,9 +117,58 @@ def _host_section() -> list[str]:
     return lines
 
 
+def plot(out: Path) -> Path:
+    """Median per-step time (p20..p80 bars) against verified entries per step, log-log, with each
+    scenario's floor and the original canary's numbers; the prefill scenarios (no verified entries) sit
+    at the left edge, labelled."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    newest = _newest("entries")
+    if newest is None:
+        raise SystemExit("no kernel results in benchmarks/results")
+    path, data = newest
+    records = data["records"]
+    edge = min(r["entries"] for r in records if r["entries"] > 0) / 4  # where entries == 0 is drawn
+    x = {r["scenario"]: max(r["entries"], edge) for r in records}
+    fig = Figure(figsize=(9, 5.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    med = [r["median_us"] for r in records]
+    err = [[m - r["p20_us"] for m, r in zip(med, records, strict=True)]]
+    err.append([r["p80_us"] - m for m, r in zip(med, records, strict=True)])
+    xs = [x[r["scenario"]] for r in records]
+    ax.errorbar(
+        xs, med, yerr=err, fmt="o", color="tab:blue", label=f"kvcanary (Triton, commit {data['meta']['commit']})"
+    )
+    ax.scatter(
+        xs, [r["floor_us"] for r in records], marker="_", s=200, color="black", label="floor (bytes / bandwidth)"
+    )
+    orig = [(x[name], us) for name, us in ORIGINAL_US.items() if name in x]
+    ax.scatter([p[0] for p in orig], [p[1] for p in orig], marker="x", color="tab:red", label="original sglang canary")
+    labelled = [r for r in records if r["entries"] == 0 or r["scenario"] in ORIGINAL_US]
+    for k, r in enumerate(labelled):
+        nudge = -10 if r["entries"] or k % 2 == 0 else 5  # the two prefill points share an x
+        where = (x[r["scenario"]], r["median_us"])
+        ax.annotate(r["scenario"], where, xytext=(5, nudge), textcoords="offset points", fontsize="x-small")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"verified entries per step (prefill, no entries, drawn at {edge:g})")
+    ax.set_ylabel("microseconds per step")
+    ax.set_title(f"per-step canary time, {data['meta']['gpu']} ({path.name})")
+    ax.grid(True, which="major", alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=3)
+    fig.savefig(out, format="png")
+    return out
+
+
 def main() -> None:
     (HERE / "README.md").write_text(render())
     print(f"wrote {HERE / 'README.md'}")
+    try:
+        print(f"wrote {plot(HERE / PLOT)}")
+    except ImportError as exc:
+        print(f"{PLOT} not redrawn (needs matplotlib: pip install 'matplotlib>=3.8'): {exc}")
 
 
 if __name__ == "__main__":
