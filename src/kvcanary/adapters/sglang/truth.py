@@ -66,7 +66,7 @@ class TruthTable:
         # A corrupt req_pool_index is the plan's row_out_of_range, never a bad index here: park it on
         # the padding row 0, which is never verified.
         row_of = torch.where((row_of >= 0) & (row_of < self.truth.shape[0]), row_of, 0)
-        self.truth.index_put_((row_of, col), ids.to(torch.int32))
+        self.truth.view(-1).index_copy_(0, row_of * self.width + col, ids.to(torch.int32))  # flat: cheapest scatter
         self.lens[: lens_cpu.shape[0]].copy_(lens_dev.clamp(max=self.width))
 
 
