@@ -534,9 +534,10 @@ def random_case(rng: random.Random | int, *, corrupt: bool) -> Case:
     ws = PlanWorkspace.allocate(caps, num_slots=group.num_slots)
     for t in (ws.verify_offsets, ws.write_offsets, ws.window_starts, ws.seed_links, ws.row_state):
         t.fill_(JUNK)
-    # Marks left by earlier steps: stale ones (any value) and, now and then, the period's wrap point.
+    # Marks left by earlier steps: stale ones (read marks only grow, so older ones are smaller) and, now and
+    # then, the write marks' wrap point.
     ws.epoch.fill_(r.choice([0, r.randrange(1 << 40), PlanWorkspace.MARK_PERIOD - 1]))
-    ws.read_marks.random_(-(2**31), 2**31, generator=torch.Generator().manual_seed(seed))
+    ws.read_marks.random_(-(2**31), 1, generator=torch.Generator().manual_seed(seed))
     ws.write_marks.random_(-(2**31), 2**31, generator=torch.Generator().manual_seed(seed + 1))
     return Case(group=group, caps=caps, batch=batch, records=records, log=log, ws=ws, seed=seed, faults=tuple(faults))
 

@@ -265,7 +265,7 @@ def verify(
         return 0 <= s < n_slots
 
     checked_entries = 0
-    read_live: set[int] = set()
+    read_live: dict[int, int] = {}
     for r in range(bs):
         row = b.rows[r]
         for k in range(offsets[r + 1] - offsets[r]):
@@ -280,7 +280,7 @@ def verify(
             is_reserved = readable and slot in reserved
             never = readable and not is_reserved and s_link == EMPTY_LINK
             if readable and not is_reserved:
-                read_live.add(slot)  # attention gathers it this step
+                read_live.setdefault(slot, r)  # attention gathers it this step (rows come in order)
             checked = readable and not is_reserved and not never
             exp_tok = _expected_token(group, b, r, pos)
 
@@ -347,8 +347,9 @@ def verify(
                         BAD_INDEX=bad_index,
                     )
                 )
-    for slot in read_live:
-        ws.read_marks[slot] = _mark(ws)
+    epoch = int(ws.epoch[0])
+    for slot, row in read_live.items():  # the lowest batch row that read it; kept over older steps' marks
+        ws.read_marks[slot] = max(int(ws.read_marks[slot]), PlanWorkspace.read_mark(epoch, row))
     _mark_writes(group, b, ws, n_slots)
     out.counters[Counter.VERIFIED] += checked_entries
     out.counters[Counter.SKIPPED] += offsets[bs] - checked_entries
@@ -375,7 +376,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     states = _list(ws.row_state[:bs])
     out = _Log(log)
     written: Rewrites = {}
-    marks = (_mark(ws), _list(ws.read_marks), _list(ws.write_marks), list(positions))  # as verify saw them
+    marks = (int(ws.epoch[0]), _list(ws.read_marks), _list(ws.write_marks), list(positions))  # as verify saw them
 
     for r in range(bs):
         if states[r] != ROW_ACTIVE:
@@ -392,7 +393,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
             full = b.out_loc[t]
 
             reasons = 0
-            slot, bad_index = -1, -1
+            slot, bad_index, named = -1, -1, r
             if full != NOT_STORED:
                 slot, lookup_bad = _to_pool(b, full)
                 if lookup_bad:
@@ -406,9 +407,8 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
                 else:
                     tokens[slot], positions[slot], links[slot] = tok, _i32(pos), to_signed64(link)
                     written.setdefault(slot, []).append((tok, _i32(pos), to_signed64(link)))
-                    same, new_index = _same_step(group, b, marks, r, exp_pos, slot)
+                    same, bad_index, named = _same_step(group, b, marks, r, exp_pos, slot)
                     reasons |= same
-                    bad_index = new_index
             if pos != exp_pos:
                 reasons |= Reason.WRITE_POSITION_MISMATCH
             if exp_tok != UNKNOWN_TOKEN and tok != exp_tok:
@@ -419,8 +419,8 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
                         Phase.STAMP,
                         group,
                         REASONS=reasons,
-                        BATCH_ROW=r,
-                        TABLE_ROW=b.rows[r],
+                        BATCH_ROW=named,
+                        TABLE_ROW=b.rows[named],
                         SLOT=slot,
                         PRED=-1,
                         EXPECTED_POSITION=exp_pos,
@@ -442,14 +442,19 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
 
 def _same_step(
     group: CanaryGroup, b: _Batch, marks: tuple[int, list[int], list[int], list[int]], r: int, pos: int, slot: int
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Reasons of a token of batch row ``r`` stored at ``slot`` for KV position ``pos``, against what this
-    step reads; and the table entry of its own position when that entry leads elsewhere (else -1)."""
-    mark, read_marks, write_marks, old_positions = marks
+    step reads; its BAD_INDEX (a live write: the writer's batch row; else the table entry of its own
+    position when that leads elsewhere; else -1) and the batch row its log row names (a live write: the
+    lowest row reading the slot)."""
+    epoch, read_marks, write_marks, old_positions = marks
+    mark = 1 + epoch % PlanWorkspace.MARK_PERIOD
+    limit = PlanWorkspace.READER_LIMIT
     n_slots = len(read_marks)
     row, pre = b.rows[r], b.prefix[r]
-    reasons, bad_index = 0, -1
-    if read_marks[slot] == mark:
+    reasons, bad_index, named = 0, -1, r
+    live = False
+    if read_marks[slot] >> PlanWorkspace.READER_BITS == epoch:
         # A window's ring: the token may reuse the slot of a position of its own row's window that it no
         # longer attends to (the position the slot held when verify read it).
         q = old_positions[slot]
@@ -459,6 +464,8 @@ def _same_step(
             ring = not own_bad and own == slot
         if not ring:
             reasons |= Reason.WRITE_INTO_LIVE_SLOT
+            live = True
+            named = limit - 1 - (read_marks[slot] & (limit - 1))
     if write_marks[slot] == 2 * mark + 1:
         reasons |= Reason.DUPLICATE_WRITE
     if group.checks_new_reads:
@@ -468,7 +475,9 @@ def _same_step(
         if not exempt and (read_bad or read != slot):
             reasons |= Reason.NEW_READ_MISMATCH
             bad_index = entry
-    return reasons, bad_index
+    if live:
+        bad_index = r
+    return reasons, bad_index, named
 
 
 def step(

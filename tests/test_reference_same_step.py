@@ -50,8 +50,11 @@ def test_write_into_another_requests_live_slot_is_reported_at_its_own_step() -> 
     # A's decode writes B's position 1 (slot 21), which B reads this very step; A's table agrees.
     table[1, 4] = B_SLOTS[1]
     rows = run_step(canary, log, make_batch(table, [1, 2], [4, 3], [1, 1], [A_SEQ[4], B_SEQ[3]], [4, 3], [21, 23]))
+    # The row names B, whose read the write hits (the request to fail); BAD_INDEX is A, the writing row.
     assert rows == [
-        stamp_row(Reason.WRITE_INTO_LIVE_SLOT, 0, B_SLOTS[1], 4, A_SEQ[4], link_of(A_LINKS[3], A_SEQ[4], 4))
+        stamp_row(
+            Reason.WRITE_INTO_LIVE_SLOT, 1, B_SLOTS[1], 4, A_SEQ[4], link_of(A_LINKS[3], A_SEQ[4], 4), BAD_INDEX=0
+        )
     ]
 
 

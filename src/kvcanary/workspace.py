@@ -58,11 +58,11 @@ class PlanWorkspace:
     row_state: torch.Tensor  # int32 [B]: ROW_ACTIVE / ROW_PADDING / ROW_BAD
     mult_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT**i, for the reference's scan
     inv_powers: torch.Tensor  # int64 [max_tokens+1]: LINK_MULT_INV**i
-    # Same-step write checks (4 + 4 bytes a slot): plan bumps the epoch; verify stores mark_of(epoch) for
-    # every slot it reads live and 2 * mark (+ 1 when several tokens write it) for every slot written;
-    # stamp compares.  Marks of earlier steps never equal this step's (until the period wraps).
+    # Same-step write checks (8 + 4 bytes a slot): plan bumps the epoch; verify keeps read_mark(epoch, row)
+    # (the largest, i.e. the lowest reader row) on every slot it reads live and 2 * mark_of(epoch) (+ 1 when
+    # several tokens write it) on every slot written; stamp compares.
     epoch: torch.Tensor  # int64 [1]: plan calls so far
-    read_marks: torch.Tensor  # int32 [num_slots]: mark of the last step that read the slot live
+    read_marks: torch.Tensor  # int64 [num_slots]: epoch << READER_BITS | (READER_LIMIT - 1 - batch row)
     write_marks: torch.Tensor  # int32 [num_slots]: 2 * mark of the last step that wrote it, + 1 if twice
     # Kernel scratch (the reference leaves it alone).  Work is cut into items: one block of one row's
     # verify entries or written tokens.  Sized for the smallest block, so any block size fits.
@@ -79,8 +79,14 @@ class PlanWorkspace:
     ROW_PADDING = 1
     ROW_BAD = 2
     SCRATCH_BLOCK = 128  # smallest item size (entries or tokens) a kernel may use
-    MARK_BYTES_PER_SLOT = 8  # read_marks + write_marks, int32 each
-    MARK_PERIOD = (1 << 30) - 1  # marks are 1 + epoch % MARK_PERIOD: never 0 (fresh), 2 * mark + 1 fits int32
+    MARK_BYTES_PER_SLOT = 12  # read_marks (int64) + write_marks (int32)
+    MARK_PERIOD = (1 << 30) - 1  # write marks use 1 + epoch % MARK_PERIOD: never 0, 2 * mark + 1 fits int32
+    READER_BITS = 20  # read marks carry the reading batch row below the epoch
+    READER_LIMIT = 1 << READER_BITS
+
+    @staticmethod
+    def read_mark(epoch: int, batch_row: int) -> int:
+        return (epoch << PlanWorkspace.READER_BITS) | (PlanWorkspace.READER_LIMIT - 1 - batch_row)
 
     @staticmethod
     def mark_of(epoch: int) -> int:
@@ -96,6 +102,8 @@ class PlanWorkspace:
         """Buffers for one group of ``num_slots`` slots (the same-step marks are per slot)."""
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if caps.max_batch > cls.READER_LIMIT:
+            raise ValueError(f"max_batch must be at most {cls.READER_LIMIT}, got {caps.max_batch}")
         b = caps.max_batch
 
         def i64(n: int) -> torch.Tensor:
@@ -110,7 +118,7 @@ class PlanWorkspace:
             mult_powers=hashing.power_table(hashing.LINK_MULT, caps.max_tokens + 1, device),
             inv_powers=hashing.power_table(hashing.LINK_MULT_INV, caps.max_tokens + 1, device),
             epoch=i64(1),
-            read_marks=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            read_marks=torch.zeros(num_slots, dtype=torch.int64, device=device),
             write_marks=torch.zeros(num_slots, dtype=torch.int32, device=device),
             verify_items=i64(b + 1),
             write_items=i64(b + 1),

@@ -110,7 +110,7 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
         ("mult_powers", torch.int64, (t,)),
         ("inv_powers", torch.int64, (t,)),
         ("epoch", torch.int64, (1,)),
-        ("read_marks", torch.int32, (n,)),
+        ("read_marks", torch.int64, (n,)),
         ("write_marks", torch.int32, (n,)),
         ("verify_items", torch.int64, (b + 1,)),
         ("write_items", torch.int64, (b + 1,)),

@@ -189,7 +189,7 @@ def verify(
     link_checked = checked & (~has_pred | pred_usable)
     exp_link = torch.where(link_checked, hashing.link_step_t(prev_link, tok32, pos32), 0)
     link_bad = link_checked & (exp_link != stored_link)
-    same_step.mark_step(group, batch, ws, slot[ok & ~reserved], n_slots)
+    same_step.mark_step(group, batch, ws, slot[ok & ~reserved], r[ok & ~reserved], n_slots)
 
     reasons = (
         lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
@@ -262,7 +262,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     # A NOT_STORED token resolves to nothing and is no violation: it is simply not kept.
     lookup_bad = lookup_bad & wt.stored
     slot_oor = slot_oor & wt.stored
-    same, new_read_index = same_step.write_reasons(group, batch, ws, wt, records.positions, n_slots)
+    same, same_index, named_row = same_step.write_reasons(group, batch, ws, wt, records.positions, n_slots)
     exp_tok = expected_tokens(group, batch, r, exp_pos)
     wpos_bad = pos64 != exp_pos
     wtok_bad = (exp_tok != UNKNOWN_TOKEN) & (tok32.long() != exp_tok)
@@ -280,12 +280,12 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
         | wtok_bad.long() * Reason.WRITE_TOKEN_MISMATCH
         | same
     )
-    bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, new_read_index))
+    bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, same_index))
     hit = (reasons != 0).nonzero().flatten()
     out = _new_rows(int(hit.shape[0]), Phase.STAMP, group, dev)
     out[:, Field.REASONS] = reasons[hit]
-    out[:, Field.BATCH_ROW] = r[hit]
-    out[:, Field.TABLE_ROW] = batch.rows.long()[r][hit]
+    out[:, Field.BATCH_ROW] = named_row[hit]
+    out[:, Field.TABLE_ROW] = batch.rows.long()[named_row][hit]
     out[:, Field.SLOT] = slot[hit]
     out[:, Field.PRED] = -1
     out[:, Field.EXPECTED_POSITION] = exp_pos[hit]

@@ -1,8 +1,9 @@
 """Same-step write checks of the reference: marks that verify leaves and stamp tests.
 
-Verify stores this step's mark (``PlanWorkspace.mark_of(epoch)``, the epoch bumped by plan) on every slot
-it reads live (a verify entry in the pool and not reserved: a slot attention gathers this step), and on
-every slot that a token of an active row writes: ``2 * mark``, plus 1 when two or more tokens write it.
+Verify keeps ``PlanWorkspace.read_mark(epoch, batch row)`` (the epoch bumped by plan; the largest value,
+so the lowest reading batch row) on every slot it reads live (a verify entry in the pool and not
+reserved: a slot attention gathers this step), and on every slot that a token of an active row writes
+``2 * mark`` (``mark = 1 + epoch % MARK_PERIOD``), plus 1 when two or more tokens write it.
 Stamp then reports, per written token:
 
 - ``WRITE_INTO_LIVE_SLOT``: the slot is read live this step (another request's slot, or the request's own
@@ -62,11 +63,18 @@ def current_mark(ws: PlanWorkspace) -> torch.Tensor:
 
 
 def mark_step(
-    group: CanaryGroup, batch: StepBatch, ws: PlanWorkspace, read_slots: torch.Tensor, num_slots: int
+    group: CanaryGroup,
+    batch: StepBatch,
+    ws: PlanWorkspace,
+    read_slots: torch.Tensor,
+    read_rows: torch.Tensor,
+    num_slots: int,
 ) -> None:
-    """Verify's part: mark the slots read live (``read_slots``) and the slots written this step."""
+    """Verify's part: mark the slots read live (``read_slots``, by batch rows ``read_rows``) and the slots
+    written this step."""
     mark = current_mark(ws)
-    ws.read_marks[read_slots] = mark.to(torch.int32)
+    values = (ws.epoch[0] << PlanWorkspace.READER_BITS) | (PlanWorkspace.READER_LIMIT - 1 - read_rows)
+    ws.read_marks.scatter_reduce_(0, read_slots, values, reduce="amax")  # the lowest reader row wins
     w = write_tokens(group, batch, ws, num_slots)
     dst = w.res.slot[w.writable]
     twice = torch.bincount(dst, minlength=num_slots)[dst] > 1
@@ -80,10 +88,11 @@ def write_reasons(
     w: WriteTokens,
     old_positions: torch.Tensor,
     num_slots: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stamp's part, before any record is written (``old_positions``: the records' positions as verify saw
-    them): the same-step reasons of each written token, and the table entry of its own position (the
-    BAD_INDEX of a NEW_READ_MISMATCH row, -1 elsewhere)."""
+    them): per written token, its same-step reasons, its BAD_INDEX (a live write: the writing batch row; a
+    NEW_READ_MISMATCH: the table entry of its own position; else -1) and the batch row its log row names
+    (a live write: the lowest batch row that reads the slot this step; else the writer's)."""
     mark = current_mark(ws)
     slot = w.res.slot
     sc = slot.clamp(0, num_slots - 1)
@@ -91,7 +100,9 @@ def write_reasons(
     pre = batch.prefix_lens.long()[w.r]
     pos = pre + w.i
     width = batch.table.shape[1] * group.page_size
-    live = w.writable & (ws.read_marks[sc].long() == mark)
+    rmark = ws.read_marks[sc]
+    live = w.writable & ((rmark >> PlanWorkspace.READER_BITS) == ws.epoch[0])
+    reader = PlanWorkspace.READER_LIMIT - 1 - (rmark & (PlanWorkspace.READER_LIMIT - 1))
     if group.window > 0 and width > 0:
         # The slot's record as verify saw it: a position of the writer's own window that this token no
         # longer attends to, and that the writer's own table maps here, is the ring's reuse.
@@ -108,4 +119,5 @@ def write_reasons(
         new_bad = w.writable & ~new.reserved & (new.slot != slot)
         reasons = reasons | new_bad.long() * Reason.NEW_READ_MISMATCH
         bad_index = torch.where(new_bad, nfull, bad_index)
-    return reasons, bad_index
+    # A live write's row names the request whose read it hits (the one to fail); BAD_INDEX the writer.
+    return reasons, torch.where(live, w.r, bad_index), torch.where(live, reader, w.r)

@@ -44,6 +44,8 @@ INTO_LIVE = tl.constexpr(int(Reason.WRITE_INTO_LIVE_SLOT))
 DUPLICATE = tl.constexpr(int(Reason.DUPLICATE_WRITE))
 NEW_READ_BAD = tl.constexpr(int(Reason.NEW_READ_MISMATCH))
 MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
+READER_BITS = tl.constexpr(PlanWorkspace.READER_BITS)
+READER_LIMIT = tl.constexpr(PlanWorkspace.READER_LIMIT)
 PHASE = tl.constexpr(int(Phase.STAMP))
 NOT_STORED = tl.constexpr(_NOT_STORED)
 FINAL_LANES = tl.constexpr(128)  # tokens per sub-block when the finalize re-derives an item
@@ -112,12 +114,15 @@ def _carry(
 
 @triton.jit
 def _same_step(
-    slot, writable, t, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, lookup_ptr,
+    slot, writable, t, exp_pos, pre, trow, batch_row, mark, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr,
+    table_ptr, lookup_ptr,
     n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, CHECK_NEW: tl.constexpr,
 ):  # fmt: skip
     """reference same_step.write_reasons: the marks verify left, the ring exception, the new token's entry."""
-    live = writable & (tl.load(read_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == mark)
+    rmark = tl.load(read_marks_ptr + slot, mask=writable, other=0)
+    live = writable & ((rmark >> READER_BITS) == step_epoch)
+    reader = READER_LIMIT - 1 - (rmark & (READER_LIMIT - 1))
     # A window's ring: the slot held a position of the writer's own window that this token no longer sees.
     zero = tl.zeros_like(exp_pos)
     ring = live & (zero + window > 0)
@@ -136,14 +141,15 @@ def _same_step(
         new_bad = writable & ~nres & (nslot != slot)
         reasons = reasons | tl.where(new_bad, NEW_READ_BAD, 0)
         new_index = tl.where(new_bad, nfull, new_index)
-    return reasons, new_index
+    # A live write's row names the request whose read it hits; BAD_INDEX the writing row (see same_step.py).
+    return reasons, tl.where(live, zero + batch_row, new_index), tl.where(live, reader, zero + batch_row)
 
 
 @triton.jit
 def _stamp_item(
     item, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
-    mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
+    step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
@@ -201,8 +207,9 @@ def _stamp_item(
     exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, exp_pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
     wpos_bad = m & (pos64 != exp_pos)
     wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
-    same, new_index = _same_step(
-        slot, writable, t, exp_pos, pre, trow, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr,
+    same, same_index, named = _same_step(
+        slot, writable, t, exp_pos, pre, trow, r, 1 + step_epoch % MARK_PERIOD, step_epoch, read_marks_ptr,
+        write_marks_ptr, old_pos_ptr, table_ptr,
         lookup_ptr,
         n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
         PAGED, HAS_LOOKUP, CHECK_NEW,
@@ -215,8 +222,9 @@ def _stamp_item(
         | tl.where(wtok_bad, WRITE_TOKEN_BAD, 0)
         | same
     ).to(tl.int64)
-    bad_index = tl.where(lookup_bad, full, tl.where(slot_oor, slot, new_index))
-    return r, trow, slot, writable, tok32, pos32, pos64, links, exp_pos, exp_tok, bad_index, reasons
+    bad_index = tl.where(lookup_bad, full, tl.where(slot_oor, slot, same_index))
+    named_trow = tl.load(rows_ptr + named, mask=m, other=0).to(tl.int64)
+    return named, named_trow, slot, writable, tok32, pos32, pos64, links, exp_pos, exp_tok, bad_index, reasons
 
 
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
@@ -244,7 +252,7 @@ def stamp_kernel(
     row_ends = tl.load(witems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
     n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
     epoch = tl.load(sync_ptr + EPOCH) + 1  # the last program stores it when the call ends
-    mark = 1 + tl.load(mark_epoch_ptr) % MARK_PERIOD  # the step's same-step mark (plan bumped its epoch)
+    step_epoch = tl.load(mark_epoch_ptr)  # the same-step marks' epoch (plan bumped it)
 
     found = tl.zeros((), tl.int64)
     written = tl.zeros((), tl.int64)
@@ -253,7 +261,7 @@ def stamp_kernel(
         _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
             item, 0, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
             truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
-            mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
+            step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
             b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
             res0, res1, res2, res3, res4, res5, res6, res7,
             HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B, CARRY_BLOCK, True, POLLS, PAGED, CHECK_NEW,
@@ -286,8 +294,8 @@ def stamp_kernel(
                         r, trow, slot, _w, tok32, _p32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
                             j, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr,
                             truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
-                            flags_ptr, epoch, mark, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows,
-                            n_cols, page, window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots,
+                            flags_ptr, epoch, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr,
+                            n_rows, n_cols, page, window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots,
                             token_offset,
                             res0, res1, res2, res3, res4, res5, res6, res7,
                             HAS_LOOKUP, HAS_TRUTH, BLOCK, FINAL_LANES, BLOCK_B, CARRY_BLOCK, False, POLLS, PAGED,

@@ -46,6 +46,8 @@ PHASE = tl.constexpr(int(Phase.VERIFY))
 FINAL_LANES = tl.constexpr(128)  # entries per sub-block when the finalize re-derives an item
 NOT_STORED = tl.constexpr(_NOT_STORED)
 MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
+READER_BITS = tl.constexpr(PlanWorkspace.READER_BITS)
+READER_LIMIT = tl.constexpr(PlanWorkspace.READER_LIMIT)
 
 
 @triton.jit
@@ -191,7 +193,9 @@ def verify_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    mark = (1 + tl.load(epoch_ptr) % MARK_PERIOD).to(tl.int32)
+    step_epoch = tl.load(epoch_ptr)
+    mark = (1 + step_epoch % MARK_PERIOD).to(tl.int32)
+    read_base = step_epoch << READER_BITS
     planned = tl.load(voff_ptr + b)
     rb = tl.arange(0, BLOCK_B)
     row_ends = tl.load(vitems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
@@ -208,7 +212,8 @@ def verify_kernel(
             num_slots, n_verify, page, token_offset, res0, res1, res2, res3, res4, res5, res6, res7,
             PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B,
         )  # fmt: skip
-        tl.store(read_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + mark, mask=live)  # 4 bytes an entry
+        # 8 bytes an entry; the largest value is the current step's lowest reader row.
+        tl.atomic_max(read_marks_ptr + slot, tl.zeros_like(slot) + read_base + (READER_LIMIT - 1 - _r), mask=live)
         n_hit = tl.sum((reasons != 0).to(tl.int32))
         if n_hit > 0:  # clean items leave their count at 0
             tl.atomic_xchg(counts_ptr + item, n_hit)
