@@ -49,9 +49,9 @@ def make(mode: Mode, calls: list[Any]) -> DistributedCanary:
     callback = on_fail if mode is Mode.FAIL_REQUEST else None
     config = CanaryConfig(mode=mode, health_every=0)
     groups = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
-    return DistributedCanary.create(
-        groups, CAPS, config, dist.group.WORLD, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S
-    )
+    world = dist.group.WORLD
+    assert world is not None
+    return DistributedCanary.create(groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S)
 
 
 def drive(canary: DistributedCanary, faulty: bool, exit_at: int | None = None, stall: bool = False) -> dict[str, Any]:

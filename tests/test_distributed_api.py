@@ -53,6 +53,8 @@ def test_misuse_is_refused_before_anything_runs(world: dist.ProcessGroup) -> Non
         DistributedCanary(logging_mgr, world, Mode.FAIL_REQUEST)
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         DistributedCanary(logging_mgr, world, Mode.LOG, timeout_s=0)
+    with pytest.raises(TypeError, match="process_group must be"):
+        DistributedCanary(logging_mgr, None, Mode.LOG)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="CanaryManager"):
         DistributedCanary(object(), world, Mode.LOG)  # type: ignore[arg-type]
 

@@ -38,13 +38,17 @@ from kvcanary.runtime.exchange import VerdictExchange
 
 def summary(ns: list[int]) -> dict[str, float]:
     us = sorted(x / 1000 for x in ns)
-    pick = lambda q: us[min(len(us) - 1, int(q * len(us)))]  # noqa: E731
+
+    def pick(q: float) -> float:
+        return us[min(len(us) - 1, int(q * len(us)))]
+
     return {"median_us": pick(0.5), "p90_us": pick(0.9), "p99_us": pick(0.99), "mean_us": statistics.fmean(us)}
 
 
 def simulate_forward(cuda: bool, forward_us: float) -> None:
     if cuda:
-        torch.cuda._sleep(int(forward_us * 1000))  # about 1 cycle per ns on an H200: order of magnitude only
+        # About one cycle per ns on an H200: the forward's length is an order of magnitude only.
+        torch.cuda._sleep(int(forward_us * 1000))  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()  # the engine waits for its sampled tokens anyway
         return
     time.sleep(forward_us / 1e6)  # an idle host, as while a GPU runs the forward (a busy wait starves gloo)
@@ -132,7 +136,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    mp.spawn(rank_main, args=(args, port), nprocs=args.world, join=True)
+    mp.spawn(rank_main, args=(args, port), nprocs=args.world, join=True)  # type: ignore[attr-defined,no-untyped-call]
 
 
 if __name__ == "__main__":

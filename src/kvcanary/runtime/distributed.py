@@ -120,6 +120,11 @@ class DistributedCanary:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: pass the engine's own process group")
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be the engine's torch.distributed ProcessGroup (e.g. its TP group), "
+                f"got {type(process_group).__name__}"
+            )
         if dist.get_rank(process_group) < 0:
             raise ValueError("this process is not a member of process_group")
         self.manager = manager

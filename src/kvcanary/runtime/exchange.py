@@ -117,7 +117,7 @@ class VerdictExchange:
                 work.wait() if work.is_completed() else work.wait(timeout=self._timeout)
                 return
             deadline = time.monotonic() + self.timeout_s
-            while not event.query():
+            while not event.query():  # type: ignore[no-untyped-call]
                 if time.monotonic() > deadline:
                     raise TimeoutError("the collective did not complete")
                 time.sleep(_POLL_S)
