@@ -78,42 +78,64 @@ def test_a_write_of_unknown_origin_leaves_its_blocks_without_records() -> None:
     assert links(g, rec, 5) == [0] * PAGE and links(g, rec, 3) != [0] * PAGE
 
 
-def test_a_restore_puts_the_saved_pages_where_its_write_lands() -> None:
-    """Right restore: pages land in the new table.  Misdirected restore: page k lands in block k+1, and
-    the records say so, so reading the table finds other positions."""
-    g = geometry()
-    a = allocator(g)
-    new_table = [8, 9, 10]
-    for misdirect in (False, True):
-        rec = stamped(g, [2, 3, 4])
-        shadow = mirror.OffloadShadow()
-        shadow.save("r", g, rec, [2, 3, 4])
-        shadow.save("s", g, rec, [2])
-        rec.clear_slots(torch.arange(g.num_slots))
-        dest = new_table[1:] + new_table[:1] if misdirect else new_table
-        staging = torch.zeros(4, BYTES_PER_BLOCK, dtype=torch.uint8)
-        with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
-            a._copy_view.index_copy_(0, torch.tensor([*dest, 11]), staging)  # "s" resumes on block 11
-        tables = {"r": {NAME: 3}, "s": {NAME: 1}}
-        mirror.restore_observed(shadow, ["r", "s"], tables, {NAME: g}, {NAME: rec}, seen.writes)
-        original = stamped(g, [2, 3, 4])
-        for k, block in enumerate(new_table):
-            want = links(g, original, [2, 3, 4][(k - 1) % 3 if misdirect else k])
-            assert links(g, rec, block) == want
-        assert links(g, rec, 11) == links(g, original, 2)
-        assert len(shadow) == 0
+def engine_offload(a: types.SimpleNamespace, pool: torch.Tensor, gpu: list[int], cpu: list[int]) -> None:
+    """transformers' offload: one gather of device blocks, then copies of row runs into host rows."""
+    gathered = a._copy_view.index_select(0, torch.tensor(gpu))
+    host = pool.view(-1, BYTES_PER_BLOCK)
+    for k, h in enumerate(cpu):  # one run per block: the pairing is positional
+        host[h : h + 1].copy_(gathered[k : k + 1])
 
 
-def test_a_restore_whose_write_does_not_match_the_saved_pages_restores_nothing() -> None:
+def engine_restore(a: types.SimpleNamespace, pool: torch.Tensor, cpu: list[int], gpu: list[int]) -> None:
+    """transformers' restore: copies of host row runs into a staging tensor, one scatter into the cache."""
+    host = pool.view(-1, BYTES_PER_BLOCK)
+    staging = torch.empty(len(cpu), BYTES_PER_BLOCK, dtype=torch.uint8)
+    for k, h in enumerate(cpu):
+        staging[k : k + 1].copy_(host[h : h + 1])
+    a._copy_view.index_copy_(0, torch.tensor(gpu), staging)
+
+
+def offload_then_restore(read_from: list[int]) -> tuple[GroupGeometry, RecordStore]:
+    """Offload device blocks [2, 3, 4] into host blocks [5, 6, 7], clear the device records, then restore
+    the host blocks ``read_from`` into device blocks [8, 9, 10], mirrored from the observed copies only."""
     g = geometry()
     a = allocator(g)
-    for n_written in (2, 0):  # one page short, or no write into the cache at all
-        rec = stamped(g, [2, 3])
-        shadow = mirror.OffloadShadow()
-        shadow.save("r", g, rec, [2, 3])
-        rec.clear_slots(torch.arange(g.num_slots))
-        with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
-            if n_written:
-                a._copy_view.index_copy_(0, torch.tensor([8]), torch.zeros(1, BYTES_PER_BLOCK, dtype=torch.uint8))
-        mirror.restore_observed(shadow, ["r"], {"r": {NAME: 2}}, {NAME: g}, {NAME: rec}, seen.writes)
-        assert int(rec.links.count_nonzero()) == 0 and "r" not in shadow
+    pool = torch.zeros(8 * BYTES_PER_BLOCK, dtype=torch.uint8)
+    rec = stamped(g, [2, 3, 4])
+    host = mirror.HostRecords()
+    views = {NAME: byte_moves.block_view(a)}
+    with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
+        engine_offload(a, pool, [2, 3, 4], [5, 6, 7])
+    for save in seen.host_saves:
+        host.save(g, rec, save, 8)
+    rec.clear_slots(torch.arange(g.num_slots))
+    with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
+        engine_restore(a, pool, read_from, [8, 9, 10])
+    for write in seen.writes:
+        host.restore(g, rec, write)
+    return g, rec
+
+
+def test_a_restore_brings_the_records_of_the_host_blocks_it_reads() -> None:
+    original = stamped(geometry(), [2, 3, 4])
+    g, rec = offload_then_restore([5, 6, 7])  # the right host blocks
+    assert [links(g, rec, b) for b in (8, 9, 10)] == [links(g, original, b) for b in (2, 3, 4)]
+    g, rec = offload_then_restore([6, 7, 5])  # the right device blocks, read from the wrong host blocks
+    assert [links(g, rec, b) for b in (8, 9, 10)] == [links(g, original, b) for b in (3, 4, 2)]
+
+
+def test_a_restore_from_a_host_block_never_saved_restores_no_record() -> None:
+    g, rec = offload_then_restore([5, 6, 0])  # host block 0 holds nothing the canary saw
+    assert links(g, rec, 10) == [0] * PAGE and links(g, rec, 9) != [0] * PAGE
+
+
+def test_a_restore_from_bytes_of_unknown_origin_restores_no_record() -> None:
+    g = geometry()
+    a = allocator(g)
+    rec = stamped(g, [2])
+    host = mirror.HostRecords()
+    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}, host_pool=torch.zeros(8)) as seen:
+        a._copy_view.index_copy_(0, torch.tensor([2]), torch.zeros(1, BYTES_PER_BLOCK, dtype=torch.uint8))
+    assert seen.writes[0].source_host_blocks is None
+    mirror.apply_block_write(g, rec, seen.writes[0])
+    assert links(g, rec, 2) == [0] * PAGE and len(host) == 0

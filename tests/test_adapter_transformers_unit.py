@@ -267,18 +267,12 @@ def test_decode_fast_path_is_translated_from_the_block_table() -> None:
 # ---------------------------------------------------------------------------- mirrors, patches, version, registry
 
 
-def test_offload_shadow_and_block_copies_move_records_with_the_blocks() -> None:
+def test_block_copies_move_records_with_the_blocks() -> None:
     g = geometry()
     rec = RecordStore.allocate(g.num_slots)
     rec.links[g.block_slots(torch.tensor([4]))] = torch.tensor([11, 13, 15, 17])
     mirror.copy_blocks(g, rec, [4], [7])
     assert rec.links[g.block_slots(torch.tensor([7]))].tolist() == [11, 13, 15, 17]
-    shadow = mirror.OffloadShadow()
-    shadow.save("r", g, rec, [7, 4])
-    rec.clear_slots(torch.arange(g.num_slots))
-    assert shadow.restore("r", g, rec, [9, 10, 11])  # more blocks than were offloaded: the first two get them
-    assert rec.links[g.block_slots(torch.tensor([9, 10]))].tolist() == [11, 13, 15, 17] * 2
-    assert "r" not in shadow and not shadow.restore("r", g, rec, [9])
 
 
 def test_patch_set_restores_originals_and_refuses_a_second_kvcanary_patch() -> None:

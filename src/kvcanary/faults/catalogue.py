@@ -7,7 +7,13 @@ from collections.abc import Mapping
 
 from kvcanary.faults.allocator import DoubleFree, UseAfterFree
 from kvcanary.faults.base import Fault
-from kvcanary.faults.copies import ForkCopyLost, ForkSkipCopy, OffloadRestoreLost, OffloadRestoreWrongBlock
+from kvcanary.faults.copies import (
+    ForkCopyLost,
+    ForkSkipCopy,
+    OffloadRestoreLost,
+    OffloadRestoreWrongBlock,
+    OffloadRestoreWrongHostBlock,
+)
 from kvcanary.faults.data import KVBitFlip, PaddingWriteLiveSlot
 from kvcanary.faults.index import (
     ChunkBoundaryPosition,
@@ -34,6 +40,7 @@ _ALL: tuple[type[Fault], ...] = (
     ForkCopyLost,
     OffloadRestoreLost,
     OffloadRestoreWrongBlock,
+    OffloadRestoreWrongHostBlock,
     WrongTokenId,
     KVBitFlip,
     PaddingWriteLiveSlot,

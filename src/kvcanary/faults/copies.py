@@ -194,3 +194,44 @@ class OffloadRestoreWrongBlock(Fault):
             return restore_scheduled_requests
 
         ctx.wrap(om, "restore_scheduled_requests", make)
+
+
+class OffloadRestoreWrongHostBlock(Fault):
+    spec = FaultSpec(
+        name="offload-restore-wrong-host-block",
+        bug_class="offload restored from the wrong host block",
+        catalogue="B.8 LMCache/LMCache#4991, NVIDIA/TensorRT-LLM#8813 (tokens from other prompts with host KV "
+        "cache); B.3 stale host pages read back after reuse",
+        mechanism="the engine's map from a CPU-offloaded request to its host blocks is rotated just before the "
+        "restore: the copy reads host block k+1 into the right device block k (the last into the first)",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: position/token/link mismatch (device block k holds host page k+1)",
+        checks=_STALE_CHECKS,
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+        om = ctx.offloading
+
+        def make(inner: Any) -> Any:
+            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+                options = []
+                for fs in requests_in_batch:
+                    rid = fs.state.request_id
+                    cpu = om._request_id_to_cpu_blocks.get(rid, {}).get(FULL, []) if fs.state.is_cpu_offloaded else []
+                    if min(len(cpu), len(alloc.block_table.get(rid, []))) >= 2:
+                        options.append((rid, cpu))
+                if options and ctx.take(self.name):
+                    rid, cpu = ctx.rng.choice(options)
+                    n = min(len(cpu), len(alloc.block_table.get(rid, [])))
+                    before = list(cpu[:n])
+                    cpu[:n] = before[1:] + before[:1]  # the bookkeeping the copy reads, not the adapter
+                    ctx.injected(f"restore of {rid!r}: host blocks {before} read as {cpu[:n]}", [rid])
+                return inner(requests_in_batch)
+
+            return restore_scheduled_requests
+
+        ctx.wrap(om, "restore_scheduled_requests", make)

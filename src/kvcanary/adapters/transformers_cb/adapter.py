@@ -14,8 +14,8 @@ Where it hooks (transformers 5.24.0, ``transformers.generation.continuous_batchi
 * a forward pre-hook on the model -- only counts paged forwards, so a forward that ran without the tap
   (the engine changed its call path) is noticed: the adapter is then not in effect.
 * bulk KV moves mirrored into the records: ``CacheAllocator.copy_blocks`` (forks),
-  ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore); copies
-  and restores move the records where their block writes land in the cache (:mod:`.byte_moves`).
+  ``OffloadingManager._offload_to_cpu`` / ``restore_scheduled_requests`` (CPU offload and restore); the
+  records follow the bytes both ways, device block -> host block -> device block (:mod:`.bulk_moves`).
 * feature counters: ``search_prefix_match`` (prefix hits), ``BlockLedger.acquire`` (cached block
   reuse), ``mark_complete_blocks`` (in-place de-duplication), ``prepare_fork_request`` (forks).
   Prefix sharing, cached blocks and de-duplication need no mirroring: a block is only shared or swapped
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
+from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
 from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
@@ -233,15 +233,15 @@ class TransformersCBAdapter:
         p = self._patches
         p.wrap(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", self._wrap_prepare)
         p.wrap(model_runner.ModelRunner, "compute_batch", self._wrap_compute)
-        p.wrap(cache_allocator.CacheAllocator, "copy_blocks", self._wrap_copy_blocks)
+        moves = BulkMoveWrappers(lambda: self._binding, self._features)
+        p.wrap(cache_allocator.CacheAllocator, "copy_blocks", moves.copy_blocks)
         p.wrap(cache_allocator.CacheAllocator, "mark_complete_blocks", self._wrap_mark_complete)
         p.wrap(cache_allocator.BlockLedger, "acquire", self._wrap_ledger_acquire)
         p.wrap(cache.PagedAttentionCache, "search_prefix_match", self._wrap_prefix_match)
         p.wrap(cache.PagedAttentionCache, "prepare_fork_request", self._wrap_fork)
         om = offloading_manager.OffloadingManager
-        p.wrap(om, "_offload_to_cpu", self._wrap_offload)
-        p.wrap(om, "restore_scheduled_requests", self._wrap_restore)
-        p.wrap(om, "free_request_cpu_cache", self._wrap_free_cpu_cache)
+        p.wrap(om, "_offload_to_cpu", moves.offload)
+        p.wrap(om, "restore_scheduled_requests", moves.restore)
         if self._unpinned_cpu_offload:
             p.wrap(om, "__init__", lambda orig: wrap_offloading_init(orig, offloading_manager))
 
@@ -267,22 +267,6 @@ class TransformersCBAdapter:
             return out
 
         return compute_batch
-
-    def _wrap_copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
-            b = self._binding
-            if b is None or not b.owns_allocator(allocator):
-                return original(allocator, source_block_ids, dest_block_ids)
-            name = str(allocator.layer_type)
-            # The records follow the block writes seen in the cache, not the arguments (see .mirror).
-            with byte_moves.BlockWriteObserver({name: byte_moves.block_view(allocator)}) as seen:
-                out = original(allocator, source_block_ids, dest_block_ids)
-            for write in seen.writes:
-                mirror.apply_block_write(b.geometries[name], b.records(name), write)
-            self._features.fork_block_copies += len(source_block_ids)
-            return out
-
-        return copy_blocks
 
     def _wrap_mark_complete(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def mark_complete_blocks(allocator: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
@@ -325,52 +309,6 @@ class TransformersCBAdapter:
             return forked
 
         return prepare_fork_request
-
-    def _wrap_offload(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def _offload_to_cpu(om: Any, victims: list[Any], victim_block_tables: dict[str, dict[str, list[int]]]) -> Any:
-            done = original(om, victims, victim_block_tables)
-            b = self._binding
-            if b is not None and b.is_for(om.cache):
-                with _stream(om._compute_stream):
-                    for rid in done:
-                        for name, blocks in victim_block_tables[rid].items():
-                            if blocks:
-                                b.shadow.save(rid, b.geometries[name], b.records(name), list(blocks))
-                self._features.offloads += len(done)
-                self._features.soft_resets += len(victims) - len(done)
-            return done
-
-        return _offload_to_cpu
-
-    def _wrap_restore(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
-            b = self._binding
-            mine = b is not None and b.is_for(om.cache)
-            rids = [fs.state.request_id for fs in requests_in_batch if fs.state.is_cpu_offloaded] if mine else []
-            if b is None or not rids:
-                return original(om, requests_in_batch)
-            allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
-            # The records go where the restore's copy writes the pages, not to the new block tables.
-            views = {n: byte_moves.block_view(a) for n, a in allocators.items()}
-            with byte_moves.BlockWriteObserver(views) as seen:
-                out = original(om, requests_in_batch)
-            tables = {rid: {n: len(a.block_table.get(rid, ())) for n, a in allocators.items()} for rid in rids}
-            records = {n: b.records(n) for n in allocators}
-            geometries = {n: b.geometries[n] for n in allocators}
-            with _stream(om._compute_stream):
-                mirror.restore_observed(b.shadow, rids, tables, geometries, records, seen.writes)
-            self._features.restores += len(rids)
-            return out
-
-        return restore_scheduled_requests
-
-    def _wrap_free_cpu_cache(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def free_request_cpu_cache(om: Any, state: Any) -> Any:
-            if self._binding is not None and self._binding.is_for(om.cache):
-                self._binding.shadow.drop(state.request_id)
-            return original(om, state)
-
-        return free_request_cpu_cache
 
     # ------------------------------------------------------------------ per step
 

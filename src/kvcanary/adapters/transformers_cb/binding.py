@@ -33,7 +33,7 @@ class Binding:
         self.geometries = {g.name: g for g in geometries}
         self.translator = translator
         self.manager = manager
-        self.shadow = mirror.OffloadShadow()
+        self.host = mirror.HostRecords()  # records of the CPU swap pool, by host block
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
 
     def is_for(self, cache: Any) -> bool:

@@ -8,6 +8,13 @@ wrong block) would then leave records and reads in agreement over misplaced byte
 runs, a dispatch mode sees every tensor op and keeps the ones that write into a watched block view: the
 records are then moved to exactly those destinations.  Ops run as they would anyway (no extra device
 work, no host sync); only the index tensors are kept.
+
+CPU offload and restore go through the engine's host swap pool: an offload gathers device blocks and
+copies row runs of the gathered tensor into host rows; a restore copies host row runs into a device
+staging tensor and scatters the staging rows into device blocks.  With the host pool watched too, the
+observer pairs each host block with the device blocks its bytes came from (:class:`HostSave`) and each
+restored device block with the host block its bytes were read from (:attr:`BlockWrite.source_host_blocks`),
+taken from the copies' own storage offsets -- host-side integers, no device sync.
 """
 
 from __future__ import annotations
@@ -42,19 +49,33 @@ class BlockWrite:
     groups: tuple[str, ...]
     dest: torch.Tensor
     source_blocks: torch.Tensor | None
+    source_host_blocks: tuple[int, ...] | None = None  # a restore: host block of each source row (-1: unknown)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSave:
+    """One copy into the host swap pool: host blocks ``host_blocks`` (of ``groups``' host view) receive the
+    device blocks ``source_blocks`` (None: the bytes came from no watched gather)."""
+
+    groups: tuple[str, ...]
+    host_blocks: tuple[int, ...]
+    source_blocks: torch.Tensor | None
 
 
 class BlockWriteObserver(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
     """Active only around one engine move: records the block writes into the watched views."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, views: Mapping[str, torch.Tensor], host_pool: torch.Tensor | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._views: dict[_Key, tuple[str, ...]] = {}
         for name, view in views.items():
             k = _key(view)
             self._views[k] = (*self._views.get(k, ()), name)
-        self._gathers: dict[int, torch.Tensor] = {}  # storage of an index_select's result -> its source blocks
+        self._gathers: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # index_select result -> its blocks
+        self._host = None if host_pool is None else host_pool.untyped_storage().data_ptr()
+        self._staged: dict[int, list[int]] = {}  # storage of a staging tensor -> host block of each row
         self.writes: list[BlockWrite] = []
+        self.host_saves: list[HostSave] = []
 
     def _groups(self, t: Any) -> tuple[str, ...]:
         return self._views.get(_key(t), ()) if isinstance(t, torch.Tensor) else ()
@@ -65,14 +86,51 @@ class BlockWriteObserver(TorchDispatchMode):  # type: ignore[no-untyped-call]  #
         if func is _aten.index_copy_.default and args[1] == 0:
             groups = self._groups(args[0])
             if groups:
-                src = args[3]
-                gathered = self._gathers.get(src.untyped_storage().data_ptr()) if src.storage_offset() == 0 else None
-                if gathered is not None and int(gathered.shape[0]) != int(src.shape[0]):
-                    gathered = None
-                self.writes.append(BlockWrite(groups, args[2], gathered))
+                self.writes.append(self._block_write(groups, args[2], args[3]))
         elif func is _aten.index_select.default and args[1] == 0 and self._groups(args[0]):
-            self._gathers[out.untyped_storage().data_ptr()] = args[2]
+            self._gathers[out.untyped_storage().data_ptr()] = (self._groups(args[0]), args[2])
+        elif func is _aten.copy_.default and self._host is not None:
+            self._row_copy(args[0], args[1])
         return out
+
+    def _block_write(self, groups: tuple[str, ...], dest: torch.Tensor, src: torch.Tensor) -> BlockWrite:
+        ptr = src.untyped_storage().data_ptr()
+        staged = self._staged.pop(ptr, None)
+        if staged is not None:
+            first = _row(src)
+            rows = staged[first : first + int(src.shape[0])] if first is not None else []
+            hosts = tuple(rows) if len(rows) == int(src.shape[0]) else (-1,) * int(src.shape[0])
+            return BlockWrite(groups, dest, None, hosts)
+        gathered = self._gathers.get(ptr) if src.storage_offset() == 0 else None
+        blocks = None if gathered is None or int(gathered[1].shape[0]) != int(src.shape[0]) else gathered[1]
+        return BlockWrite(groups, dest, blocks)
+
+    def _row_copy(self, dst: Any, src: Any) -> None:
+        """A ``copy_`` of whole rows into the host pool (offload) or out of it into a staging tensor (restore)."""
+        if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)) or dst.dim() != 2:
+            return
+        dst_row, src_row, n = _row(dst), _row(src), int(dst.shape[0])
+        if dst_row is None or src_row is None:
+            return
+        if dst.untyped_storage().data_ptr() == self._host:
+            gathered = self._gathers.get(src.untyped_storage().data_ptr())
+            groups = () if gathered is None else gathered[0]
+            blocks = None if gathered is None else gathered[1][src_row : src_row + n]
+            if gathered is not None and int(blocks.shape[0]) != n:  # type: ignore[union-attr]
+                blocks = None
+            self.host_saves.append(HostSave(groups, tuple(range(dst_row, dst_row + n)), blocks))
+        elif src.untyped_storage().data_ptr() == self._host:
+            total = dst.untyped_storage().nbytes() // max(int(dst.stride(0)) * dst.element_size(), 1)
+            rows = self._staged.setdefault(dst.untyped_storage().data_ptr(), [-1] * total)
+            rows[dst_row : dst_row + n] = range(src_row, src_row + n)
+
+
+def _row(t: torch.Tensor) -> int | None:
+    """The first row of a row-contiguous 2-d view into its storage, or None when it starts mid-row."""
+    stride = int(t.stride(0))
+    if stride <= 0 or t.storage_offset() % stride:
+        return None
+    return int(t.storage_offset()) // stride
 
 
 def block_view(allocator: Any) -> torch.Tensor:

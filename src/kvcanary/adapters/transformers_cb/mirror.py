@@ -2,7 +2,8 @@
 
 The records describe what each slot holds, so whenever the engine moves KV bytes without a forward
 (fork copies, offload to the CPU swap pool and restore into possibly different blocks) the records
-must move the same way, or the next read of the moved blocks would be a false alarm.  They move where
+must move the same way (into and out of the host pool too, host block by host block), or the next
+read of the moved blocks would be a false alarm.  They move where
 the bytes were seen to land (:mod:`.byte_moves`), not where the engine's bookkeeping says they should:
 a copy that never lands or a restore into the wrong block then leaves records that disagree with the
 reads, which the canary reports.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite
+from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite, HostSave
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.layout import RecordStore
 
@@ -37,96 +38,57 @@ def apply_block_write(geometry: GroupGeometry, records: RecordStore, write: Bloc
         records.copy_slots(geometry.block_slots(write.source_blocks.to(records.device, non_blocking=True)), dst)
 
 
-class OffloadShadow:
-    """Records of CPU-offloaded requests, in block-table order, until they are restored or dropped.
+class HostRecords:
+    """Records of the engine's CPU swap pool, keyed by host block: what each host block's bytes hold.
 
-    transformers pairs blocks positionally: the k-th CPU block holds the k-th block of the request's
-    GPU table.  The shadow keeps the same order; on restore the saved pages go to the blocks the restore's
-    copy wrote them into (see :func:`restore_observed`).
+    An offload copies the records of the device blocks it gathered into the host blocks the bytes were
+    seen to land in (:meth:`save`); a restore copies the records of the host blocks it was seen to read
+    into the device blocks it wrote (:meth:`restore`).  Nothing is keyed by request or table order, so a
+    restore that reads a stale host block, or another request's, brings that block's records along and
+    the next read of the restored blocks disagrees with them.  A host block never saved holds no record.
+    One record store per group, allocated on the first offload, sized by the group's host view.
     """
 
     def __init__(self) -> None:
-        self._saved: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._saved
+        self._stores: dict[str, RecordStore] = {}
 
     def __len__(self) -> int:
-        return len(self._saved)
+        return len(self._stores)
 
-    def save(self, request_id: str, geometry: GroupGeometry, records: RecordStore, blocks: list[int]) -> None:
-        slots = geometry.block_slots(torch.tensor(blocks, dtype=torch.int64, device=records.device))
-        self._saved.setdefault(request_id, {})[geometry.name] = (
-            records.tokens[slots],
-            records.positions[slots],
-            records.links[slots],
-        )
+    def _store(self, geometry: GroupGeometry, host_blocks: int, device: torch.device) -> RecordStore:
+        store = self._stores.get(geometry.name)
+        if store is None or store.num_slots < host_blocks * geometry.page_size:
+            store = RecordStore.allocate(host_blocks * geometry.page_size, device)
+            self._stores[geometry.name] = store
+        return store
 
-    def saved_blocks(self, request_id: str, geometry: GroupGeometry) -> int:
-        """How many blocks of ``request_id`` in ``geometry``'s group are saved (0 when none)."""
-        saved = self._saved.get(request_id, {}).get(geometry.name)
-        return 0 if saved is None else int(saved[0].shape[0]) // geometry.page_size
+    def save(self, geometry: GroupGeometry, records: RecordStore, save: HostSave, host_blocks: int) -> None:
+        """Mirror one copy into the host pool (``host_blocks``: the rows of the group's host view)."""
+        store = self._store(geometry, host_blocks, records.device)
+        dst = geometry.block_slots(torch.tensor(save.host_blocks, dtype=torch.int64, device=records.device))
+        if save.source_blocks is None:
+            store.clear_slots(dst)
+            return
+        src = geometry.block_slots(save.source_blocks.to(records.device, non_blocking=True))
+        for host, dev in zip((store.tokens, store.positions, store.links), _fields(records), strict=True):
+            host[dst] = dev[src]
 
-    def discard(self, request_id: str, geometry: GroupGeometry) -> None:
-        """Forget one group's saved records of ``request_id`` (restored elsewhere or not at all)."""
-        by_group = self._saved.get(request_id)
-        if by_group is not None:
-            by_group.pop(geometry.name, None)
-            if not by_group:
-                del self._saved[request_id]
-
-    def restore(
-        self, request_id: str, geometry: GroupGeometry, records: RecordStore, blocks: list[int] | torch.Tensor
-    ) -> bool:
-        """Write the saved records into ``blocks`` (saved block k -> blocks[k]; the shorter of the two decides)."""
-        saved = self._saved.get(request_id, {}).get(geometry.name)
-        self.discard(request_id, geometry)
-        if saved is None:
-            return False
-        ids = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, dtype=torch.int64)
-        slots = geometry.block_slots(ids.to(records.device, non_blocking=True))
-        n = min(int(slots.shape[0]), int(saved[0].shape[0]))
-        records.tokens[slots[:n]] = saved[0][:n]
-        records.positions[slots[:n]] = saved[1][:n]
-        records.links[slots[:n]] = saved[2][:n]
-        return True
-
-    def drop(self, request_id: object) -> None:
-        self._saved.pop(request_id, None)  # type: ignore[call-overload]
+    def restore(self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
+        """Mirror one restore write: each written device block gets the records of the host block it was read
+        from; blocks read from no known host block (or from a pool never saved into) get no record."""
+        dst = geometry.block_slots(write.dest.to(records.device, non_blocking=True))
+        hosts = write.source_host_blocks or ()
+        store = self._stores.get(geometry.name)
+        if store is None or not hosts or min(hosts) < 0 or max(hosts) * geometry.page_size >= store.num_slots:
+            records.clear_slots(dst)
+            return
+        src = geometry.block_slots(torch.tensor(hosts, dtype=torch.int64, device=records.device))
+        for dev, host in zip(_fields(records), (store.tokens, store.positions, store.links), strict=True):
+            dev[dst] = host[src]
 
     def clear(self) -> None:
-        self._saved.clear()
+        self._stores.clear()
 
 
-def restore_observed(
-    shadow: OffloadShadow,
-    request_ids: list[str],
-    table_lengths: dict[str, dict[str, int]],
-    geometries: dict[str, GroupGeometry],
-    records: dict[str, RecordStore],
-    writes: list[BlockWrite],
-) -> None:
-    """Mirror one ``restore_scheduled_requests`` from the block writes seen while it ran.
-
-    The engine restores a group in one block write whose rows are the requests' saved pages, request after
-    request in batch order, ``min(saved blocks, new table length)`` each: the pages are paired with the
-    written destinations in that order.  A group whose write is missing or has another length gets no
-    records: its requests' saved records are dropped and their reads are reported.
-    """
-    pending = list(writes)
-    for name, geometry in geometries.items():
-        saved = [shadow.saved_blocks(rid, geometry) for rid in request_ids]
-        if not any(saved):
-            continue
-        counts = [min(k, table_lengths.get(rid, {}).get(name, 0)) for k, rid in zip(saved, request_ids, strict=True)]
-        write = next((w for w in pending if name in w.groups), None)
-        if write is not None:
-            pending.remove(write)
-        if write is None or int(write.dest.shape[0]) != sum(counts):
-            for rid in request_ids:
-                shadow.discard(rid, geometry)
-            continue
-        offset = 0
-        for rid, n in zip(request_ids, counts, strict=True):
-            shadow.restore(rid, geometry, records[name], write.dest[offset : offset + n])
-            offset += n
+def _fields(records: RecordStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return records.tokens, records.positions, records.links

@@ -1,0 +1,92 @@
+"""The engine's bulk KV moves, mirrored into the records: fork block copies, CPU offload and restore.
+
+Each wrapper runs the engine's own move under a :class:`~.byte_moves.BlockWriteObserver` and moves the
+records the way the bytes were seen to move (:mod:`.mirror`): a fork copy from the gathered device
+blocks to the written ones; an offload from the gathered device blocks into the host blocks the copy
+landed in; a restore from the host blocks the copy read into the device blocks it wrote.  The
+engine's bookkeeping (block tables, its request -> host block map) is never consulted, so a move whose
+bytes go astray on either side leaves records that the next read of those blocks disagrees with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvcanary.adapters.transformers_cb import byte_moves, mirror
+from kvcanary.adapters.transformers_cb.binding import Binding
+from kvcanary.adapters.transformers_cb.features import FeatureCounters
+
+
+class BulkMoveWrappers:
+    """Wrapper factories for :class:`~.patches.PatchSet` (``binding`` returns the adapter's current one)."""
+
+    def __init__(self, binding: Callable[[], Binding | None], features: FeatureCounters) -> None:
+        self._binding = binding
+        self._features = features
+
+    def copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
+            b = self._binding()
+            if b is None or not b.owns_allocator(allocator):
+                return original(allocator, source_block_ids, dest_block_ids)
+            name = str(allocator.layer_type)
+            with byte_moves.BlockWriteObserver({name: byte_moves.block_view(allocator)}) as seen:
+                out = original(allocator, source_block_ids, dest_block_ids)
+            for write in seen.writes:
+                mirror.apply_block_write(b.geometries[name], b.records(name), write)
+            self._features.fork_block_copies += len(source_block_ids)
+            return out
+
+        return copy_blocks
+
+    def offload(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _offload_to_cpu(om: Any, victims: list[Any], victim_block_tables: dict[str, Any]) -> Any:
+            b = self._binding()
+            if b is None or not b.is_for(om.cache) or getattr(om, "_cpu_pool", None) is None:
+                return original(om, victims, victim_block_tables)
+            with _observer(b, om) as seen:
+                done = original(om, victims, victim_block_tables)
+            with _stream(om._compute_stream):
+                for save in seen.host_saves:
+                    for name in save.groups:
+                        rows = int(om._cpu_views[name].shape[0])
+                        b.host.save(b.geometries[name], b.records(name), save, rows)
+            self._features.offloads += len(done)
+            self._features.soft_resets += len(victims) - len(done)
+            return done
+
+        return _offload_to_cpu
+
+    def restore(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
+            b = self._binding()
+            mine = b is not None and b.is_for(om.cache) and getattr(om, "_cpu_pool", None) is not None
+            restored = sum(1 for fs in requests_in_batch if fs.state.is_cpu_offloaded) if mine else 0
+            if b is None or not restored:
+                return original(om, requests_in_batch)
+            with _observer(b, om) as seen:
+                out = original(om, requests_in_batch)
+            with _stream(om._compute_stream):
+                for write in seen.writes:
+                    for name in write.groups:
+                        if write.source_host_blocks is not None:
+                            b.host.restore(b.geometries[name], b.records(name), write)
+                        else:  # bytes of no host block: a device gather, or nothing known
+                            mirror.apply_block_write(b.geometries[name], b.records(name), write)
+            self._features.restores += restored
+            return out
+
+        return restore_scheduled_requests
+
+
+def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
+    allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
+    views = {n: byte_moves.block_view(a) for n, a in allocators.items()}
+    return byte_moves.BlockWriteObserver(views, host_pool=om._cpu_tensor)
+
+
+def _stream(stream: Any) -> Any:
+    from transformers.generation.continuous_batching.utils import stream_context
+
+    return stream_context(stream)
