@@ -165,7 +165,8 @@ def table_entry_points_at_other_request(engine: ScriptedEngine, with_truth: bool
 
 def allocator_reuses_live_slot(engine: ScriptedEngine, with_truth: bool) -> Expected:
     """Step 4: the allocator hands out request 2's slot of position 3 while request 2 still holds it.
-    Request 1's decode token overwrites it in step 4; request 2 reads it at step 5."""
+    Request 1's decode token overwrites it in step 4, while request 2 reads it: caught by that write's
+    stamp (write_into_live_slot, naming request 2, whose read it hits)."""
     exp = Expected()
     victim: dict[str, int] = {}
 
@@ -179,8 +180,9 @@ def allocator_reuses_live_slot(engine: ScriptedEngine, with_truth: bool) -> Expe
         writer = e.full_pool.history[slot][-1]
         assert int(step.out_cache_loc[step.token_index(writer.rid)]) == slot  # the fault happened
         assert writer.rid != 2
-        exp.step, exp.victims = step.index + 1, {2}
-        exp.catches["full"] = Catch(2, Phase.VERIFY, foreign_record(writer, e.owner(2, 3), with_truth), slot, 3)
+        exp.step, exp.victims = step.index, {2}
+        pos = int(step.positions[step.token_index(writer.rid)])
+        exp.catches["full"] = Catch(2, Phase.STAMP, int(Reason.WRITE_INTO_LIVE_SLOT), slot, pos)
 
     engine.before_alloc(4, alloc_hook)
     engine.before_forward(4, forward_hook)
@@ -222,7 +224,8 @@ def table_entries_of_two_requests_swapped(engine: ScriptedEngine, with_truth: bo
 
 def writes_of_two_requests_swapped(engine: ScriptedEngine, with_truth: bool) -> Expected:
     """Step 3: requests 1 and 2 decode into each other's new slot (out_cache_loc swapped; the table
-    keeps the right owners).  Both read the other's record at step 4, in both groups."""
+    keeps the right owners).  Caught at step 3 in both groups: each new token's own table entry leads to
+    another slot than the one it writes (new_read_mismatch); both would read the other's record at step 4."""
     exp = Expected()
 
     def hook(e: ScriptedEngine, step: EngineStep) -> None:
@@ -230,10 +233,10 @@ def writes_of_two_requests_swapped(engine: ScriptedEngine, with_truth: bool) -> 
         loc = step.out_cache_loc
         loc[ta], loc[tb] = loc[tb].clone(), loc[ta].clone()
         pa, pb = int(step.positions[ta]), int(step.positions[tb])
-        reasons = foreign_record(e.owner(2, pb), e.owner(1, pa), with_truth)
-        exp.step, exp.victims = step.index + 1, {1, 2}
-        exp.catches["full"] = Catch(1, Phase.VERIFY, reasons, e.slot_at(1, pa), pa)
-        exp.catches["window"] = Catch(1, Phase.VERIFY, reasons, e.window_slot_at(1, pa), pa)
+        reasons = int(Reason.NEW_READ_MISMATCH)
+        exp.step, exp.victims = step.index, {1, 2}
+        exp.catches["full"] = Catch(1, Phase.STAMP, reasons, e.slot_at(2, pb), pa)
+        exp.catches["window"] = Catch(1, Phase.STAMP, reasons, e.window_slot_at(2, pb), pa)
 
     engine.before_forward(3, hook)
     return exp
