@@ -44,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.faults import FAULTS
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
-    from kvcanary import soak_command
     from kvcanary.faults import command as selftest
     from kvcanary.ops import Backend
+    from kvcanary.soak_command import add_parser as add_soak_parser
 
     parser = argparse.ArgumentParser(
         prog="kvcanary",
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     selftest.add_parser(sub)
-    soak_command.add_parser(sub)
+    add_soak_parser(sub)
     report_command.add_parser(sub)
     return parser
 

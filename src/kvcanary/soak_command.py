@@ -1,0 +1,74 @@
+"""The ``kvcanary soak`` subcommand: options, refusals and the exit code (the work is in :mod:`kvcanary.soak`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+ENGINES = ("transformers",)
+EPILOG = """exit codes:
+  0  every phase silent (no violation, health failure or adapter error) and steady after warm-up
+     (RSS growth <= 2 % + 16 MiB, median canary step time of the last 10 % of steps <= 1.5 x the first 10 %)
+  1  the check failed (a violation, a health failure, an engine error, RSS or step time grew)
+  2  bad command-line usage
+  3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing)
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvcanary.ops import Backend
+
+    p = sub.add_parser(
+        "soak",
+        help="a long randomized clean workload on a real engine: silent, and steady in memory and step time",
+        description="Requests arrive, finish and are cancelled continuously on the engine (prefix reuse, forks, "
+        "CPU offload/restore, chunked prefill, sliding rings), the steps split between a dense and a hybrid "
+        "model, until the canary ran --steps steps; then checks silence and steadiness (see exit codes).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
+    p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default=Backend.AUTO.value,
+        help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
+    )
+    p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment: int) -> int:
+    from kvcanary.adapters.base import UnsupportedEngineVersion
+    from kvcanary.cli_checks import demo_refusal
+    from kvcanary.ops import Backend
+
+    try:
+        from kvcanary.soak import SoakOptions, run_soak, summary
+    except ImportError as exc:  # psutil (the RSS readings) is missing
+        print(f"kvcanary soak: {exc}", file=sys.stderr)
+        return environment
+    checked = argparse.Namespace(
+        device=args.device, backend=args.backend, async_batching=False, cuda_graphs=False, model="dense",
+        fault_group=None,
+    )  # fmt: skip
+    refusal = demo_refusal(checked)  # the same device/backend refusals as the demo
+    if refusal is not None:
+        print(f"kvcanary soak: {refusal[1]}", file=sys.stderr)
+        return refusal[0]
+    try:
+        options = SoakOptions(steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend))
+    except ValueError as exc:
+        print(f"kvcanary soak: {exc}", file=sys.stderr)
+        return usage
+    try:
+        result = run_soak(options, progress=None if args.quiet else sys.stderr)
+    except (ImportError, UnsupportedEngineVersion) as exc:
+        print(f"kvcanary soak needs transformers 5.24.0 and psutil: {exc}", file=sys.stderr)
+        return environment
+    print(json.dumps(result.as_json()) if args.json else summary(result))
+    return ok if result.passed else failed
