@@ -73,7 +73,9 @@ def test_report_of_a_faulted_run(faulted_log: tuple[Path, dict[str, Any]], capsy
     assert "last stats" in out
 
 
-def test_json_report_matches_the_run(faulted_log: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_report_matches_the_run(
+    faulted_log: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, run = faulted_log
     rc, out, _ = report(capsys, str(path), "--json", "--first", "2")
     doc = json.loads(out)
