@@ -62,7 +62,9 @@ class Field(enum.IntEnum):
     STORED_TOKEN = 10  # stamp rows: the written token
     EXPECTED_LINK = 11  # verify rows: link recomputed from the predecessor, 0 when not computed
     STORED_LINK = 12  # stamp rows: the written link
-    BAD_INDEX = 13  # the index that was out of range, -1 when none
+    # The index that was out of range, -1 when none.  Stamp rows: write_into_live_slot, the writing batch row
+    # (the row names the reader); new_read_mismatch, the new token's own table entry.
+    BAD_INDEX = 13
 
 
 ROW_WIDTH = len(Field)
