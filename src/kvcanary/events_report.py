@@ -140,7 +140,7 @@ def as_json(s: EventSummary, first: int = DEFAULT_FIRST) -> dict[str, Any]:
         "steps_with_violations": len(s.timeline()),
         "by_reason": s.by_reason(),
         "by_group": s.by_group(),
-        "by_request": {k: v for k, v in s.by_request().items()},
+        "by_request": s.by_request(),
         "timeline": [{"step": step, "rows": rows} for step, rows in s.timeline()],
         "health_failures": s.health,
         "last_stats": s.stats[-1] if s.stats else None,
@@ -166,8 +166,8 @@ def _violation_block(e: dict[str, Any]) -> list[str]:
         f"phase {e.get('phase')}, request {e.get('request_id')!r}: {'+'.join(e.get('reasons', []))}"
     )
     fields = ("batch_row", "table_row", "slot", "pred", "bad_index")
-    pairs = (("position", "expected_position", "stored_position"), ("token", "expected_token", "stored_token"))
-    pairs += (("link", "expected_link", "stored_link"),)
+    pairs = [("position", "expected_position", "stored_position"), ("token", "expected_token", "stored_token")]
+    pairs.append(("link", "expected_link", "stored_link"))
     detail = ", ".join(f"{f} {e.get(f)}" for f in fields if f in e)
     stored = "; ".join(f"{name} expected {e.get(x)} stored {e.get(y)}" for name, x, y in pairs if x in e)
     return [f"  {head}", f"    {detail}", f"    {stored}"]
