@@ -42,7 +42,7 @@ class Counting(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def make(mode: Mode, calls: list[Any]) -> DistributedCanary:
+def make(mode: Mode, calls: list[Any], lag: int = 1) -> DistributedCanary:
     def on_fail(ids: list[object], verdict: object) -> None:
         calls.append(ids)
 
@@ -51,7 +51,9 @@ def make(mode: Mode, calls: list[Any]) -> DistributedCanary:
     groups = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
     world = dist.group.WORLD
     assert world is not None
-    return DistributedCanary.create(groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S)
+    return DistributedCanary.create(
+        groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S, lag=lag
+    )
 
 
 def drive(canary: DistributedCanary, faulty: bool, exit_at: int | None = None, stall: bool = False) -> dict[str, Any]:
@@ -86,7 +88,7 @@ def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
     calls: list[Any] = []
     faulty_rank = world - 1 if name != "raise" else 0
     mode = {"clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE}
-    canary = make(mode.get(name, Mode.LOG), calls)
+    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1)
     if name in ("kill", "stall"):
         out = drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
     else:

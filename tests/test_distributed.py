@@ -19,7 +19,7 @@ import pytest
 from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
 
 WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
-SCENARIOS = "clean,log,fail,raise"
+SCENARIOS = "clean,log,fail,raise,lag2"
 RUN_LIMIT_S = 90.0
 
 
@@ -86,6 +86,18 @@ def test_fault_on_one_rank_is_reported_by_every_rank_at_the_same_step(world: dic
     # decoded at FAULT_AT + 1 by the faulty rank's manager, agreed on at FAULT_AT + 2 by everyone
     assert first_hits == {FAULT_AT + 2}
     assert len({json.dumps(res["log"]["seen"]) for res in world.values()}) == 1
+
+
+def test_a_lag_of_two_agrees_one_step_later_on_every_rank(world: dict[int, dict[str, Any]]) -> None:
+    faulty = len(world) - 1
+    for res in world.values():
+        seen = res["lag2"]["seen"]
+        hits = [k for k, v in enumerate(seen) if v is not None]
+        assert hits and hits[0] == FAULT_AT + 3, seen
+        assert seen[hits[0]]["step"] == FAULT_AT and seen[hits[0]]["ranks"] == [faulty]
+        # flush drains both exchanges in flight and the manager's last step: steps STEPS - 3 .. STEPS - 1
+        assert [v["step"] for v in res["lag2"]["flushed"]] == [STEPS - 3, STEPS - 2, STEPS - 1]
+    assert len({json.dumps([res["lag2"]["seen"], res["lag2"]["flushed"]]) for res in world.values()}) == 1
 
 
 def test_fail_request_fails_the_request_on_every_rank_once_per_step(world: dict[int, dict[str, Any]]) -> None:

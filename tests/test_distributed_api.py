@@ -53,6 +53,8 @@ def test_misuse_is_refused_before_anything_runs(world: dist.ProcessGroup) -> Non
         DistributedCanary(logging_mgr, world, Mode.FAIL_REQUEST)
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         DistributedCanary(logging_mgr, world, Mode.LOG, timeout_s=0)
+    with pytest.raises(ValueError, match="lag must be a positive int"):
+        DistributedCanary(logging_mgr, world, Mode.LOG, lag=0)
     with pytest.raises(TypeError, match="process_group must be"):
         DistributedCanary(logging_mgr, None, Mode.LOG)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="CanaryManager"):
@@ -82,6 +84,15 @@ def test_one_rank_world_reports_two_steps_late_and_flushes(world: dist.ProcessGr
     assert canary.flush() == []
 
 
+def test_a_deeper_lag_acts_lag_steps_later_and_flush_drains_everything(world: dist.ProcessGroup) -> None:
+    canary = make(world, Mode.LOG, lag=3)
+    seen = steps(canary, 6, fault_at=1)
+    assert seen[:5] == [None] * 5 and canary.in_flight == 3
+    verdict = seen[5]
+    assert verdict is not None and verdict.step == 1 and verdict.reported_at == 5
+    assert [v.step for v in canary.flush()] == [2, 3, 4, 5] and canary.in_flight == 0
+
+
 def test_raise_mode_raises_a_ranked_violation(world: dist.ProcessGroup) -> None:
     canary = make(world, Mode.RAISE)
     with pytest.raises(RankedViolation, match=r"found on rank\(s\) \[0\]") as info:
@@ -92,7 +103,7 @@ def test_raise_mode_raises_a_ranked_violation(world: dist.ProcessGroup) -> None:
 def test_off_mode_exchanges_nothing(world: dist.ProcessGroup) -> None:
     canary = make(world, Mode.OFF)
     assert steps(canary, 3, fault_at=1) == [None] * 3 and canary.flush() == []
-    assert not canary.exchange.pending
+    assert canary.in_flight == 0
 
 
 def test_unpicklable_request_ids_travel_as_their_repr(world: dist.ProcessGroup) -> None:

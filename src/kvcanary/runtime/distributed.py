@@ -9,10 +9,12 @@ the engine's next collective.  :class:`DistributedCanary` runs each rank's manag
 world), and then acts by the configured mode identically on every rank.
 
 Timing, per host step N (see :mod:`kvcanary.runtime.exchange`): the manager decodes step N - 1,
-the wrapper finishes the exchange started at host step N - 1 (about step N - 2; it completed while
-the engine ran a step), starts the exchange of this call's finding, and acts.  A violation of step k
-is therefore acted upon at host step k + 2 on every rank (one step more than a single canary); a
-clean step costs one small asynchronous all_reduce and no extra host synchronisation.
+the wrapper finishes the exchange started at host step N - ``lag`` (it completed while the engine
+ran), starts the exchange of this call's finding, and acts.  A violation of step k is therefore
+acted upon at host step k + 1 + ``lag`` on every rank (``lag`` steps more than a single canary); a
+clean step costs one small asynchronous all_reduce and no extra host synchronisation.  ``lag`` 1
+suits tensor parallelism; with pipeline parallelism a lag of the number of stages lets each stage's
+exchange complete while the later stages catch up.
 
 All ranks must use the same mode and call ``host_step``/``flush`` the same number of times (checked:
 ranks out of step raise :class:`CanaryPeerError`).  Health-check failures stay per rank (logged or
@@ -21,6 +23,7 @@ raised by the rank's own manager in log mode: logged).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import pickle
@@ -99,6 +102,7 @@ class DistributedCanary:
         on_fail_request: DistributedFailRequestCallback | None = None,
         *,
         timeout_s: float = 60.0,
+        lag: int = 1,
         device: torch.device | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -118,6 +122,8 @@ class DistributedCanary:
             raise TypeError("on_fail_request must be callable")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"lag must be a positive int (exchanges in flight), got {lag!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: pass the engine's own process group")
         if not isinstance(process_group, dist.ProcessGroup):
@@ -132,12 +138,14 @@ class DistributedCanary:
         self.on_fail_request = on_fail_request
         self._enabled = mode is not Mode.OFF
         self._calls = 0  # host_step/flush calls so far: the exchange's step marker
-        self._pending_report: StepReport | None = None
+        self.lag = lag
+        # Exchanges started and not yet finished, oldest first, with this rank's finding of each.
+        self._in_flight: collections.deque[tuple[VerdictExchange, StepReport | None]] = collections.deque()
         self._limiter = RateLimiter(manager.config.log_rate_limit_per_s, clock)
         if device is None:
             nccl = dist.get_backend(process_group) == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.exchange = VerdictExchange(process_group, device, timeout_s)
+        self._exchanges = [VerdictExchange(process_group, device, timeout_s) for _ in range(lag)]
 
     @classmethod
     def create(
@@ -151,15 +159,21 @@ class DistributedCanary:
         on_fail_request: DistributedFailRequestCallback | None = None,
         *,
         timeout_s: float = 60.0,
+        lag: int = 1,
     ) -> DistributedCanary:
         """This rank's manager (built in log mode) wrapped to act by ``config.mode`` with every rank."""
         inner = config if config.mode is Mode.OFF else dataclasses.replace(config, mode=Mode.LOG)
         manager = CanaryManager(groups, caps, inner, device, backend)
-        return cls(manager, process_group, config.mode, on_fail_request, timeout_s=timeout_s)
+        return cls(manager, process_group, config.mode, on_fail_request, timeout_s=timeout_s, lag=lag)
 
     @property
     def rank(self) -> int:
-        return self.exchange.rank
+        return self._exchanges[0].rank
+
+    @property
+    def in_flight(self) -> int:
+        """Exchanges started and not yet finished (at most ``lag``)."""
+        return len(self._in_flight)
 
     # ------------------------------------------------------------------ the manager's device side, as is
 
@@ -179,16 +193,18 @@ class DistributedCanary:
         if not self._enabled:
             return None
         local = self.manager.host_step(request_ids)
-        verdict = self._finish()
+        verdict = self._finish() if len(self._in_flight) == self.lag else None
         self._start(local)
         return self._act(verdict)
 
     def flush(self) -> list[RankVerdict]:
-        """End of a run: act on the pending exchange, then on the manager's last step (synchronously)."""
+        """End of a run: act on the exchanges in flight, then on the manager's last step (synchronously)."""
         if not self._enabled:
             return []
         local = self.manager.flush()
-        out = [self._act(self._finish())]
+        out = []
+        while self._in_flight:
+            out.append(self._act(self._finish()))
         self._start(local)
         out.append(self._act(self._finish()))
         return [v for v in out if v is not None]
@@ -198,18 +214,21 @@ class DistributedCanary:
 
     def _start(self, local: StepReport | None) -> None:
         rows = 0 if local is None else max(local.total, 1)
-        self.exchange.start(self._calls, rows)
-        self._pending_report = local
+        # Free by construction: the ones in flight started at the previous lag - 1 calls.
+        exchange = self._exchanges[self._calls % self.lag]
+        exchange.start(self._calls, rows)
+        self._in_flight.append((exchange, local))
         self._calls += 1
 
     def _finish(self) -> RankVerdict | None:
-        if not self.exchange.pending:
+        if not self._in_flight:
             return None
-        found = self.exchange.finish()
+        exchange, local = self._in_flight.popleft()
+        found = exchange.finish()
         if not found:  # the clean path ends here
             return None
-        mine = self._pending_report if self.rank in found else None
-        payloads = self.exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
+        mine = local if self.rank in found else None
+        payloads = exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
         # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
         reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in found}
         violations = [v for r in sorted(reports) for v in reports[r].violations]
