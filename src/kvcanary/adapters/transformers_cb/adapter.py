@@ -44,6 +44,7 @@ from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
 from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.modes import FailRequestCallback, ModeActions
 from kvcanary.adapters.transformers_cb.patches import PatchSet
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 from kvcanary.adapters.transformers_cb.translate import Translation
@@ -55,7 +56,6 @@ from kvcanary.runtime import CanaryManager, StepReport
 logger = logging.getLogger("kvcanary")
 
 StepCallback = Callable[[int, Translation], None]  # (steps run on the current cache, the step's translation)
-FailRequestCallback = Callable[[list[object], StepReport], None]
 
 _STAT_KEYS = ("steps", "forwards", "verified_slots", "violations", "skipped_entries", "stamped", "health_failures")
 
@@ -95,7 +95,7 @@ class TransformersCBAdapter:
         self._config = config
         self._backend = backend
         self._max_context = max_context
-        self._on_fail_request = on_fail_request
+        self._modes = ModeActions(config.mode, on_fail_request)  # what raise / fail-request do (see .modes)
         self._on_step = on_step
         self._unpinned_cpu_offload = unpinned_cpu_offload
         self._max_kept_reports = max_kept_reports
@@ -153,7 +153,11 @@ class TransformersCBAdapter:
     # ------------------------------------------------------------------ results
 
     def flush(self) -> StepReport | None:
-        """Decode the last step (call after ``generate_batch`` returned, not while it runs)."""
+        """Decode the last step (call after ``generate_batch`` returned, not while it runs).  In raise mode,
+        first raise what the canary raised in the engine's thread and nobody re-raised yet (see :mod:`.modes`)."""
+        raised = self._modes.take_raised()
+        if raised is not None:
+            raise raised
         if self._binding is None:
             return None
         report = self._binding.manager.flush()
@@ -196,12 +200,6 @@ class TransformersCBAdapter:
         return self._first_report_step
 
     @property
-    def metrics_registry(self) -> object | None:
-        """The current engine cache's Prometheus registry (None before the first step or without
-        prometheus-client); serve it with ``kvcanary.runtime.metrics.serve_metrics(adapter)``."""
-        return None if self._binding is None else self._binding.manager.metrics_registry
-
-    @property
     def pending_batch(self) -> HostBatch | None:
         """The host batch of the step being run (for fault injection and debugging)."""
         return None if self._pending is None else self._pending[1]
@@ -230,6 +228,7 @@ class TransformersCBAdapter:
     def _apply_patches(self) -> None:
         from transformers.generation.continuous_batching import (
             cache,
+            continuous_api,
             input_outputs,
             model_runner,
             offloading_manager,
@@ -248,8 +247,15 @@ class TransformersCBAdapter:
         om = offloading_manager.OffloadingManager
         p.wrap(om, "_offload_to_cpu", moves.offload)
         p.wrap(om, "restore_scheduled_requests", moves.restore)
+        self._modes.patch(p, continuous_api, owns_cache=self._owns_cache, is_model=self._is_model, flush=self.flush)
         if self._unpinned_cpu_offload:
             p.wrap(om, "__init__", lambda orig: wrap_offloading_init(orig, offloading_manager))
+
+    def _is_model(self, model: Any) -> bool:
+        return model is self._model
+
+    def _owns_cache(self, cache: Any) -> bool:
+        return self._binding is not None and self._binding.is_for(cache)
 
     def _wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -269,7 +275,11 @@ class TransformersCBAdapter:
                 self._input_probe(batch_data)
             out = original(runner, model, batch_data)
             if model is self._model:
-                self._tap(runner, batch_data)
+                try:
+                    self._tap(runner, batch_data)
+                except Exception as exc:  # raise mode: the engine's thread swallows it, generate_batch re-raises
+                    self._modes.note_raised(exc)
+                    raise
             return out
 
         return compute_batch
@@ -331,7 +341,9 @@ class TransformersCBAdapter:
                 "bypassed); the canary is not in effect"
             )
             if self._config.mode is Mode.RAISE:
-                raise RuntimeError(msg)
+                error = RuntimeError(msg)
+                self._modes.note_raised(error)
+                raise error
             if self._hook_misses == 1:
                 logger.error(msg)
             self._taps = self._forwards_seen - 1  # report each miss once
@@ -429,8 +441,9 @@ class TransformersCBAdapter:
             backend=self._backend,
             max_context=self._max_context,
             max_positions=getattr(self._model.config, "max_position_embeddings", None),
-            on_fail_request=self._on_fail_request,
+            on_fail_request=self._modes.manager_callback,
         )
+        self._modes.reset()
         self._features.caches_bound += 1
         return self._binding
 
