@@ -17,6 +17,7 @@ from kvcanary import CanaryConfig, Mode, cli
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.faults import FaultInjector
 from kvcanary.demo import DemoOptions, build_model, build_prompts, quiet_engine_logs, run_engine
+from kvcanary.events_report import read_summary
 
 FAULT_AFTER = 5
 OPTIONS = DemoOptions(requests=8, follow_up=0, new_tokens=8)
@@ -139,6 +140,18 @@ def test_unknown_kinds_and_keys_are_ignored(tmp_path: Path, capsys: pytest.Captu
     path = _write(tmp_path / "log.jsonl", [{**STATS, "new_key": 1}, {"schema": 1, "event": "future", "step": 9}])
     rc, out, _ = report(capsys, str(path))
     assert rc == cli.EXIT_OK and "1 event(s) of kinds this version does not know were ignored" in out
+
+
+def test_a_cut_off_last_line_is_left_out(faulted_log: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    whole = faulted_log[0].read_text()
+    cut = tmp_path / "killed.jsonl"
+    cut.write_text(whole + whole.splitlines()[0][:40])  # the writer killed mid-line: no newline at the end
+    rc = cli.main(["report", str(cut), "--json"])
+    assert rc == cli.EXIT_CHECK_FAILED
+    doc, full = read_summary(cut), read_summary(faulted_log[0])
+    assert doc.incomplete_tail and not full.incomplete_tail and doc.events == full.events
+    cut.write_text(whole.splitlines()[0][:40] + "\n" + whole)  # the same cut inside the file is an error
+    assert cli.main(["report", str(cut)]) == cli.EXIT_USAGE
 
 
 def test_help_lists_exit_codes_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,6 +34,7 @@ class EventSummary:
     health: list[dict[str, Any]]
     stats: list[dict[str, Any]]
     unknown_kinds: int  # events of kinds this version does not know (ignored, as the schema asks)
+    incomplete_tail: bool = False  # the last line was cut off (the writer was killed mid-line) and left out
 
     @property
     def clean(self) -> bool:
@@ -91,21 +92,39 @@ def _parse_line(text: str, number: int, path: str) -> dict[str, Any]:
     return event
 
 
-def load_events(path: str | Path) -> list[dict[str, Any]]:
-    """Every event of the log, in file order; raises :class:`EventLogError` naming the first bad line."""
+def _read_text(path: str | Path) -> str:
     name = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise EventLogError(f"{name}: no such file") from None
     except IsADirectoryError:
         raise EventLogError(f"{name}: is a directory, not an event log") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise EventLogError(f"{name}: cannot read it ({exc})") from None
-    return [_parse_line(line, i, name) for i, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 
-def summarize(events: list[dict[str, Any]], path: str = "") -> EventSummary:
+def load_events(path: str | Path) -> tuple[list[dict[str, Any]], bool]:
+    """Every event of the log, in file order, and whether an incomplete last line was left out.
+
+    The writer appends whole lines, so only a process killed mid-write leaves a last line without its
+    newline; that line is skipped when it does not parse.  Any other bad line raises
+    :class:`EventLogError` naming it.
+    """
+    text = _read_text(path)
+    lines = text.splitlines()
+    incomplete = bool(lines) and not text.endswith("\n")
+    if incomplete:
+        try:
+            json.loads(lines[-1])
+            incomplete = False
+        except json.JSONDecodeError:
+            lines.pop()
+    events = [_parse_line(line, i, str(path)) for i, line in enumerate(lines, start=1) if line.strip()]
+    return events, incomplete
+
+
+def summarize(events: list[dict[str, Any]], path: str = "", incomplete_tail: bool = False) -> EventSummary:
     by_kind: dict[str, list[dict[str, Any]]] = {k: [] for k in EVENT_KINDS}
     unknown = 0
     for e in events:
@@ -121,11 +140,13 @@ def summarize(events: list[dict[str, Any]], path: str = "") -> EventSummary:
         health=by_kind["health"],
         stats=by_kind["stats"],
         unknown_kinds=unknown,
+        incomplete_tail=incomplete_tail,
     )
 
 
 def read_summary(path: str | Path) -> EventSummary:
-    return summarize(load_events(path), str(path))
+    events, incomplete = load_events(path)
+    return summarize(events, str(path), incomplete)
 
 
 def as_json(s: EventSummary, first: int = DEFAULT_FIRST) -> dict[str, Any]:
@@ -146,6 +167,7 @@ def as_json(s: EventSummary, first: int = DEFAULT_FIRST) -> dict[str, Any]:
         "last_stats": s.stats[-1] if s.stats else None,
         "first_violations": s.violations[:first],
         "unknown_events": s.unknown_kinds,
+        "incomplete_last_line": s.incomplete_tail,
     }
 
 
@@ -204,4 +226,6 @@ def render(s: EventSummary, first: int = DEFAULT_FIRST) -> str:
         out += ["", f"last stats (step {last['step']}): " + ", ".join(f"{k} {last[k]}" for k in keys)]
     if s.unknown_kinds:
         out += ["", f"{s.unknown_kinds} event(s) of kinds this version does not know were ignored"]
+    if s.incomplete_tail:
+        out += ["", "the last line was cut off (the process was killed while writing it) and left out"]
     return "\n".join(out)
