@@ -417,7 +417,9 @@ class CanaryManager:
 
     def _stats_line(self, step: int) -> None:
         s = self.stats()
-        logger.info(
+        # WARNING, not INFO: the line exists only when the user asked for it (stats_every > 0), and Python's
+        # default logging shows WARNING and above.
+        logger.warning(
             "kvcanary stats: step=%d forwards=%d verified_slots=%d stamped=%d violations=%d skipped_entries=%d "
             "health_failures=%d",
             step,
