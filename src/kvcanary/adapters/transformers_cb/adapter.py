@@ -42,7 +42,7 @@ import torch
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
 from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
-from kvcanary.adapters.transformers_cb.features import FeatureCounters
+from kvcanary.adapters.transformers_cb.features import FeatureCounters, FeatureWatch
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import FailRequestCallback, ModeActions
 from kvcanary.adapters.transformers_cb.patches import PatchSet
@@ -200,12 +200,6 @@ class TransformersCBAdapter:
         return self._first_report_step
 
     @property
-    def metrics_registry(self) -> object | None:
-        """The current engine cache's Prometheus registry (None before the first step or without
-        prometheus-client); serve it with ``kvcanary.runtime.metrics.serve_metrics(adapter)``."""
-        return None if self._binding is None else self._binding.manager.metrics_registry
-
-    @property
     def pending_batch(self) -> HostBatch | None:
         """The host batch of the step being run (for fault injection and debugging)."""
         return None if self._pending is None else self._pending[1]
@@ -245,11 +239,12 @@ class TransformersCBAdapter:
         p.wrap(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors", self._wrap_prepare)
         p.wrap(model_runner.ModelRunner, "compute_batch", self._wrap_compute)
         moves = BulkMoveWrappers(lambda: self._binding, self._features)
+        watch = FeatureWatch(lambda: self._binding, self._features)
         p.wrap(cache_allocator.CacheAllocator, "copy_blocks", moves.copy_blocks)
-        p.wrap(cache_allocator.CacheAllocator, "mark_complete_blocks", self._wrap_mark_complete)
-        p.wrap(cache_allocator.BlockLedger, "acquire", self._wrap_ledger_acquire)
-        p.wrap(cache.PagedAttentionCache, "search_prefix_match", self._wrap_prefix_match)
-        p.wrap(cache.PagedAttentionCache, "prepare_fork_request", self._wrap_fork)
+        p.wrap(cache_allocator.CacheAllocator, "mark_complete_blocks", watch.mark_complete_blocks)
+        p.wrap(cache_allocator.BlockLedger, "acquire", watch.acquire)
+        p.wrap(cache.PagedAttentionCache, "search_prefix_match", watch.search_prefix_match)
+        p.wrap(cache.PagedAttentionCache, "prepare_fork_request", watch.prepare_fork_request)
         om = offloading_manager.OffloadingManager
         p.wrap(om, "_offload_to_cpu", moves.offload)
         p.wrap(om, "restore_scheduled_requests", moves.restore)
@@ -289,48 +284,6 @@ class TransformersCBAdapter:
             return out
 
         return compute_batch
-
-    def _wrap_mark_complete(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def mark_complete_blocks(allocator: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
-            before = list(allocator.block_table.get(request_id, ()))
-            out = original(allocator, request_id, token_ids, new_new_blocks)
-            b = self._binding
-            if b is not None and b.owns_allocator(allocator):
-                after = allocator.block_table.get(request_id, ())
-                self._features.dedup_swaps += sum(1 for x, y in zip(before, after, strict=False) if x != y)
-            return out
-
-        return mark_complete_blocks
-
-    def _wrap_ledger_acquire(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def acquire(ledger: Any, block_id: int) -> Any:
-            was_cached = block_id in ledger.cached_blocks
-            out = original(ledger, block_id)
-            b = self._binding
-            if was_cached and b is not None and b.owns_ledger(ledger):
-                self._features.cached_block_reuse += 1
-            return out
-
-        return acquire
-
-    def _wrap_prefix_match(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def search_prefix_match(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
-            n = int(original(cache, request_id, prompt_ids))
-            if n > 0 and self._binding is not None and self._binding.is_for(cache):
-                self._features.prefix_hits += 1
-                self._features.prefix_tokens += n
-            return n
-
-        return search_prefix_match
-
-    def _wrap_fork(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def prepare_fork_request(cache: Any, *args: Any, **kwargs: Any) -> Any:
-            forked = original(cache, *args, **kwargs)
-            if self._binding is not None and self._binding.is_for(cache):
-                self._features.forks += len(forked)
-            return forked
-
-        return prepare_fork_request
 
     # ------------------------------------------------------------------ per step
 

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcanary.adapters.transformers_cb.binding import Binding
 
 
 @dataclasses.dataclass
@@ -25,3 +30,54 @@ class FeatureCounters:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+
+class FeatureWatch:
+    """Wrapper factories (for :class:`~.patches.PatchSet`) that count the engine features a run used; they
+    change nothing (``binding`` returns the adapter's current binding: only its cache is counted)."""
+
+    def __init__(self, binding: Callable[[], Binding | None], features: FeatureCounters) -> None:
+        self._binding = binding
+        self._features = features
+
+    def mark_complete_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def mark_complete_blocks(allocator: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
+            before = list(allocator.block_table.get(request_id, ()))
+            out = original(allocator, request_id, token_ids, new_new_blocks)
+            b = self._binding()
+            if b is not None and b.owns_allocator(allocator):
+                after = allocator.block_table.get(request_id, ())
+                self._features.dedup_swaps += sum(1 for x, y in zip(before, after, strict=False) if x != y)
+            return out
+
+        return mark_complete_blocks
+
+    def acquire(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def acquire(ledger: Any, block_id: int) -> Any:
+            was_cached = block_id in ledger.cached_blocks
+            out = original(ledger, block_id)
+            b = self._binding()
+            if was_cached and b is not None and b.owns_ledger(ledger):
+                self._features.cached_block_reuse += 1
+            return out
+
+        return acquire
+
+    def search_prefix_match(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def search_prefix_match(cache: Any, request_id: str, prompt_ids: list[int]) -> int:
+            n = int(original(cache, request_id, prompt_ids))
+            if n > 0 and (b := self._binding()) is not None and b.is_for(cache):
+                self._features.prefix_hits += 1
+                self._features.prefix_tokens += n
+            return n
+
+        return search_prefix_match
+
+    def prepare_fork_request(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_fork_request(cache: Any, *args: Any, **kwargs: Any) -> Any:
+            forked = original(cache, *args, **kwargs)
+            if (b := self._binding()) is not None and b.is_for(cache):
+                self._features.forks += len(forked)
+            return forked
+
+        return prepare_fork_request
