@@ -88,7 +88,10 @@ def _state(mgr: CanaryManager) -> list[torch.Tensor | dict[str, int]]:
 
 
 def _same(a: list[torch.Tensor | dict[str, int]], b: list[torch.Tensor | dict[str, int]]) -> bool:
-    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def _run(case: gen.Case, backend: Backend, how: str, field: str) -> tuple[str, Any]:
