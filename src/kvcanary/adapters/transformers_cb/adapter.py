@@ -200,6 +200,12 @@ class TransformersCBAdapter:
         return self._first_report_step
 
     @property
+    def metrics_registry(self) -> object | None:
+        """The current engine cache's Prometheus registry (None before the first step or without
+        prometheus-client); serve it with ``kvcanary.runtime.metrics.serve_metrics(adapter)``."""
+        return None if self._binding is None else self._binding.manager.metrics_registry
+
+    @property
     def pending_batch(self) -> HostBatch | None:
         """The host batch of the step being run (for fault injection and debugging)."""
         return None if self._pending is None else self._pending[1]
