@@ -46,6 +46,7 @@ MAX_IN_FLIGHT = 12  # requests (x 2 sequences): over the block budget (offloads)
 PROMPT_POOL = 256
 _PROGRESS_EVERY = 1000
 _POLL_S = 0.02
+STALL_S = 120.0  # no canary step for this long: the run failed (engine stuck, requests lost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,7 @@ class PhaseResult:
     share_end: float
     seconds: float
     engine_error: str | None = None
+    chunked_prompts: int = 0  # requests whose prompt exceeds the batch token budget (chunked prefill)
 
     def failures(self) -> list[str]:
         why = []
@@ -205,18 +207,26 @@ def _on_step(progress: _Progress, device: str, label: str, out: TextIO | None) -
 
 
 def _drive(
-    manager: Any, progress: _Progress, target: int, rng: random.Random, prompts: list[list[int]]
-) -> tuple[int, int]:
-    """Keep requests arriving and finishing until the canary ran ``target`` steps; (requests, cancelled)."""
+    manager: Any, progress: _Progress, target: int, rng: random.Random, prompts: list[list[int]], chunk: int
+) -> tuple[int, int, int]:
+    """Keep requests arriving and finishing until the canary ran ``target`` steps.
+
+    Returns (requests, cancelled, prompts longer than ``chunk`` tokens: prefilled in several steps)."""
     in_flight: set[str] = set()
-    requests = cancelled = 0
+    requests = cancelled = chunked = 0
+    last_step, last_progress = -1, time.monotonic()
     while progress.steps < target:
         if not manager.is_running():
             raise RuntimeError("the generation thread stopped")
+        if progress.steps != last_step:
+            last_step, last_progress = progress.steps, time.monotonic()
+        elif time.monotonic() - last_progress > STALL_S:  # requests lost, or every step skipped by the canary
+            raise RuntimeError(f"no canary step in {STALL_S:.0f} s (at step {last_step})")
         while len(in_flight) < rng.randint(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT):
             rid = f"soak_{requests}"
-            manager.add_request(rng.choice(prompts), request_id=rid, max_new_tokens=rng.randint(2, 32))
-            requests += 1
+            prompt = rng.choice(prompts)
+            manager.add_request(prompt, request_id=rid, max_new_tokens=rng.randint(2, 32))
+            requests, chunked = requests + 1, chunked + (len(prompt) > chunk)
             in_flight.add(rid)
             if rng.randrange(CANCEL_EVERY) == 0:
                 cancel = rng.choice(sorted(in_flight))
@@ -227,7 +237,7 @@ def _drive(
         if result is not None and result.is_finished():
             # Forked children report as "<parent>__child#i"; the parent's own result closes it.
             in_flight.discard(result.request_id)
-    return requests, cancelled
+    return requests, cancelled, chunked
 
 
 def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseResult:
@@ -247,9 +257,10 @@ def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | N
     started = time.perf_counter()
     try:
         manager.start()
-        requests, cancelled = _drive(manager, progress, steps, random.Random(options.seed), prompts)
+        rng = random.Random(options.seed)
+        requests, cancelled, chunked = _drive(manager, progress, steps, rng, prompts, cb.max_batch_tokens)
     except RuntimeError as exc:
-        engine_error, requests, cancelled = str(exc), 0, 0
+        engine_error, requests, cancelled, chunked = str(exc), 0, 0, 0
     finally:
         manager.stop(block=True, timeout=30, hard_stop=True)
         canary.flush()
@@ -260,7 +271,7 @@ def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | N
         device_start=progress.device_start, device_end=_device_bytes(options.device),
         step_us_start=_median(progress.clock.start_us), step_us_end=_median(progress.clock.end_us),
         share_start=_median(progress.clock.start_share), share_end=_median(progress.clock.end_share),
-        seconds=time.perf_counter() - started, engine_error=engine_error,
+        seconds=time.perf_counter() - started, engine_error=engine_error, chunked_prompts=chunked,
     )  # fmt: skip
 
 
@@ -296,7 +307,8 @@ def summary(result: SoakResult) -> str:
             f"{p.model}: {p.steps:,} steps, {p.requests:,} requests ({p.cancelled} cancelled), "
             f"{s['verified_slots']:,} slots verified, {s['violations']} violations, "
             f"{s['health_failures']} health failures ({p.seconds:.1f} s)",
-            f"  engine features: prefix hits {f['prefix_hits']}, cached block reuse {f['cached_block_reuse']}, "
+            f"  engine features: chunked prefills {p.chunked_prompts}, prefix hits {f['prefix_hits']}, "
+            f"cached block reuse {f['cached_block_reuse']}, "
             f"de-dup {f['dedup_swaps']}, forks {f['forks']}, offloads {f['offloads']}, restores {f['restores']}, "
             f"soft resets {f['soft_resets']}, ring wraps {f['ring_wraps']:,}",
             f"  host RSS {_mib(p.rss_start)} -> {_mib(p.rss_end)}; device memory {_mib(p.device_start)} -> "
