@@ -1,8 +1,9 @@
 """The ``kvcanary`` command line.
 
 Subcommands: ``demo`` (the canary on transformers continuous batching, a clean run and a faulted run),
-``selftest`` (the fault library injected into a real engine in randomized trials: the detection matrix) and
-``report`` (a summary of the runtime's JSON-lines event log).
+``selftest`` (the fault library injected into a real engine in randomized trials: the detection matrix),
+``report`` (a summary of the runtime's JSON-lines event log) and ``soak`` (a long randomized clean workload:
+silent, and steady in memory and step time; :mod:`kvcanary.soak`).
 
 Exit codes:
 
