@@ -238,7 +238,9 @@ def verify(
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
-    verify_kernel[_grid(max_items, dev, tuning)](
+    # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
+    max_write_items = -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + max_b
+    verify_kernel[_grid(max(max_items, max_write_items), dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],

@@ -147,9 +147,11 @@ def _mark_writes(
         slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
         ok = stored & ~lookup_bad & in_pool(slot, num_slots)
         writable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
-        old = tl.atomic_xchg(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 2 * mark, mask=writable)
+        old = tl.atomic_xchg(
+            write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 2 * mark, mask=writable, sem="relaxed"
+        )
         twice = writable & ((old >> 1) == mark)
-        tl.atomic_or(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 1, mask=twice)
+        tl.atomic_or(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 1, mask=twice, sem="relaxed")
         keep = writable & (tl.zeros_like(slot) + window > 0)
         tl.store(old_pos_ptr + t, tl.load(positions_ptr + slot, mask=keep, other=0), mask=keep)
 
@@ -213,7 +215,10 @@ def verify_kernel(
             PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK, BLOCK_B,
         )  # fmt: skip
         # 8 bytes an entry; the largest value is the current step's lowest reader row.
-        tl.atomic_max(read_marks_ptr + slot, tl.zeros_like(slot) + read_base + (READER_LIMIT - 1 - _r), mask=live)
+        # Relaxed: only the kernel boundary orders these against stamp's loads.
+        tl.atomic_max(
+            read_marks_ptr + slot, tl.zeros_like(slot) + read_base + (READER_LIMIT - 1 - _r), mask=live, sem="relaxed"
+        )
         n_hit = tl.sum((reasons != 0).to(tl.int32))
         if n_hit > 0:  # clean items leave their count at 0
             tl.atomic_xchg(counts_ptr + item, n_hit)
