@@ -19,7 +19,8 @@ for stage in "$@"; do
   case $stage in
     tests)  # the differential, hand-case and CUDA-graph suites, compiled
       timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning --durations=8 \
-        tests/test_kernels_graph.py tests/test_kernels_cases.py tests/test_kernels_differential.py 2>&1 | tee "$OUT/tests.log"
+        tests/test_kernels_graph.py tests/test_kernels_cases.py tests/test_kernels_same_step.py \
+        tests/test_kernels_differential.py 2>&1 | tee "$OUT/tests.log"
       ;;
     sanitize)  # every tensor its own allocation, so memcheck sees any access outside it
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck \
