@@ -40,7 +40,7 @@ scenarios under several kernel tunings; its tables are kept beside the results (
 """
 
 TARGETS = (
-    "Targets (DESIGN section 6): at most 2x floor for every scenario with >= 1M verified entries; at most "
+    "Targets (the project's performance bar): at most 2x floor for every scenario with >= 1M verified entries; at most "
     "10 us per step for decode batches up to 32 at prefix up to 4k; a 16k-token chunk stamped in at most 20 us."
 )
 
