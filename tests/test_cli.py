@@ -92,3 +92,20 @@ def test_triton_on_cpu_needs_the_interpreter(
     monkeypatch.setattr(demo, "run_demo", start)
     with pytest.raises(Started):  # with the interpreter on, the run starts
         cli.main(["demo", "--quiet", "--backend", "triton"])
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    # `kvcanary ... | head`: the pipe's reader is gone before the output is written
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvcanary", "selftest", "--list"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    os.close(write_end)
+    assert "Traceback" not in run.stderr and run.returncode == cli.EXIT_CHECK_FAILED, run.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -138,6 +139,14 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `kvcanary report ... | head`: the reader left; say nothing more
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- Python flushes stdout at exit: keep it quiet
+        return EXIT_CHECK_FAILED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = _parser()
     except ImportError as exc:  # the demo's choices come from kvcanary modules that import torch
