@@ -45,9 +45,9 @@ INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers
 def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.faults import FAULTS
+    from kvcanary.cli_checks import add_device_options
     from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
     from kvcanary.faults import command as selftest
-    from kvcanary.ops import Backend
     from kvcanary.soak_command import add_parser as add_soak_parser
 
     parser = argparse.ArgumentParser(
@@ -75,13 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         help="allocator group to corrupt (default: full attention when the model has it)",
     )
     demo.add_argument("--requests", type=int, default=64, help="number of prompts (default: 64)")
-    demo.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
-    demo.add_argument(
-        "--backend",
-        choices=[b.value for b in Backend],
-        default=Backend.AUTO.value,
-        help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
-    )
+    add_device_options(demo)
     demo.add_argument("--async-batching", action="store_true", help="the engine's asynchronous batching (CUDA)")
     demo.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (CUDA)")
     demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")

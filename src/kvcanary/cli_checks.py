@@ -1,4 +1,4 @@
-"""Refusals before any work starts: option combinations the machine or the model cannot honour.
+"""Shared device options, and refusals before any work starts: combinations the machine or model cannot honour.
 
 Each check answers with the documented exit code (2: usage, 3: environment) and a message naming the
 problem and the way out, so a user never waits minutes for a run that could not do what was asked.
@@ -19,6 +19,19 @@ _DEMO_GROUPS = {
     "hybrid": ("sliding_attention", "full_attention"),
     "sliding": ("sliding_attention",),
 }
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--backend``, as every engine-running subcommand takes them."""
+    from kvcanary.ops import Backend
+
+    parser.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
+    parser.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default=Backend.AUTO.value,
+        help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
+    )
 
 
 def _cuda_available() -> bool:

@@ -17,7 +17,7 @@ EPILOG = """exit codes:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvcanary.ops import Backend
+    from kvcanary.cli_checks import add_device_options
 
     p = sub.add_parser(
         "soak",
@@ -31,13 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
-    p.add_argument("--device", default="cpu", help="torch device for the model and the canary (default: cpu)")
-    p.add_argument(
-        "--backend",
-        choices=[b.value for b in Backend],
-        default=Backend.AUTO.value,
-        help="canary implementation: auto (kernels on CUDA, reference on CPU), reference or triton",
-    )
+    add_device_options(p)
     p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 

@@ -148,6 +148,20 @@ class _MisdirectedView:
         return getattr(self._real, name)
 
 
+def _restorable(om: Any, alloc: Any, requests_in_batch: list[Any]) -> list[tuple[str, list[Any], list[Any], int]]:
+    """The batch's CPU-offloaded requests with at least two pages to restore: (id, its host blocks (the
+    engine's own list), its device table, pages restored)."""
+    found = []
+    for fs in requests_in_batch:
+        rid = fs.state.request_id
+        cpu = om._request_id_to_cpu_blocks.get(rid, {}).get(FULL, []) if fs.state.is_cpu_offloaded else []
+        table = alloc.block_table.get(rid, [])
+        n = min(len(cpu), len(table))
+        if n >= 2:
+            found.append((rid, cpu, table, n))
+    return found
+
+
 class OffloadRestoreWrongBlock(Fault):
     spec = FaultSpec(
         name="offload-restore-wrong-block",
@@ -170,14 +184,9 @@ class OffloadRestoreWrongBlock(Fault):
 
         def make(inner: Any) -> Any:
             def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-                options = []
-                for fs in requests_in_batch:
-                    rid = fs.state.request_id
-                    cpu = om._request_id_to_cpu_blocks.get(rid, {}).get(FULL, []) if fs.state.is_cpu_offloaded else []
-                    table = alloc.block_table.get(rid, [])
-                    n = min(len(cpu), len(table))
-                    if n >= 2:
-                        options.append((rid, [int(b) for b in table[:n]]))
+                options = [
+                    (rid, [int(b) for b in table[:n]]) for rid, _, table, n in _restorable(om, alloc, requests_in_batch)
+                ]
                 if not (options and ctx.take(self.name)):
                     return inner(requests_in_batch)
                 rid, blocks = ctx.rng.choice(options)
@@ -218,15 +227,9 @@ class OffloadRestoreWrongHostBlock(Fault):
 
         def make(inner: Any) -> Any:
             def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-                options = []
-                for fs in requests_in_batch:
-                    rid = fs.state.request_id
-                    cpu = om._request_id_to_cpu_blocks.get(rid, {}).get(FULL, []) if fs.state.is_cpu_offloaded else []
-                    if min(len(cpu), len(alloc.block_table.get(rid, []))) >= 2:
-                        options.append((rid, cpu))
+                options = _restorable(om, alloc, requests_in_batch)
                 if options and ctx.take(self.name):
-                    rid, cpu = ctx.rng.choice(options)
-                    n = min(len(cpu), len(alloc.block_table.get(rid, [])))
+                    rid, cpu, _, n = ctx.rng.choice(options)
                     before = list(cpu[:n])
                     cpu[:n] = before[1:] + before[:1]  # the bookkeeping the copy reads, not the adapter
                     ctx.injected(f"restore of {rid!r}: host blocks {before} read as {cpu[:n]}", [rid])
