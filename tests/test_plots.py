@@ -104,3 +104,9 @@ def test_benchmark_plot_is_generated_and_linked(tmp_path: Path) -> None:
     assert f"]({make_readme.PLOT})" in make_readme.render()  # the generated README shows it
     assert (ROOT / "benchmarks" / make_readme.PLOT).is_file()  # the committed copy the READMEs link
     assert f"(benchmarks/{make_readme.PLOT})" in (ROOT / "README.md").read_text()
+
+
+def test_the_top_readme_performance_table_is_the_generated_one() -> None:
+    make_readme = _make_readme()
+    text = (ROOT / "README.md").read_text()
+    assert make_readme.top_table() in text, "README's performance table is stale: run benchmarks/make_readme.py"
