@@ -43,9 +43,11 @@ def test_groups_refuse_wrong_types(kwargs: dict[str, object], words: str) -> Non
 
 
 def test_an_absurd_pool_is_refused_before_allocating() -> None:
-    group = kc.CanaryGroup(num_slots=2**40)  # 24 TiB of records and marks: more than any host has
+    group = kc.CanaryGroup(num_slots=2**40)  # tens of TiB of records and marks: more than any host has
     caps = kc.Capacities(max_batch=4, max_tokens=64, verify_entries=256)
-    with pytest.raises(MemoryError, match=r"group 'full' would need 24576\.00 GiB on cpu .*num_slots=1099511627776"):
+    per_slot = kc.RecordStore.BYTES_PER_SLOT + kc.PlanWorkspace.MARK_BYTES_PER_SLOT
+    gib = f"{2**40 * per_slot / 2**30:.2f}".replace(".", r"\.")
+    with pytest.raises(MemoryError, match=rf"group 'full' would need {gib} GiB on cpu .*num_slots=1099511627776"):
         kc.GroupCanary(group, caps)
     with pytest.raises(MemoryError, match="would need"):
         CanaryManager([group], caps, kc.CanaryConfig())
