@@ -22,6 +22,7 @@ class CanaryConfig:
     health_every: int = 100  # steps between "kernels actually ran" checks; 0 = never
     health_warmup: int = 1  # steps before the first health check
     events_path: str | None = None  # JSON-lines event log, when set
+    events_max_bytes: int = 64 << 20  # rotate the event log past this size (one old file kept); 0 = unbounded
     check_values: bool | None = None  # host-side value checks of each batch (default: CPU only)
 
     def __post_init__(self) -> None:
@@ -30,7 +31,7 @@ class CanaryConfig:
         for name in ("log_rows",):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stats_every", "health_every", "health_warmup"):
+        for name in ("stats_every", "health_every", "health_warmup", "events_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.log_rate_limit_per_s <= 0:

@@ -30,6 +30,7 @@ Readers must ignore keys they do not know; new keys may be added without a schem
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -93,20 +94,34 @@ class EventLog:
 
     Events are rare (violations, failed checks, periodic stats), so each write opens the file in
     append mode and closes it again: nothing is lost on a crash and no handle outlives a write.
-    The constructor opens the file once, so a bad path fails at install time.
+    The constructor opens the file once, so a bad path fails at install time.  Bounded: a write that
+    would take the file past ``max_bytes`` first renames it to ``<path>.1`` (replacing the previous
+    one), so a violation storm holds at most about twice ``max_bytes`` on disk; whole events only, so
+    both files stay valid JSON lines.  ``max_bytes`` 0: unbounded.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int = 0) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.path = path
+        self.max_bytes = max_bytes
+        self.rotations = 0
         self._closed = False
         with open(path, "a", encoding="utf-8"):
             pass
+        self._size = os.path.getsize(path)
 
     def write(self, events: list[dict[str, Any]]) -> None:
         if self._closed or not events:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
+        payload = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
+        if self.max_bytes and self._size and self._size + len(payload) > self.max_bytes:
+            os.replace(self.path, self.path + ".1")
+            self.rotations += 1
+            self._size = 0
+        with open(self.path, "ab") as f:
+            f.write(payload)
+        self._size += len(payload)
 
     def report(self, report: StepReport) -> None:
         now = time.time()

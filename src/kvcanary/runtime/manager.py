@@ -145,7 +145,7 @@ class CanaryManager:
         self._log_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
         self._health_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
         if config.events_path is not None:
-            self._events = EventLog(config.events_path)
+            self._events = EventLog(config.events_path, config.events_max_bytes)
         self.metrics_registry = make_registry(self._metrics_view)
 
     @staticmethod
