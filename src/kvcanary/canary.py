@@ -55,7 +55,8 @@ class GroupCanary:
     def new_log(self) -> ViolationLog:
         return ViolationLog.allocate(self.caps.log_rows, self.device)
 
-    def validate(self, batch: StepBatch, check_values: bool | None = None) -> None:
+    def validate(self, batch: StepBatch, check_values: bool | None = None, *, engine_values: bool = True) -> None:
+        """``engine_values=False``: leave lengths and rows to the plan, which reports them as violations."""
         if check_values is None:
             check_values = self.device.type == "cpu"
         validate_batch(
@@ -65,6 +66,7 @@ class GroupCanary:
             max_batch=self.caps.max_batch,
             max_tokens=self.caps.max_tokens,
             check_values=check_values,
+            engine_values=engine_values,
         )
 
     def _require_planned(self, batch: StepBatch, what: str) -> None:

@@ -11,21 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcanary.batch import StepBatch, validate_batch
+from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary
 
 
 def validate_step(canaries: Sequence[GroupCanary], batches: Sequence[StepBatch], check_values: bool) -> None:
     for canary, batch in zip(canaries, batches, strict=True):
         try:
-            validate_batch(
-                batch,
-                canary.group,
-                device=canary.device,
-                max_batch=canary.caps.max_batch,
-                max_tokens=canary.caps.max_tokens,
-                check_values=check_values,
-                engine_values=False,
-            )
+            canary.validate(batch, check_values, engine_values=False)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"group {canary.group.name!r}: {exc}") from None
