@@ -39,7 +39,6 @@ EXIT_CODES = """exit codes:
   3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing,
      --plot without matplotlib)
 """
-INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace) -> int:
     from kvcanary.adapters.base import UnsupportedEngineVersion
-    from kvcanary.cli_checks import demo_refusal
+    from kvcanary.cli_checks import INSTALL_HINT, demo_refusal
     from kvcanary.demo import DemoOptions, run_demo, summary
     from kvcanary.ops import Backend
 

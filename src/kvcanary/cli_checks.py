@@ -12,6 +12,8 @@ import os
 
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
+# What every engine-running subcommand says when its engine is missing (the README's Install section).
+INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
 
 # The allocator groups each demo model has (transformers names them after the layer types).
 _DEMO_GROUPS = {

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment: int) -> int:
     from kvcanary.adapters.base import UnsupportedEngineVersion
-    from kvcanary.cli_checks import demo_refusal
+    from kvcanary.cli_checks import INSTALL_HINT, demo_refusal
     from kvcanary.ops import Backend
 
     try:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment:
     try:
         result = run_soak(options, progress=None if args.quiet else sys.stderr)
     except (ImportError, UnsupportedEngineVersion) as exc:
-        print(f"kvcanary soak needs transformers 5.24.0 and psutil: {exc}", file=sys.stderr)
+        print(f"kvcanary soak needs transformers 5.24.0 and psutil ({INSTALL_HINT}): {exc}", file=sys.stderr)
         return environment
     print(json.dumps(result.as_json()) if args.json else summary(result))
     return ok if result.passed else failed

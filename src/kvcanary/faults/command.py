@@ -135,11 +135,9 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
         progress = None if args.quiet else ProgressBar(sys.stderr)
         result = run_selftest(names, trials=args.trials, seed=args.seed, progress=progress)
     except (ImportError, UnsupportedEngineVersion) as exc:
-        print(
-            "kvcanary selftest needs transformers 5.24.0 (see the README's Install section: "
-            f"pip install -e '.[transformers]' after a CPU or CUDA torch): {exc}",
-            file=sys.stderr,
-        )
+        from kvcanary.cli_checks import INSTALL_HINT
+
+        print(f"kvcanary selftest needs transformers 5.24.0 ({INSTALL_HINT}): {exc}", file=sys.stderr)
         return exit_env
     if args.json:
         print(json.dumps(as_json(result, args.seed)))
