@@ -181,9 +181,7 @@ class CanaryManager:
                 "before_forward is being captured in a CUDA graph but the canary uses the reference path, "
                 "which reads values on the host and would leave nothing in the graph; use Backend.AUTO/TRITON"
             )
-        check_values = not capturing and (
-            self.config.check_values if self.config.check_values is not None else self.device.type == "cpu"
-        )
+        check_values = False if capturing else self.config.check_values  # None: the canary's device default
         validate_step(list(self.canaries.values()), ordered, check_values)
         self._work.before(ordered, False)  # validated above
         self._open = True

@@ -15,7 +15,7 @@ from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary
 
 
-def validate_step(canaries: Sequence[GroupCanary], batches: Sequence[StepBatch], check_values: bool) -> None:
+def validate_step(canaries: Sequence[GroupCanary], batches: Sequence[StepBatch], check_values: bool | None) -> None:
     for canary, batch in zip(canaries, batches, strict=True):
         try:
             canary.validate(batch, check_values, engine_values=False)
