@@ -140,16 +140,22 @@ class StepDecoder:
             if mode is Mode.RAISE:
                 raise CanaryViolation(report)
             if self._log_limiter.allow():
-                suppressed = self._log_limiter.take_suppressed()
                 for line in report.lines():
                     logger.warning(line)
-                note = f"\n  ({suppressed} earlier report(s) suppressed by the rate limit)" if suppressed else ""
-                logger.warning(report.summary() + note)  # the rows were logged once each, above
+                note = self._log_limiter.suppressed_note("report(s)")
+                logger.warning(report.summary() + (f"\n  {note}" if note else ""))  # rows logged once each, above
             if mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
                 self.on_fail_request(list(report.affected_request_ids), report)
         if problems and mode is Mode.RAISE:
             raise CanaryHealthError("; ".join(f"{check}: {detail}" for check, _, detail in problems))
         return report
+
+    def log_suppressed(self) -> None:
+        """End of a run: say what the rate limits held back since their last logged message."""
+        for limiter, what in ((self._log_limiter, "violation report(s)"), (self._health_limiter, "health failure(s)")):
+            note = limiter.suppressed_note(what)
+            if note:
+                logger.warning("kvcanary: %s; stats() counts every one (so does the event log, when set)", note)
 
     def _check_kernels(self, previous: npt.NDArray[np.int64]) -> list[Problem]:
         calls = [int(c) for c in self.seen[:, Counter.CALLS]]
@@ -177,7 +183,8 @@ class StepDecoder:
         if self.events is not None:
             self.events.health(step, check, group, detail)
         if self.config.mode is not Mode.RAISE and self._health_limiter.allow():
-            logger.error("kvcanary health check failed at step %d (%s): %s", step, check, detail)
+            note = self._health_limiter.suppressed_note("health failure(s)")
+            logger.error("kvcanary health check failed at step %d (%s): %s%s", step, check, detail, note and f" {note}")
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""

@@ -192,7 +192,9 @@ class CanaryManager:
             raise RuntimeError("flush: a forward ran after the last host_step; call host_step(request_ids) first")
         buf = self._pump.take()
         outcome = None if buf is None else self._decoder.decode(buf, reported_at=self._step)
-        return None if outcome is None else self._decoder.act(*outcome)
+        report = None if outcome is None else self._decoder.act(*outcome)
+        self._decoder.log_suppressed()
+        return report
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""
