@@ -183,7 +183,7 @@ class CanaryManager:
             )
         check_values = False if capturing else self.config.check_values  # None: the canary's device default
         validate_step(list(self.canaries.values()), ordered, check_values)
-        self._work.before(ordered, False)  # validated above
+        self._work.before(ordered)  # validated above
         self._open = True
         self._open_capturing = capturing
 
