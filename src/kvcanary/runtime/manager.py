@@ -272,7 +272,9 @@ class CanaryManager:
             raise RuntimeError("flush: a forward ran after the last host_step; call host_step(request_ids) first")
         buf = self._pump.take()
         outcome = None if buf is None else self._decode(buf, reported_at=self._step)
-        return None if outcome is None else self._act(*outcome)
+        report = None if outcome is None else self._act(*outcome)
+        self._log_suppressed()
+        return report
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""
@@ -374,16 +376,22 @@ class CanaryManager:
             if mode is Mode.RAISE:
                 raise CanaryViolation(report)
             if self._log_limiter.allow():
-                suppressed = self._log_limiter.take_suppressed()
                 for line in report.lines():
                     logger.warning(line)
-                note = f"\n  ({suppressed} earlier report(s) suppressed by the rate limit)" if suppressed else ""
-                logger.warning(report.summary() + note)  # the rows were logged once each, above
+                note = self._log_limiter.suppressed_note("report(s)")
+                logger.warning(report.summary() + (f"\n  {note}" if note else ""))  # rows logged once each, above
             if mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
                 self.on_fail_request(list(report.affected_request_ids), report)
         if problems and mode is Mode.RAISE:
             raise CanaryHealthError("; ".join(f"{check}: {detail}" for check, _, detail in problems))
         return report
+
+    def _log_suppressed(self) -> None:
+        """End of a run: say what the rate limits held back since their last logged message."""
+        for limiter, what in ((self._log_limiter, "violation report(s)"), (self._health_limiter, "health failure(s)")):
+            note = limiter.suppressed_note(what)
+            if note:
+                logger.warning("kvcanary: %s; stats() counts every one (so does the event log, when set)", note)
 
     def _check_kernels(self, previous: npt.NDArray[np.int64]) -> list[Problem]:
         calls = [int(c) for c in self._seen[:, Counter.CALLS]]
@@ -411,7 +419,8 @@ class CanaryManager:
         if self._events is not None:
             self._events.health(step, check, group, detail)
         if self.config.mode is not Mode.RAISE and self._health_limiter.allow():
-            logger.error("kvcanary health check failed at step %d (%s): %s", step, check, detail)
+            note = self._health_limiter.suppressed_note("health failure(s)")
+            logger.error("kvcanary health check failed at step %d (%s): %s%s", step, check, detail, note and f" {note}")
 
     def _stats_line(self, step: int) -> None:
         s = self.stats()
