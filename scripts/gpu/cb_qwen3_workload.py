@@ -8,8 +8,8 @@ new tokens; CUDA graphs on and off; canary in ``log`` mode.
 Acceptance per run: zero health failures, zero violations, zero adapter errors, and the canary's verified
 slots equal to what attention read: the sum of every verified step's past lengths, taken from the
 scheduler's own view of each batch (warm-up batches excluded, they are never verified).  The kvcanary log
-lines of each run are kept.  Writes ``$OUT/cb_qwen3_<run>.json`` and prints one line per run; exit 1 if a
-run fails its acceptance.
+lines of each run are kept.  Writes ``<out>/cb_qwen3.json`` (every finished run, rewritten after each) and
+prints one line per run; exit 1 if a run fails its acceptance.
 
 Usage: PYTHONPATH=src python scripts/gpu/cb_qwen3_workload.py [--out DIR] [--runs b1_graphs,...] [--toy]
 (``--toy``: a 2-layer model on the CPU, 2 new tokens, graphs off: checks the script only)
@@ -134,6 +134,7 @@ def run_one(model: Any, prompts: int, graphs: bool, toy: bool) -> dict[str, Any]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/cb-qwen3"))
+    p.add_argument("--name", default="cb_qwen3", help="the JSON file's name, without .json")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--toy", action="store_true")
     args = p.parse_args()
@@ -145,6 +146,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(args.toy, dev)
     failed = 0
+    done: dict[str, Any] = {"torch": torch.__version__, "transformers": _transformers_version(), "runs": {}}
     for name in args.runs.split(","):
         prompts, graphs = RUNS[name]
         if args.toy:
@@ -153,7 +155,8 @@ def main() -> int:
             rec = run_one(model, prompts, graphs, args.toy)
         except Exception as exc:  # keep going: the other runs still tell something
             rec = {"error": f"{type(exc).__name__}: {exc}", "passed": False}
-        (out / f"cb_qwen3_{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        done["runs"][name] = rec
+        (out / f"{args.name}.json").write_text(json.dumps(done, indent=1) + "\n")
         failed += not rec["passed"]
         s = rec.get("stats", {})
         print(
@@ -166,6 +169,12 @@ def main() -> int:
         for line in rec.get("log", [])[:6]:
             print(f"    {line}", flush=True)
     return 1 if failed else 0
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
 
 
 if __name__ == "__main__":
