@@ -124,9 +124,7 @@ class VllmCanary:
         copies = so.kv_cache_block_copies or []
         for g in self.groups:
             records = self.manager.canaries[g.canary.name].records
-            if zero and g.zeroed_on_reuse:
-                slots = moves.block_slots(moves._in_pool(zero, g), g.block_size, records.device)
-                f.add("reused_blocks", int((records.links[slots].view(-1, g.block_size) != 0).any(1).sum()))
+            f.add("reused_blocks", moves.count_written(g, records, moves.fresh_blocks(so, g)))
             f.add("zeroed_blocks", moves.apply_zeroing(g, records, zero))
             f.add("block_copies", moves.apply_copies(g, records, copies))
         self._candidates = {r.req_id for r in so.scheduled_new_reqs if r.num_computed_tokens > 0}

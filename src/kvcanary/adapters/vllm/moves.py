@@ -11,6 +11,7 @@ Block ids are scheduler blocks: slots ``[b * block_size, (b + 1) * block_size)``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -50,3 +51,25 @@ def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[
     dst = block_slots([d for _, d in pairs], group.block_size, records.device)
     records.copy_slots(src, dst)
     return len(pairs)
+
+
+def fresh_blocks(so: Any, group: VllmGroup) -> list[int]:
+    """Blocks newly given to requests this step (not their prefix-cache hits), from the scheduler output."""
+    out: list[int] = []
+    for req in so.scheduled_new_reqs:
+        out += list(req.block_ids[group.index])[req.num_computed_tokens // group.block_size :]
+    cached = so.scheduled_cached_reqs
+    for rid, ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True):
+        if ids is not None:
+            skip = computed // group.block_size if rid in cached.resumed_req_ids else 0
+            out += list(ids[group.index])[skip:]
+    return out
+
+
+def count_written(group: VllmGroup, records: RecordStore, blocks: Sequence[int]) -> int:
+    """How many of ``blocks`` hold written records: blocks freed or evicted, then given out again."""
+    ids = _in_pool(blocks, group)
+    if not ids:
+        return 0
+    links = records.links[block_slots(ids, group.block_size, records.device)].view(len(ids), group.block_size)
+    return int((links != 0).any(1).sum())
