@@ -18,7 +18,7 @@ from kvcanary.adapters.vllm.install import VllmCanary
 from kvcanary.adapters.vllm.options import VllmCanaryOptions, options_from_env
 from kvcanary.adapters.vllm.version import check_version
 from kvcanary.config import CanaryConfig, Mode
-from kvcanary.runtime.manager import FailRequestCallback
+from kvcanary.runtime import FailRequestCallback
 
 logger = logging.getLogger("kvcanary")
 

@@ -29,8 +29,7 @@ from kvcanary.adapters.vllm.groups import capacities, vllm_groups
 from kvcanary.adapters.vllm.options import VllmCanaryOptions
 from kvcanary.adapters.vllm.truth import TruthTable
 from kvcanary.config import Mode
-from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, StepReport
-from kvcanary.runtime.manager import FailRequestCallback
+from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, FailRequestCallback, StepReport
 
 logger = logging.getLogger("kvcanary")
 
