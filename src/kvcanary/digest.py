@@ -12,8 +12,8 @@ slot-independent index ``i = word_base[c] + h * words_per_head[c] + j`` and cont
 content-only (no slot id), order-independent (partial sums over layers, heads or shards add up), and
 index-bound (a word moved to another index changes its term).  Digests are odd; 0 means "no digest".
 
-This module holds the definition on host objects: the components and the scalar spec on Python ints
-that the tests' oracle uses.  The vectorised reference is :mod:`kvcanary.ops.digest_reference`.
+This module holds the definition's host objects (components, layout, workspace); the vectorised
+reference is :mod:`kvcanary.ops.digest_reference`, the kernel :mod:`kvcanary.ops.kernels.digest`.
 """
 
 from __future__ import annotations
@@ -22,38 +22,12 @@ import dataclasses
 
 import torch
 
-from kvcanary.hashing import MASK64, fmix64
-
 DIGEST_SEED = 0x4B5644696765737F  # "KVDigest" with the top bit of the last byte cleared
 DIGEST_GAMMA = 0x9E3779B97F4A7C15  # the SplitMix64 increment: key(i) is its i-th output
 NO_DIGEST = 0  # a slot never digested; every digest is odd
 WORD_BYTES = 8
 ELEMENT_SIZES = (1, 2, 4, 8)
 TILE_TOKENS = 16  # budgeted verify selects positions in runs of this many (a kernel tile's entries)
-
-
-def word_key(index: int) -> int:
-    """Scalar spec: the key of word index ``index`` (a SplitMix64 output)."""
-    return fmix64((DIGEST_SEED + (index + 1) * DIGEST_GAMMA) & MASK64)
-
-
-def word_term(word: int, index: int) -> int:
-    """Scalar spec: one 64-bit word's contribution at its index."""
-    return fmix64((word & MASK64) ^ word_key(index))
-
-
-def digest_of_words(words: list[int]) -> int:
-    """Scalar spec: the digest of a slot whose words (in index order 0, 1, ...) are ``words``."""
-    total = 0
-    for i, w in enumerate(words):
-        total = (total + word_term(w, i)) & MASK64
-    return total | 1
-
-
-def head_row_words(row: bytes) -> list[int]:
-    """Scalar spec: a head row's bytes as little-endian 64-bit words, zero-padded to a whole word."""
-    padded = row + bytes(-len(row) % WORD_BYTES)
-    return [int.from_bytes(padded[k : k + WORD_BYTES], "little") for k in range(0, len(padded), WORD_BYTES)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +47,13 @@ class KVComponent:
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"component {self.name!r}: view must be a torch.Tensor, got {type(v).__name__}")
         if v.dim() != 4:
-            raise ValueError(f"component {self.name!r}: view must be 4-D [blocks, block_size, heads, dim], got {tuple(v.shape)}")
+            raise ValueError(
+                f"component {self.name!r}: view must be 4-D [blocks, block_size, heads, dim], got {v.shape}"
+            )
         if v.element_size() not in ELEMENT_SIZES:
             raise ValueError(f"component {self.name!r}: element size {v.element_size()} not in {ELEMENT_SIZES}")
         if v.is_complex() or min(v.shape) <= 0:
-            raise ValueError(f"component {self.name!r}: needs a real dtype and non-empty dims, got {v.dtype} {tuple(v.shape)}")
+            raise ValueError(f"component {self.name!r}: needs a real dtype and non-empty dims, got {v.dtype} {v.shape}")
         if any(s < 0 for s in v.stride()):
             raise ValueError(f"component {self.name!r}: negative strides are not supported")
 
@@ -108,11 +84,6 @@ class KVComponent:
     @property
     def words(self) -> int:
         return self.heads * self.words_per_head
-
-    def head_row_bytes(self, slot: int, head: int) -> bytes:
-        """Scalar spec: the bytes of one head row (element by element, independent of the strides)."""
-        row = self.view[slot // self.block_size, slot % self.block_size, head]
-        return row.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def token_major(t: torch.Tensor, name: str = "") -> KVComponent:
@@ -177,18 +148,6 @@ class DigestLayout:
     def bytes_per_slot(self) -> int:
         return sum(c.heads * c.dim * c.element_size for c in self.components)
 
-    def slot_words(self, slot: int) -> list[int]:
-        """Scalar spec: the slot's words in index order."""
-        out: list[int] = []
-        for c in self.components:
-            for h in range(c.heads):
-                out.extend(head_row_words(c.head_row_bytes(slot, h)))
-        return out
-
-    def scalar_digest(self, slot: int) -> int:
-        """Scalar spec of one slot's digest (unsigned)."""
-        return digest_of_words(self.slot_words(slot))
-
 
 @dataclasses.dataclass
 class DigestWorkspace:
@@ -220,7 +179,11 @@ class DigestWorkspace:
             return torch.zeros(n, dtype=torch.int64, device=device)
 
         return cls(
-            acc=i64(entries), entry_slots=i64(entries), entry_info=i64(entries), sync=i64(4), epoch=i64(1),
+            acc=i64(entries),
+            entry_slots=i64(entries),
+            entry_info=i64(entries),
+            sync=i64(4),
+            epoch=i64(1),
             stats=i64(4),
         )
 

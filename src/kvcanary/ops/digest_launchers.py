@@ -81,7 +81,9 @@ def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: Dige
         if t.dtype != dtype or tuple(t.shape) != shape or t.device != dev or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}")
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the digest kernel got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels")
+        raise ValueError(
+            "the digest kernel got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels"
+        )
 
 
 def _programs(units: int, dev: torch.device) -> int:
@@ -129,7 +131,10 @@ def _launch(
         )  # fmt: skip
 
 
-def _list(group, dl, digests, ws, log, locs, lookup, report_range, stamp):  # type: ignore[no-untyped-def]
+def _list(
+    group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    locs: torch.Tensor, lookup: torch.Tensor | None, report_range: bool, stamp: bool,
+) -> None:  # fmt: skip
     _check(group, dl, digests, ws, log)
     if not isinstance(locs, torch.Tensor) or locs.dim() != 1 or locs.dtype not in (torch.int32, torch.int64):
         raise TypeError("locs must be a 1-D int32/int64 tensor")

@@ -38,6 +38,7 @@ STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
 COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size, heads, dim, words/head, word base
 FIN = tl.constexpr(512)  # entries per step of the finalize
 POS_BITS = tl.constexpr(32)
+POS_MASK = tl.constexpr((1 << 32) - 1)
 
 
 @triton.jit
@@ -203,7 +204,7 @@ def _finalize(
             stored = tl.load(digests_ptr + slot, mask=mismatch, other=0)
             if FROM_PLAN:
                 r = info >> POS_BITS
-                pos = info & ((1 << POS_BITS) - 1)
+                pos = info & POS_MASK
                 trow = tl.load(rows_ptr + r, mask=hit, other=0).to(tl.int64)
                 phase = PHASE_VERIFY
             else:
