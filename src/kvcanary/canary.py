@@ -22,6 +22,14 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return dev
 
 
+def uses_kernels(backend: Backend, device: torch.device) -> bool:
+    """The one backend dispatch: Triton kernels when forced or for CUDA tensors under AUTO, else the
+    reference (which reads values on the host and so cannot be captured in a CUDA graph)."""
+    if backend is Backend.REFERENCE:
+        return False
+    return backend is Backend.TRITON or device.type == "cuda"
+
+
 class GroupCanary:
     """Records and workspaces for one KV index space, allocated once from declared capacities.
 
@@ -76,16 +84,15 @@ class GroupCanary:
         if _shape_key(batch) != self._planned:
             raise ValueError(f"{what} got a batch shaped unlike the one last planned; plan it first")
 
-    def _use_kernels(self) -> bool:
-        if self.backend is Backend.REFERENCE:
-            return False
-        return self.backend is Backend.TRITON or self.device.type == "cuda"
+    @property
+    def uses_kernels(self) -> bool:
+        return uses_kernels(self.backend, self.device)
 
     def plan(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
         self._planned = None
         self.validate(batch, check_values)
         self._planned = _shape_key(batch)
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.plan(self.group, batch, self.records, self.workspace, log)
@@ -95,7 +102,7 @@ class GroupCanary:
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Check the entries of the last :meth:`plan` (same batch)."""
         self._require_planned(batch, "verify")
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
@@ -105,7 +112,7 @@ class GroupCanary:
     def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
         """Stamp the tokens written this step (same batch as the last :meth:`plan`)."""
         self._require_planned(batch, "stamp")
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.stamp(self.group, batch, self.records, self.workspace, log)
