@@ -164,7 +164,7 @@ def test_budgeted_verify_covers_every_read_position_within_its_period() -> None:
     period = 3
     ws = D.DigestWorkspace.allocate(4096)
     for _ in range(period):
-        first, tiles, start, end = dref.selected_tiles(plan_ws, batch.batch_size, int(ws.epoch[0]), period, 16)
+        first, tiles, start, end = dref.selected_tiles(plan_ws, batch.rows, int(ws.epoch[0]), period, 16)
         for r in range(batch.batch_size):
             for k in range(int(tiles[r])):
                 g = int(first[r]) + k * period

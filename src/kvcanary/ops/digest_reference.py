@@ -5,9 +5,9 @@
   whose bytes were moved); ``-1`` entries are skipped, reserved slots too, and an index outside the
   lookup or the pool is skipped or, with ``report_range``, reported as ``slot_out_of_range``.
 * :func:`verify_planned`: a budgeted, rotating share of the entries the last plan verifies: positions
-  ``p`` of each active row's verify span with ``(p // group_tokens) % period == epoch % period``, in
-  tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the rest are
-  counted as skipped tiles); the digest epoch then advances.
+  ``p`` of each active row's verify span with ``(p // group_tokens) % period == (epoch + table row) %
+  period``, in tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
+  rest are counted as skipped tiles); the digest epoch then advances.
 
 A stored digest of 0 (never stamped) is never compared.  Violation rows are appended in entry order.
 """
@@ -136,9 +136,14 @@ def verify_list(
 
 
 def selected_tiles(
-    plan_ws: PlanWorkspace, b: int, epoch: int, period: int, group_tokens: int
+    plan_ws: PlanWorkspace, table_rows: torch.Tensor, epoch: int, period: int, group_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per active row: (first selected group, selected tiles, span start, span end), by the plan's spans."""
+    """Per active row: (first selected group, selected tiles, span start, span end), by the plan's spans.
+
+    Row r selects the runs ``g`` with ``g % period == (epoch + table_rows[r]) % period``: the table row
+    staggers requests, so a step's share is spread over the batch instead of landing on one epoch.
+    """
+    b = int(table_rows.shape[0])
     active = plan_ws.row_state[:b] == PlanWorkspace.ROW_ACTIVE
     start = plan_ws.window_starts[:b]
     count = plan_ws.verify_offsets[1 : b + 1] - plan_ws.verify_offsets[:b]
@@ -146,7 +151,7 @@ def selected_tiles(
     g = group_tokens
     lo = start // g
     hi = torch.where(end > start, (end + g - 1) // g, lo)
-    phase = epoch % period
+    phase = (epoch + table_rows.long()) % period
 
     def below(x: torch.Tensor) -> torch.Tensor:  # groups in [0, x) congruent to phase mod period
         return ((x - phase + period - 1) // period).clamp(min=0)
@@ -161,10 +166,9 @@ def verify_planned(
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
 ) -> None:  # fmt: skip
     """Verify the budgeted share of the last plan's verify entries (see the module docstring)."""
-    b = batch.batch_size
     dev = batch.device
     epoch = int(ws.epoch[0])
-    first, tiles, start, end = selected_tiles(plan_ws, b, epoch, period, group_tokens)
+    first, tiles, start, end = selected_tiles(plan_ws, batch.rows, epoch, period, group_tokens)
     max_tiles = ws.entries // group_tokens
     offsets = torch.cumsum(tiles, 0) - tiles
     total = int(tiles.sum())

@@ -61,7 +61,8 @@ def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOC
     end = tl.where(active & rm, start + count, start)
     lo = start // G
     hi = tl.where(end > start, (end + G - 1) // G, lo)
-    ph = epoch % period
+    trow = tl.load(rows_ptr + rb, mask=rm, other=0).to(tl.int64)
+    ph = ((epoch + trow) % period + period) % period
     tiles = tl.maximum((hi - ph + period - 1) // period, 0) - tl.maximum((lo - ph + period - 1) // period, 0)
     first = lo + ((ph - lo) % period + period) % period
     incl = tl.cumsum(tiles, 0)
