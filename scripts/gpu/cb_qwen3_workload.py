@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import adapter as adapter_module
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.config import CanaryConfig, Mode
@@ -75,11 +74,11 @@ class ReadCount:
                 self.batches += 1
             return host
 
-        adapter_module.HostBatch.from_future_states = staticmethod(capture)  # type: ignore[method-assign]
+        HostBatch.from_future_states = staticmethod(capture)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        adapter_module.HostBatch.from_future_states = self._original  # type: ignore[method-assign]
+        HostBatch.from_future_states = self._original  # type: ignore[method-assign]
 
 
 def build_model(toy: bool, dev: str) -> Any:

@@ -1,7 +1,7 @@
 """Where the canary's host time goes on the GPU demo: cProfile around the adapter's step tap.
 
 Runs the demo's clean workload (``kvcanary demo``'s model and prompts, no fault) on CUDA with a profiler
-enabled only inside ``TransformersCBAdapter._tap`` (the engine thread), and prints the tap timer's
+enabled only inside ``StepTap._tap`` (the engine thread), and prints the tap timer's
 per-phase means and the top functions by own time and by cumulative time.  The profiler inflates the
 absolute numbers (each Python call costs more under it); the split is what this is for.
 
@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from kvcanary import demo
-from kvcanary.adapters.transformers_cb import adapter as adapter_module
+from kvcanary.adapters.transformers_cb.step_tap import StepTap
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     prof = cProfile.Profile()
-    original = adapter_module.TransformersCBAdapter._tap
+    original = StepTap._tap
 
     def tap(self: Any, *a: Any, **k: Any) -> None:
         prof.enable()
@@ -42,11 +42,11 @@ def main() -> int:
     prompts = demo.build_prompts(opts.requests + 8, opts.seed)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators
-        adapter_module.TransformersCBAdapter._tap = tap  # type: ignore[method-assign]
+        StepTap._tap = tap  # type: ignore[method-assign]
         try:
             result = demo.run_workload(model, prompts, opts, label="profiled")
         finally:
-            adapter_module.TransformersCBAdapter._tap = original  # type: ignore[method-assign]
+            StepTap._tap = original  # type: ignore[method-assign]
     s = result.stats
     steps = max(s["steps"], 1)
     phases = {

@@ -22,6 +22,14 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return dev
 
 
+def uses_kernels(backend: Backend, device: torch.device) -> bool:
+    """The one backend dispatch: Triton kernels when forced or for CUDA tensors under AUTO, else the
+    reference (which reads values on the host and so cannot be captured in a CUDA graph)."""
+    if backend is Backend.REFERENCE:
+        return False
+    return backend is Backend.TRITON or device.type == "cuda"
+
+
 class GroupCanary:
     """Records and workspaces for one KV index space, allocated once from declared capacities.
 
@@ -76,10 +84,9 @@ class GroupCanary:
         if _shape_key(batch) != self._planned:
             raise ValueError(f"{what} got a batch shaped unlike the one last planned; plan it first")
 
-    def _use_kernels(self) -> bool:
-        if self.backend is Backend.REFERENCE:
-            return False
-        return self.backend is Backend.TRITON or self.device.type == "cuda"
+    @property
+    def uses_kernels(self) -> bool:
+        return uses_kernels(self.backend, self.device)
 
     def plan(
         self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
@@ -89,7 +96,7 @@ class GroupCanary:
         if not validated:
             self.validate(batch, check_values)
         self._planned = _shape_key(batch)
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.plan(self.group, batch, self.records, self.workspace, log, checked=True)
@@ -103,7 +110,7 @@ class GroupCanary:
     def _verify(self, batch: StepBatch, log: ViolationLog, *, same_batch: bool) -> None:
         # same_batch: the very batch plan validated, so the launcher need not check it again.
         self._require_planned(batch, "verify")
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.verify(
@@ -118,7 +125,7 @@ class GroupCanary:
 
     def _stamp(self, batch: StepBatch, log: ViolationLog, *, same_batch: bool) -> None:
         self._require_planned(batch, "stamp")
-        if self._use_kernels():
+        if self.uses_kernels:
             from kvcanary.ops import launchers
 
             launchers.stamp(self.group, batch, self.records, self.workspace, log, checked=same_batch)
