@@ -25,6 +25,8 @@ import torch
 from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary, resolve_device, uses_kernels
 from kvcanary.config import CanaryConfig, Mode
+from kvcanary.digest import DigestLayout
+from kvcanary.digest_canary import GroupDigest
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend
 from kvcanary.runtime.buffers import Layout, StepWork
@@ -101,6 +103,38 @@ class CanaryManager:
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         self.metrics_registry = make_registry(self._decoder.metrics_view)
 
+    # ------------------------------------------------------------------ the KV digest
+
+    def attach_digests(self, layouts: Mapping[str, DigestLayout]) -> None:
+        """Turn on the KV digest (``config.digest``) for the named groups, reading the engine's bytes
+        through ``layouts``; call once at install, before the first step (nothing to do in ``off`` mode)."""
+        if not self._enabled:
+            return
+        if self.config.digest is None:
+            raise ValueError("attach_digests needs CanaryConfig(digest=DigestConfig(...))")
+        unknown = sorted(set(layouts) - set(self.canaries))
+        if unknown:
+            raise ValueError(f"attach_digests: unknown groups {unknown}; groups are {sorted(self.canaries)}")
+        built = {name: GroupDigest(self.canaries[name], layout, self.config.digest) for name, layout in layouts.items()}
+        for i, name in enumerate(self.canaries):
+            if name in built:
+                self._work.digests[i] = built[name]
+
+    def digest_of(self, group: str) -> GroupDigest | None:
+        if not self._enabled:
+            return None
+        return self._work.digests[list(self.canaries).index(group)]
+
+    def verify_moved(self, group: str, slots: torch.Tensor) -> None:
+        """Verify the digests of slots whose bytes the engine just moved (copy, restore), outside any
+        forward; findings are reported with the next step.  A no-op without a digest on ``group``."""
+        digest = self.digest_of(group)
+        if digest is None or slots.numel() == 0:
+            return
+        if self._open:
+            raise RuntimeError("verify_moved called between before_forward and after_forward")
+        digest.verify_slots(slots, self._work.logs[list(self.canaries).index(group)])
+
     # ------------------------------------------------------------------ per-step device work
 
     def before_forward(self, batches: Mapping[str, StepBatch]) -> None:
@@ -121,7 +155,7 @@ class CanaryManager:
             )
         check_values = False if capturing else self.config.check_values  # None: the canary's device default
         validate_step(list(self.canaries.values()), ordered, check_values)
-        self._work.before(ordered, False)  # validated above
+        self._work.before(ordered)  # validated above
         self._open = True
         self._open_capturing = capturing
 
