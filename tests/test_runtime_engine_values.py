@@ -10,7 +10,7 @@ import torch
 
 from kvcanary import Mode, StepBatch
 from kvcanary.runtime import CanaryManager, CanaryViolation
-from test_runtime_manager import Workload, make_manager, run_step
+from runtime_helpers import Workload, make_manager, run_step
 
 
 def _corrupt(batch: StepBatch, **values: list[int]) -> StepBatch:

@@ -12,14 +12,15 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcanary.adapters.transformers_cb.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcanary.selftest.protocol import Fault, InjectMode, Injector
 
 if TYPE_CHECKING:
     from kvcanary.adapters.transformers_cb.adapter import TransformersCBAdapter
     from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+FULL = FULL_ATTENTION  # the allocator groups, by transformers' layer-type names
+SLIDING = SLIDING_ATTENTION
 
 
 class FaultContext(Injector):
