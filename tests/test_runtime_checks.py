@@ -130,3 +130,17 @@ def test_partial_verification_is_counted_and_warned_once(caplog: pytest.LogCaptu
     assert mgr.stats()["verified_slots"] == 18 and mgr.stats()["skipped_entries"] == 2 + 4 + 6
     warnings = [r.getMessage() for r in caplog.records if "verification was partial" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_phase_check_on_its_public_api() -> None:
+    """The rule itself, without a manager: both marks advance by the same amount between host steps."""
+    from kvcanary.runtime.checks import PhaseCheck
+
+    check = PhaseCheck()
+    assert check.advance(1, 1) is None  # one eager forward
+    assert check.advance(4, 4) is None  # three forwards (warm-ups) before one host step
+    missing = check.advance(4, 4)  # a replay that ran none of the canary's work
+    assert missing is not None and "no canary device work" in missing
+    half = check.advance(5, 4)  # a graph holding before_forward's work but not after_forward's
+    assert half is not None and "out of step" in half and "before_forward ran 1" in half
+    assert check.advance(6, 5) is None  # each step is judged by its own deltas: +1 and +1
