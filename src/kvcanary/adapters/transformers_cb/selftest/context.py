@@ -81,9 +81,16 @@ class FaultContext(Injector):
 
     # ------------------------------------------------------------------ hooks
 
-    def on_forward(self, hook: Callable[[dict[str, Any]], None]) -> None:
-        """``hook(kwargs)`` runs before each paged forward (the kwargs are the engine's static buffers)."""
-        self._forward_hooks.append(self.guard(hook))
+    def on_forward(self, hook: Callable[[dict[str, Any], HostBatch], None]) -> None:
+        """``hook(kwargs, host)`` runs before each paged forward whose host batch is known (the kwargs are the
+        engine's static buffers, ``host`` the scheduler's view of the step)."""
+
+        def with_host(kwargs: dict[str, Any]) -> None:
+            host = self.host
+            if host is not None:
+                hook(kwargs, host)
+
+        self._forward_hooks.append(self.guard(with_host))
 
     def after_update(self, hook: Callable[[], None]) -> None:
         """``hook()`` runs after the engine applied a step's sampled tokens (``update_batch``)."""
