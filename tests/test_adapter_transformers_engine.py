@@ -18,8 +18,8 @@ import torch
 
 from kvcanary import CanaryConfig, Mode
 from kvcanary.adapters import UnsupportedEngineVersion
+from kvcanary.adapters.patching import AlreadyPatched
 from kvcanary.adapters.transformers_cb import install
-from kvcanary.adapters.transformers_cb.patches import AlreadyPatched
 from kvcanary.demo import (
     FOLLOW_UP,
     DemoOptions,

@@ -17,10 +17,10 @@ import torch
 
 from kvcanary import Capacities, GroupCanary, Reason, ViolationLog
 from kvcanary.adapters import ADAPTERS, UnsupportedEngineVersion, load_adapter
-from kvcanary.adapters.transformers_cb import cpu_offload, mirror
+from kvcanary.adapters.patching import AlreadyPatched, PatchSet
+from kvcanary.adapters.transformers_cb import cpu_offload, mirror, patches
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.adapters.transformers_cb.patches import AlreadyPatched, PatchSet
 from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
 from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
 from kvcanary.layout import GroupKind, RecordStore
@@ -293,6 +293,60 @@ def test_patch_set_restores_originals_and_refuses_a_second_kvcanary_patch() -> N
     p.restore()
     p.restore()
     assert Engine.__dict__["step"] is original and "step" not in Child.__dict__
+
+
+def test_patch_set_on_an_object_wraps_what_lookup_finds_and_restores_it() -> None:
+    class Engine:
+        def step(self) -> str:
+            return "engine"
+
+    exclusive = PatchSet()
+    exclusive.wrap(Engine, "step", lambda orig: lambda self: "adapter " + orig(self))
+    engine = Engine()
+    faults = PatchSet(exclusive=False)  # inside an installed adapter: wraps the adapter's wrapper
+    faults.wrap(engine, "step", lambda orig: lambda: "fault " + orig())
+    assert engine.step() == "fault adapter engine" and "step" in vars(engine)
+    faults.restore()
+    assert "step" not in vars(engine) and engine.step() == "adapter engine"
+    exclusive.restore()
+    assert engine.step() == "engine"
+
+
+def test_every_declared_patch_names_a_symbol_of_the_supported_transformers() -> None:
+    pytest.importorskip("transformers")
+    assert check_version() in SUPPORTED_VERSIONS
+    assert patches.PATCHES and patches.missing() == []
+    assert {p.role for p in patches.PATCHES} == set(patches.Role)
+    keys = [(p.owner, p.method) for p in patches.PATCHES]
+    assert len(keys) == len(set(keys))  # one entry a method: the adapter finds each wrapper by (class, method)
+    gone = patches.EnginePatch("model_runner", "ModelRunner", "no_such_method", patches.Role.CRITICAL, "test")
+    assert patches.missing((gone,)) == [gone]
+
+
+class _TinyCBModel(torch.nn.Module):
+    def generate_batch(self) -> None: ...
+
+
+def test_install_refuses_a_missing_critical_patch_by_name_and_skips_a_missing_counter(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("transformers")
+    from kvcanary.adapters.transformers_cb import install
+
+    declared = patches.PATCHES
+    counter = patches.EnginePatch("cache", "PagedAttentionCache", "gone_counter", patches.Role.COUNTER, "a counter")
+    monkeypatch.setattr(patches, "PATCHES", (counter,))
+    adapter = install(_TinyCBModel())
+    assert adapter.installed and "gone_counter" in caplog.text
+    adapter.uninstall()
+    critical = patches.EnginePatch("model_runner", "ModelRunner", "gone_tap", patches.Role.CRITICAL, "the tap")
+    tap = next(p for p in declared if p.method == "compute_batch")
+    monkeypatch.setattr(patches, "PATCHES", (tap, critical))
+    with pytest.raises(RuntimeError, match=r"ModelRunner\.gone_tap"):
+        install(_TinyCBModel())
+    from transformers.generation.continuous_batching import model_runner
+
+    assert not hasattr(model_runner.ModelRunner.compute_batch, "__kvcanary_original__")  # refused before patching
 
 
 def test_version_check_names_the_supported_versions() -> None:

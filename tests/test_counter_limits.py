@@ -37,8 +37,8 @@ def start_near_limits(mgr: CanaryManager, epoch: int, steps_done: int) -> None:
     totals[:, Counter.STAMPED] = TOTAL_START
     phase = work.layout.phase(work.outbox)
     phase[:2] = steps_done
-    mgr._phase.before = mgr._phase.after = steps_done
-    mgr._step = mgr._steps_decoded = steps_done
+    mgr._decoder.phase.before = mgr._decoder.phase.after = steps_done
+    mgr._step = mgr._decoder.steps_decoded = steps_done
 
 
 def test_mark_of_wraps_without_zero_and_fits_int32() -> None:

@@ -22,7 +22,7 @@ def _emulate_capture(mgr: CanaryManager) -> None:
 def _replay(mgr: CanaryManager, batch: StepBatch, before: bool = True, after: bool = True) -> None:
     """What replaying a captured graph does on the device: only the captured work, no host bookkeeping."""
     if before:
-        mgr._work.before([batch], False)
+        mgr._work.before([batch])
     if after:
         mgr._work.after()
 

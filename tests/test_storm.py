@@ -106,7 +106,7 @@ def storm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         adapter.flush()
         manager = adapter.manager
         assert manager is not None
-        held_back = manager._log_limiter.suppressed  # after flush: nothing the limiter held back is left unsaid
+        held_back = manager._decoder._log_limiter.suppressed  # after flush: nothing held back is left unsaid
         adapter.uninstall()
     finally:
         kv_logger.removeHandler(handler)

@@ -42,7 +42,7 @@ def _held_back(messages: list[str], what: str) -> int:
 def test_every_violation_report_is_logged_or_counted_as_suppressed(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     mgr = make_manager(Mode.LOG, health_every=0, log_rate_limit_per_s=1.0)
-    mgr._log_limiter._clock = lambda: now[0]  # the manager's own limiter, on a fake clock
+    mgr._decoder._log_limiter._clock = lambda: now[0]  # the manager's own limiter, on a fake clock
     wl = Workload()
     reports = 0
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
@@ -57,13 +57,13 @@ def test_every_violation_report_is_logged_or_counted_as_suppressed(caplog: pytes
     assert reports == 12 and len(headers) == 3  # at 0, 1 and 2 s
     assert _held_back(messages, r"(?:violation )?report\(s\)") == reports - len(headers)
     assert any(m.startswith("kvcanary: (") and "violation report(s)" in m for m in messages), "flush said nothing"
-    assert mgr._log_limiter.suppressed == 0
+    assert mgr._decoder._log_limiter.suppressed == 0
 
 
 def test_health_failures_are_rate_limited_with_a_count_too(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     mgr = make_manager(Mode.LOG, health_every=0, log_rate_limit_per_s=1.0)
-    mgr._health_limiter._clock = lambda: now[0]
+    mgr._decoder._health_limiter._clock = lambda: now[0]
     wl = Workload()
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         run_step(mgr, wl.batch([(1, 4)]), ["a"])

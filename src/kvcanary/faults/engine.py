@@ -108,8 +108,8 @@ def run_engine(
     ``store`` (the control's reference) from the injection on (or from ``check_from``)."""
     from transformers.generation.continuous_batching import continuous_api
 
+    from kvcanary.adapters.patching import PatchSet
     from kvcanary.adapters.transformers_cb import install
-    from kvcanary.adapters.transformers_cb.patches import PatchSet
     from kvcanary.demo import PAGE_SIZE, build_prompts
 
     gen, cb = _configs(workload, seed)

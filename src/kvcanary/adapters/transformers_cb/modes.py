@@ -23,14 +23,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from kvcanary.adapters.transformers_cb.patches import PatchSet
 from kvcanary.config import Mode
-from kvcanary.runtime import StepReport
+from kvcanary.runtime import FailRequestCallback, StepReport
 from kvcanary.runtime.report import CanaryViolation
 
 logger = logging.getLogger("kvcanary")
-
-FailRequestCallback = Callable[[list[object], StepReport], None]
 
 REPORTED_MEMORY_STEPS = 8  # steps a reported request id is remembered (de-duplication of lagged reports)
 
@@ -96,23 +93,9 @@ class ModeActions:
             scheduler.block_new_requests = False
             logger.warning("kvcanary: request %r failed (fail-request mode)", rid)
 
-    def patch(
-        self,
-        patches: PatchSet,
-        continuous_api: Any,
-        *,
-        owns_cache: Callable[[Any], bool],
-        is_model: Callable[[Any], bool],
-        flush: Callable[[], object],
-    ) -> None:
-        """Patch in what the mode needs, only that (the selftest wraps ``update_batch`` itself, in log mode)."""
-        if self._mode is Mode.FAIL_REQUEST:
-            patches.wrap(continuous_api.ContinuousBatchProcessor, "update_batch", self.wrap_update_batch(owns_cache))
-        elif self._mode is Mode.RAISE:
-            patches.wrap(continuous_api.ContinuousMixin, "generate_batch", self.wrap_generate_batch(is_model, flush))
-
     def wrap_update_batch(self, owns: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """Wrapper factory for ``ContinuousBatchProcessor.update_batch`` (``owns(cache)``: the adapter's)."""
+        """Wrapper factory for ``ContinuousBatchProcessor.update_batch`` (``owns(cache)``: the adapter's); patched
+        in fail-request mode only (the selftest wraps ``update_batch`` itself, in log mode)."""
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def update_batch(processor: Any, *args: Any, **kwargs: Any) -> Any:
