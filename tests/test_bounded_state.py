@@ -35,7 +35,7 @@ KEPT = 4  # max_kept_reports
 
 def state_sizes(adapter: TransformersCBAdapter) -> dict[str, int]:
     """What the adapter keeps that could grow with the requests served."""
-    binding = adapter._binding
+    binding = adapter._bindings.current
     assert binding is not None
     host = binding.host._stores
     return {
@@ -44,7 +44,7 @@ def state_sizes(adapter: TransformersCBAdapter) -> dict[str, int]:
         "requests_to_fail": len(adapter._modes._to_fail),
         "host_record_slots": sum(s.num_slots for s in host.values()),
         "staging_bytes": binding.translator._staging._capacity,
-        "timer_window": len(adapter._timer._recent),
+        "timer_window": len(adapter._tap.timer._recent),
     }
 
 

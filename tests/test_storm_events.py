@@ -30,7 +30,7 @@ def test_a_failing_event_log_drops_and_counts_events_and_serving_goes_on(
         reports = [run_step(mgr, wl.batch([(1, 1), (2, 1)]), ["a", "b"]) for _ in range(5)]
         reports.append(mgr.flush())
     assert all(r is not None for r in reports)  # every step still decoded and reported
-    events = mgr._events
+    events = mgr._decoder.events
     assert events is not None
     assert events.dropped == sum(len(r.violations) + 1 for r in reports if r is not None)
     errors = [r.getMessage() for r in caplog.records if "could not write the event log" in r.getMessage()]
