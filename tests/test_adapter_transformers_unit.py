@@ -357,12 +357,12 @@ def test_version_check_names_the_supported_versions() -> None:
 
 
 def test_registry_is_lazy_and_names_its_adapters() -> None:
-    assert set(ADAPTERS) == {"sglang", "transformers-cb"}
+    assert set(ADAPTERS) == {"sglang", "transformers-cb", "vllm"}
     with pytest.raises(ValueError, match="transformers-cb"):
-        load_adapter("vllm")
+        load_adapter("no-such-engine")
     code = (
-        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb; "
-        "assert not {'transformers', 'sglang'} & set(sys.modules), 'an engine was imported'"
+        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb, kvcanary.selftest; "
+        "assert not {'transformers', 'sglang', 'vllm'} & set(sys.modules), 'an engine was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 _ALIASING_CHECKS = frozenset(
     {
@@ -63,7 +64,7 @@ def allocations_ahead(ctx: FaultContext) -> int:
     return len(sched.waiting_requests) + sum(bool(s.remaining_prefill_tokens) for s in sched.active_requests.values())
 
 
-class UseAfterFree(Fault):
+class UseAfterFree(TransformersFault):
     spec = FaultSpec(
         name="use-after-free",
         bug_class="block freed and reused while still referenced",
@@ -117,7 +118,7 @@ class UseAfterFree(Fault):
         ctx.wrap(alloc, "free_blocks", make)
 
 
-class DoubleFree(Fault):
+class DoubleFree(TransformersFault):
     spec = FaultSpec(
         name="double-free",
         bug_class="two owners of one block (double free)",

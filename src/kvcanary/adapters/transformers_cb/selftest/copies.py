@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 _STALE_CHECKS = frozenset(
     {
@@ -32,7 +33,7 @@ _STALE_CHECKS = frozenset(
 )
 
 
-class ForkSkipCopy(Fault):
+class ForkSkipCopy(TransformersFault):
     spec = FaultSpec(
         name="fork-skip-copy",
         bug_class="fork without its block copy",
@@ -62,7 +63,7 @@ class ForkSkipCopy(Fault):
         ctx.wrap(ctx.cache, "prepare_fork_request", make)
 
 
-class ForkCopyLost(Fault):
+class ForkCopyLost(TransformersFault):
     spec = FaultSpec(
         name="fork-copy-lost",
         bug_class="fork copy issued, its bytes never land",
@@ -100,7 +101,7 @@ class ForkCopyLost(Fault):
         ctx.wrap(alloc, "copy_blocks", make)
 
 
-class OffloadRestoreLost(Fault):
+class OffloadRestoreLost(TransformersFault):
     spec = FaultSpec(
         name="offload-restore-lost",
         bug_class="offload never restored, request resumes anyway",
@@ -162,7 +163,7 @@ def _restorable(om: Any, alloc: Any, requests_in_batch: list[Any]) -> list[tuple
     return found
 
 
-class OffloadRestoreWrongBlock(Fault):
+class OffloadRestoreWrongBlock(TransformersFault):
     spec = FaultSpec(
         name="offload-restore-wrong-block",
         bug_class="offload restored into the wrong block",
@@ -205,7 +206,7 @@ class OffloadRestoreWrongBlock(Fault):
         ctx.wrap(om, "restore_scheduled_requests", make)
 
 
-class OffloadRestoreWrongHostBlock(Fault):
+class OffloadRestoreWrongHostBlock(TransformersFault):
     spec = FaultSpec(
         name="offload-restore-wrong-host-block",
         bug_class="offload restored from the wrong host block",

@@ -12,10 +12,17 @@ from typing import Any
 
 import torch
 
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec, batch_rows, read_segment_starts
+from kvcanary.adapters.transformers_cb.selftest.context import (
+    FULL,
+    FaultContext,
+    TransformersFault,
+    batch_rows,
+    read_segment_starts,
+)
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 
-class KVBitFlip(Fault):
+class KVBitFlip(TransformersFault):
     spec = FaultSpec(
         name="kv-bit-flip",
         bug_class="flipped bits in stored K/V",
@@ -57,7 +64,7 @@ class KVBitFlip(Fault):
         ctx.on_forward(before_forward)
 
 
-class PaddingWriteLiveSlot(Fault):
+class PaddingWriteLiveSlot(TransformersFault):
     spec = FaultSpec(
         name="padding-write-live-slot",
         bug_class="a padding write into a live slot",

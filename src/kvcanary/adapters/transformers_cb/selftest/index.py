@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.base import (
+from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
     SLIDING,
-    Expect,
-    Fault,
     FaultContext,
-    FaultSpec,
     Row,
+    TransformersFault,
     batch_rows,
 )
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 
 def _row_map(ctx: FaultContext) -> dict[str, Row]:
@@ -27,7 +26,7 @@ def _row_map(ctx: FaultContext) -> dict[str, Row]:
     return {} if host is None else {r.request_id: r for r in batch_rows(host)}
 
 
-class SlotMappingForeign(Fault):
+class SlotMappingForeign(TransformersFault):
     spec = FaultSpec(
         name="slot-mapping-foreign",
         bug_class="slot mapping points at another request's slots",
@@ -86,7 +85,7 @@ class SlotMappingForeign(Fault):
         return ctx.rng.choice(options) if options else None
 
 
-class ChunkBoundaryPosition(Fault):
+class ChunkBoundaryPosition(TransformersFault):
     spec = FaultSpec(
         name="chunk-boundary-position",
         bug_class="positions off by one at a chunk boundary",
@@ -116,7 +115,7 @@ class ChunkBoundaryPosition(Fault):
         ctx.on_forward(before_forward)
 
 
-class DroppedWrite(Fault):
+class DroppedWrite(TransformersFault):
     spec = FaultSpec(
         name="dropped-write",
         bug_class="a dropped KV write (sent to the trash slot)",
@@ -147,7 +146,7 @@ class DroppedWrite(Fault):
         ctx.on_forward(before_forward)
 
 
-class WriteIntoLiveSlot(Fault):
+class WriteIntoLiveSlot(TransformersFault):
     spec = FaultSpec(
         name="write-into-live-slot",
         bug_class="a write into another request's live slot",
@@ -189,7 +188,7 @@ class WriteIntoLiveSlot(Fault):
         ctx.on_forward(before_forward)
 
 
-class WrongTokenId(Fault):
+class WrongTokenId(TransformersFault):
     spec = FaultSpec(
         name="wrong-token-id",
         bug_class="a wrong token id written to a slot",
@@ -221,7 +220,7 @@ class WrongTokenId(Fault):
         ctx.on_forward(before_forward)
 
 
-class WindowRingOffByOne(Fault):
+class WindowRingOffByOne(TransformersFault):
     spec = FaultSpec(
         name="window-ring-off-by-one",
         bug_class="sliding-window ring mapping off by one on wrap-around",

@@ -11,12 +11,13 @@ one-token rewind of asynchronous batching when a request is offloaded mid-flight
 
 from __future__ import annotations
 
-from kvcanary.faults.base import Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.context import FaultContext, TransformersFault
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 _VOCAB = 1000  # the workload models' vocabulary
 
 
-class RollbackKeepsDraft(Fault):
+class RollbackKeepsDraft(TransformersFault):
     spec = FaultSpec(
         name="rollback-keeps-draft",
         bug_class="draft tokens left in place after a speculative rollback",

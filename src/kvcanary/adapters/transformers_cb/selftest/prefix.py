@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.allocator import allocations_ahead, hand_out_next
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.allocator import allocations_ahead, hand_out_next
+from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.selftest.protocol import Expect, FaultSpec
 
 
-class StalePrefixHit(Fault):
+class StalePrefixHit(TransformersFault):
     spec = FaultSpec(
         name="stale-prefix-hit",
         bug_class="stale prefix-cache hash serves a reused block",
