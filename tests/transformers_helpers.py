@@ -85,3 +85,13 @@ def demo_run(kind: str, *, fault: str | None = None, requests: int = 64) -> RunR
     prompts = build_prompts(requests + follow_up)
     with quiet_engine_logs():
         return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)
+
+
+def tiny_generate(model: torch.nn.Module, n: int = 4) -> dict[str, object]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
+    cb = ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=32, max_requests_per_batch=4)
+    with quiet_engine_logs():
+        return model.generate_batch(build_prompts(n), generation_config=gen, continuous_batching_config=cb)
