@@ -79,6 +79,7 @@ class VllmCanary:
         self.reports: list[StepReport] = []
         self.to_fail: dict[str, str] = {}
         self.failed: set[str] = set()
+        self.engine_step_of: list[int] = []  # manager step (report.step) -> engine step (features "steps" - 1)
         self._candidates: set[str] = set()
         self._in_step = False
         self._patches = PatchSet(exclusive=True)
@@ -220,6 +221,7 @@ class VllmCanary:
         self.features_.rows(view.prefix_lens, view.extend_lens, prompt_lens)
 
     def _host_step(self, request_ids: list[str]) -> None:
+        self.engine_step_of.append(self.features_.counts["steps"] - 1)  # a step may take several passes
         self._keep(self.manager.host_step(list(request_ids)))
         if self.synchronous:
             self._keep(self.manager.flush())
