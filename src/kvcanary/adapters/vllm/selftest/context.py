@@ -13,6 +13,7 @@ block_size]``).  It shares no code with the canary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.patching import PatchSet
-from kvcanary.selftest.protocol import Injector, InjectMode
+from kvcanary.selftest.protocol import InjectMode, Injector
 from kvcanary.selftest.read_oracle import ReadOracle
 
 
@@ -112,7 +113,7 @@ class OracleTap:
         ids = list(r.input_batch.req_ids[:n])
         qsl = md.query_start_loc[: n + 1].tolist()
         seq = md.seq_lens[:n].tolist()
-        q = [b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)]
+        q = [b - a for a, b in itertools.pairwise(qsl)]
         hist = [list(r.requests[i].prompt_token_ids or ()) + list(r.requests[i].output_token_ids) for i in ids]
         view = HostView(ids, [s - x for s, x in zip(seq, q, strict=True)], q, hist)
         self._view = (id(md), view)
@@ -126,7 +127,7 @@ class OracleTap:
         if not oracle.recording and not checking:
             oracle.observe(step, host, 0, 0, key[:0], value[:0], True, key[:0], value[:0])  # later reads only
             return
-        nb, heads, bs, two_hd = kv_cache.shape
+        _nb, heads, _bs, two_hd = kv_cache.shape
         hd = two_hd // 2
         t = sum(host.query_lens)
         new_k = key[:t].reshape(t, heads, hd)

@@ -160,13 +160,12 @@ def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
     if inj is None or ctx.mode is not InjectMode.INJECT:
         return False
     done = ctx.step - 1
-    steps = (canary.engine_step_of[r.step] for r in canary.reports)
-    detected = next((s for s in steps if s >= inj.step), None)
+    steps = (int(canary.engine_step_of[r.step]) for r in canary.reports)
+    detected: int | None = next((s for s in steps if s >= inj.step), None)
     if detected is not None and oracle.first is not None:
         return True
     if detected is not None:
-        return done >= detected + GRACE_STEPS
+        return bool(done >= detected + GRACE_STEPS)
     if oracle.first is not None:
         return sum(s < done for s in oracle.later_reads) >= GRACE_STEPS
     return False
-
