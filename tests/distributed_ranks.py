@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedHealthError, RankedViolation
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 STEPS = 6
 FAULT_AT = 2

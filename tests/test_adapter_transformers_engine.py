@@ -29,14 +29,7 @@ from kvcanary.demo import (
     quiet_engine_logs,
     run_workload,
 )
-
-
-def demo_run(kind: str, *, fault: str | None = None, requests: int = 64) -> RunResult:
-    follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
-    options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10)
-    prompts = build_prompts(requests + follow_up)
-    with quiet_engine_logs():
-        return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)
+from transformers_helpers import demo_run, tiny_generate
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid", "sliding"])
@@ -102,16 +95,6 @@ def test_padded_batches_and_warmup_forwards_stay_silent(monkeypatch: pytest.Monk
     run = demo_run("hybrid", requests=16)
     assert run.stats["violations"] == 0 and run.stats["adapter_errors"] == 0
     assert run.features["padded_steps"] > 0 and run.features["warmup_steps"] > 0
-
-
-def tiny_generate(model: torch.nn.Module, n: int = 4) -> dict[str, object]:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1)
-    cb = ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=32, max_requests_per_batch=4)
-    with quiet_engine_logs():
-        return model.generate_batch(build_prompts(n), generation_config=gen, continuous_batching_config=cb)
 
 
 def test_uninstall_restores_every_patched_function_and_the_hook() -> None:

@@ -17,7 +17,7 @@ from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, StepReport
 from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict, _portable_bytes
 from kvcanary.runtime.exchange import VerdictExchange
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
 

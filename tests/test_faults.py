@@ -33,6 +33,14 @@ def test_catalogue_documents_every_fault() -> None:
             assert s.check == "none" and not s.checks and s.why_miss
 
 
+def test_the_spec_file_names_each_fault_class_in_matrix_order() -> None:
+    from kvcanary.adapters.transformers_cb.selftest.specs import CLASSES, SPECS
+
+    assert list(SPECS) == list(FAULTS) == list(CLASSES)
+    for name, cls in FAULTS.items():
+        assert cls.spec is SPECS[name] and CLASSES[name] == f"{cls.__module__.rsplit('.', 1)[1]}.{cls.__name__}"
+
+
 @pytest.fixture(scope="module")
 def matrix() -> SelftestResult:
     return run_selftest(TransformersDriver(), trials=2, seed=7)

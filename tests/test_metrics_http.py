@@ -78,7 +78,7 @@ def test_counters_move_over_http_during_a_faulted_run() -> None:
 
 
 def test_serve_a_manager_and_stop() -> None:
-    from test_runtime_manager import drive, make_manager
+    from runtime_helpers import drive, make_manager
 
     mgr = make_manager(Mode.LOG)
     server = metrics.serve_metrics(mgr, port=0)

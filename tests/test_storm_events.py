@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvcanary import Mode
-from test_runtime_manager import Workload, alias_first_slot, make_manager, run_step
+from runtime_helpers import Workload, alias_first_slot, make_manager, run_step
 
 
 def test_a_failing_event_log_drops_and_counts_events_and_serving_goes_on(

@@ -12,14 +12,15 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvcanary.adapters.transformers_cb.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcanary.selftest.protocol import Fault, InjectMode, Injector
 
 if TYPE_CHECKING:
     from kvcanary.adapters.transformers_cb.adapter import TransformersCBAdapter
     from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+FULL = FULL_ATTENTION  # the allocator groups, by transformers' layer-type names
+SLIDING = SLIDING_ATTENTION
 
 
 class FaultContext(Injector):
@@ -80,9 +81,16 @@ class FaultContext(Injector):
 
     # ------------------------------------------------------------------ hooks
 
-    def on_forward(self, hook: Callable[[dict[str, Any]], None]) -> None:
-        """``hook(kwargs)`` runs before each paged forward (the kwargs are the engine's static buffers)."""
-        self._forward_hooks.append(self.guard(hook))
+    def on_forward(self, hook: Callable[[dict[str, Any], HostBatch], None]) -> None:
+        """``hook(kwargs, host)`` runs before each paged forward whose host batch is known (the kwargs are the
+        engine's static buffers, ``host`` the scheduler's view of the step)."""
+
+        def with_host(kwargs: dict[str, Any]) -> None:
+            host = self.host
+            if host is not None:
+                hook(kwargs, host)
+
+        self._forward_hooks.append(self.guard(with_host))
 
     def after_update(self, hook: Callable[[], None]) -> None:
         """``hook()`` runs after the engine applied a step's sampled tokens (``update_batch``)."""

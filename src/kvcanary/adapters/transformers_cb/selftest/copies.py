@@ -16,36 +16,17 @@ The faults corrupt below the observation point: the engine's real ``index_copy_`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
-from kvcanary.selftest.protocol import Expect, FaultSpec
-
-_STALE_CHECKS = frozenset(
-    {
-        ("verify", "never_written"),
-        ("verify", "position_mismatch"),
-        ("verify", "token_mismatch"),
-        ("verify", "link_mismatch"),
-    }
-)
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
 class ForkSkipCopy(TransformersFault):
-    spec = FaultSpec(
-        name="fork-skip-copy",
-        bug_class="fork without its block copy",
-        catalogue="B.14 (stamps must move with the data); B.4 NVIDIA/TensorRT-LLM#18554 (wrong block trimmed); "
-        "B.1 partial-block sharing",
-        mechanism="a fork's list of blocks to copy loses its last (partial) block: the child's table holds a "
-        "fresh block that never receives the parent's KV",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: never_written (or stale record)",
-        checks=_STALE_CHECKS,
-    )
+    spec = SPECS["fork-skip-copy"]
 
     def install(self, ctx: FaultContext) -> None:
         def make(inner: Any) -> Any:
@@ -64,17 +45,7 @@ class ForkSkipCopy(TransformersFault):
 
 
 class ForkCopyLost(TransformersFault):
-    spec = FaultSpec(
-        name="fork-copy-lost",
-        bug_class="fork copy issued, its bytes never land",
-        catalogue="B.8 vllm-project/vllm#45704 (copy without stream sync), B.11 async copy races",
-        mechanism="the fork's copy_blocks call runs with the right arguments but its index_copy_ writes into a "
-        "buffer attention never reads, as an unsynchronised or misdirected copy would",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: never_written (or stale record)",
-        checks=_STALE_CHECKS,
-    )
+    spec = SPECS["fork-copy-lost"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)
@@ -102,18 +73,7 @@ class ForkCopyLost(TransformersFault):
 
 
 class OffloadRestoreLost(TransformersFault):
-    spec = FaultSpec(
-        name="offload-restore-lost",
-        bug_class="offload never restored, request resumes anyway",
-        catalogue="B.8 ggml-org/llama.cpp#27068 (failed slot restore leaves corrupted K/V), LMCache/LMCache#4991, "
-        "B.3 vllm-project/vllm#49250 (load failure 'recovered' with garbage)",
-        mechanism="a CPU-offloaded request loses its offloaded flag just before the restore: the engine resumes it at "
-        "its old length on fresh blocks and never copies its KV back",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: never_written (or stale record)",
-        checks=_STALE_CHECKS,
-    )
+    spec = SPECS["offload-restore-lost"]
 
     def install(self, ctx: FaultContext) -> None:
         def make(inner: Any) -> Any:
@@ -163,79 +123,58 @@ def _restorable(om: Any, alloc: Any, requests_in_batch: list[Any]) -> list[tuple
     return found
 
 
+def _wrap_restore(ctx: FaultContext, run: Callable[[Any, Any, Callable[[list[Any]], Any], list[Any]], Any]) -> None:
+    """This run's restore becomes ``run(alloc, om, restore, requests_in_batch)``: the full group's allocator, the
+    offloading manager and the engine's own restore."""
+    alloc = ctx.allocator(FULL)
+    if alloc is None:
+        return
+    om = ctx.offloading
+
+    def make(inner: Any) -> Any:
+        def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+            return run(alloc, om, inner, requests_in_batch)
+
+        return restore_scheduled_requests
+
+    ctx.wrap(om, "restore_scheduled_requests", make)
+
+
 class OffloadRestoreWrongBlock(TransformersFault):
-    spec = FaultSpec(
-        name="offload-restore-wrong-block",
-        bug_class="offload restored into the wrong block",
-        catalogue="B.8 LMCache/LMCache#4991, NVIDIA/TensorRT-LLM#8813 (tokens from other prompts with host KV "
-        "cache); B.16 'restore a stored chunk into block b+1'",
-        mechanism="the restore's copy writes each saved page of one request into the next block of its new table "
-        "(page k -> block k+1, the last into the first); the block table itself is right",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: position/token/link mismatch (page k read from block k+1)",
-        checks=_STALE_CHECKS,
-    )
+    spec = SPECS["offload-restore-wrong-block"]
 
     def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
-        om = ctx.offloading
+        def restore(alloc: Any, om: Any, inner: Callable[[list[Any]], Any], requests_in_batch: list[Any]) -> Any:
+            options = [
+                (rid, [int(b) for b in table[:n]]) for rid, _, table, n in _restorable(om, alloc, requests_in_batch)
+            ]
+            if not (options and ctx.take(self.name)):
+                return inner(requests_in_batch)
+            rid, blocks = ctx.rng.choice(options)
+            remap = {b: blocks[(k + 1) % len(blocks)] for k, b in enumerate(blocks)}
+            real = alloc._copy_view
+            alloc._copy_view = _MisdirectedView(real, remap)
+            try:
+                out = inner(requests_in_batch)
+            finally:
+                alloc._copy_view = real
+            ctx.injected(f"restore of {rid!r}: pages written to blocks {[remap[b] for b in blocks]}", [rid])
+            return out
 
-        def make(inner: Any) -> Any:
-            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-                options = [
-                    (rid, [int(b) for b in table[:n]]) for rid, _, table, n in _restorable(om, alloc, requests_in_batch)
-                ]
-                if not (options and ctx.take(self.name)):
-                    return inner(requests_in_batch)
-                rid, blocks = ctx.rng.choice(options)
-                remap = {b: blocks[(k + 1) % len(blocks)] for k, b in enumerate(blocks)}
-                real = alloc._copy_view
-                alloc._copy_view = _MisdirectedView(real, remap)
-                try:
-                    out = inner(requests_in_batch)
-                finally:
-                    alloc._copy_view = real
-                ctx.injected(f"restore of {rid!r}: pages written to blocks {[remap[b] for b in blocks]}", [rid])
-                return out
-
-            return restore_scheduled_requests
-
-        ctx.wrap(om, "restore_scheduled_requests", make)
+        _wrap_restore(ctx, restore)
 
 
 class OffloadRestoreWrongHostBlock(TransformersFault):
-    spec = FaultSpec(
-        name="offload-restore-wrong-host-block",
-        bug_class="offload restored from the wrong host block",
-        catalogue="B.8 LMCache/LMCache#4991, NVIDIA/TensorRT-LLM#8813 (tokens from other prompts with host KV "
-        "cache); B.3 stale host pages read back after reuse",
-        mechanism="the engine's map from a CPU-offloaded request to its host blocks is rotated just before the "
-        "restore: the copy reads host block k+1 into the right device block k (the last into the first)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: position/token/link mismatch (device block k holds host page k+1)",
-        checks=_STALE_CHECKS,
-    )
+    spec = SPECS["offload-restore-wrong-host-block"]
 
     def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
-        om = ctx.offloading
+        def restore(alloc: Any, om: Any, inner: Callable[[list[Any]], Any], requests_in_batch: list[Any]) -> Any:
+            options = _restorable(om, alloc, requests_in_batch)
+            if options and ctx.take(self.name):
+                rid, cpu, _, n = ctx.rng.choice(options)
+                before = list(cpu[:n])
+                cpu[:n] = before[1:] + before[:1]  # the bookkeeping the copy reads, not the adapter
+                ctx.injected(f"restore of {rid!r}: host blocks {before} read as {cpu[:n]}", [rid])
+            return inner(requests_in_batch)
 
-        def make(inner: Any) -> Any:
-            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-                options = _restorable(om, alloc, requests_in_batch)
-                if options and ctx.take(self.name):
-                    rid, cpu, _, n = ctx.rng.choice(options)
-                    before = list(cpu[:n])
-                    cpu[:n] = before[1:] + before[:1]  # the bookkeeping the copy reads, not the adapter
-                    ctx.injected(f"restore of {rid!r}: host blocks {before} read as {cpu[:n]}", [rid])
-                return inner(requests_in_batch)
-
-            return restore_scheduled_requests
-
-        ctx.wrap(om, "restore_scheduled_requests", make)
+        _wrap_restore(ctx, restore)

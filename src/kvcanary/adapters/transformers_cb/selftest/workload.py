@@ -15,6 +15,8 @@ from typing import Any, cast
 
 import torch
 
+from kvcanary.adapters.transformers_cb.geometry import FULL_ATTENTION, SLIDING_ATTENTION
+
 MODEL_KINDS: tuple[str, ...] = ("dense", "hybrid", "sliding")
 SLIDING_WINDOW = 12  # smaller than most sequences, and not a multiple of the page size
 PAGE_SIZE = 8
@@ -41,7 +43,7 @@ def build_model(kind: str, seed: int = 0, device: str = "cpu") -> torch.nn.Modul
     if kind == "dense":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "hybrid":
-        layer_types = ["sliding_attention", "full_attention"]
+        layer_types = [SLIDING_ATTENTION, FULL_ATTENTION]
         cfg = Qwen2Config(**common, layer_types=layer_types, sliding_window=SLIDING_WINDOW, use_sliding_window=True)
         model = Qwen2ForCausalLM(cfg)
     elif kind == "sliding":
