@@ -30,6 +30,9 @@ _NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "un
 _SYNCING = {"_local_scalar_dense", "item", "lift_fresh", "nonzero", "is_nonzero", "tolist"}
 
 
+TRANSLATION_OPS = 22  # device ops of one full group's step (the read-index path), pinned: lower it, never raise it
+
+
 class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -72,7 +75,7 @@ def test_translation_issues_the_same_few_ops_whatever_the_batch_and_reads_nothin
     one, four = device_ops(1, window), device_ops(4, window)
     assert one == four  # no per-request op
     kernels = {op: n for op, n in four.items() if op not in _NO_KERNEL}
-    assert sum(kernels.values()) <= 30, kernels
+    assert sum(kernels.values()) <= TRANSLATION_OPS + (window > 0), kernels  # a window's edge cells: one fill
     assert not _SYNCING & set(four), four
 
 

@@ -224,13 +224,15 @@ class StepTranslator:
                 cu = cu_k[: b + 1]
                 seg_ok = (cu[1:] - cu[:-1]) == dev[a["expected"]]
                 seg_start = torch.where(seg_ok, cu[:-1], _REJECTED_SEGMENT)
-                src = seg_start[dev[a["row"]]] + dev[a["offset"]]
+                # index_select / index_copy_: the plain-tensor forms of these gathers, without the Python
+                # indexing machinery (each costs host time per step on a GPU).
+                src = torch.index_select(seg_start, 0, dev[a["row"]]) + dev[a["offset"]]
                 src_in = src.clamp(0, n_read - 1)
-                gathered = torch.where(src_in == src, read[src_in], -1)  # -1 maps to the invalid slot
+                gathered = torch.where(src_in == src, torch.index_select(read, 0, src_in), -1)  # -1: the invalid slot
         # Writes first: out_cache_loc is then the start of the mapped tensor (aligned for the kernels).
         slots = g.to_slots(write if gathered is None else torch.cat([write, gathered]))
         if gathered is not None:
-            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         out = slots[: w.n_write]
@@ -252,7 +254,7 @@ class StepTranslator:
             phys = torch.full(ok.shape, -1, dtype=torch.int64, device=self.device)
         slots = g.to_slots(phys)
         if w.entries.count:
-            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         return _pad_writes(slots[: w.n_write], n_tok)
