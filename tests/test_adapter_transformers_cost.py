@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,7 +134,9 @@ def _to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
 def sync_debug(mode: str) -> Iterator[None]:
     """torch's CUDA sync-debug mode for a block, whatever it was before (it is process-wide)."""
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
+    with warnings.catch_warnings():  # torch warns, once per process, that the mode is a prototype
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype", category=UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:
