@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from kvcanary.adapters.transformers_cb import step_tap as tap_module
 from kvcanary.runtime import CanaryManager
-from test_adapter_transformers_engine import demo_run
+from transformers_helpers import demo_run
 
 
 def test_every_host_step_is_issued_inside_the_engine_stream_context(monkeypatch: pytest.MonkeyPatch) -> None:

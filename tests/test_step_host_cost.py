@@ -20,8 +20,8 @@ from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend, launchers
 from kvcanary.runtime import CanaryManager
+from runtime_helpers import CAPS, NUM_SLOTS, Workload
 from test_adapter_transformers_cost import _NO_KERNEL, _SYNCING, OpCounter
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload
 
 AFTER_OPS = 4  # snapshot copy, totals add, live clear, phase mark
 BEFORE_OPS = 1  # phase mark

@@ -234,6 +234,10 @@ class CanaryManager:
         """Cumulative counts as of the last decoded step."""
         return self._decoder.stats() if self._enabled else dict(EMPTY_STATS)
 
+    def health_failure_counts(self) -> dict[str, int]:
+        """Failed health checks so far, by check (``kernels_ran``, ``phase``), as of the last decoded step."""
+        return dict(self._decoder.health_failures) if self._enabled else {"kernels_ran": 0, "phase": 0}
+
     def close(self) -> None:
         """Close the event log (the manager keeps working without it)."""
         if self._enabled and self._decoder.events is not None:

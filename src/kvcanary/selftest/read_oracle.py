@@ -1,8 +1,12 @@
-"""An independent judge of *when* a corruption first reaches attention (the "first affected read").
+"""The read oracle: an independent judge of *when* a corruption first reaches attention (the "first affected
+read"), for any engine whose driver can show it each attention layer's fresh and received K/V.
 
-The canary is judged against this, so it must not share the canary's logic: it looks only at the K/V
-tensors each attention layer actually receives from the paged cache (the output of the engine's
-``allocator.update``), and compares them with the K/V a *clean* run computed for the same token prefix.
+The contract (what every engine's driver must give the runner, see :class:`~kvcanary.selftest.protocol.
+AffectedRead`): the first step at which an attention layer received K/V that a correct engine would not have
+given it, and the later steps in which an affected request ran.  The canary is judged against this, so it
+must not share the canary's logic: it looks only at the K/V tensors each attention layer actually receives
+from the paged cache (transformers: the output of ``allocator.update``), and compares them with the K/V a
+*clean* run computed for the same token prefix.
 
 Keying by the token prefix -- every token of the request's history up to and including the position --
 makes the reference hold across requests (prefix sharing, de-duplication and forks read blocks another
@@ -18,23 +22,27 @@ run compares every read from the injection step on, until the first mismatch).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.selftest.protocol import AffectedRead
 
 _TOLERANCE = 1e-3  # absolute and relative: last-bit batch effects are ~1e-6, corruption is O(1)
 
 
-@dataclasses.dataclass(frozen=True)
-class AffectedRead:
-    step: int
-    requests: tuple[str, ...]
-    layer: int
-    entries: int  # read entries (request, position) that differed in that layer
-    diverged: bool  # some read prefix has no clean reference (the engine believes in a history no clean run had)
+class StepView(Protocol):
+    """What the oracle needs of a step's batch, from the engine's host-side view (batch row order)."""
+
+    @property
+    def request_ids(self) -> Sequence[str]: ...
+    @property
+    def past_lens(self) -> Sequence[int]: ...
+    @property
+    def query_lens(self) -> Sequence[int]: ...
+    @property
+    def truth(self) -> Sequence[Sequence[int]]: ...  # each request's history: prompt plus generated tokens
 
 
 class _Prefixes:
@@ -70,7 +78,7 @@ class ReadOracle:
     def observe(
         self,
         step: int,
-        host: HostBatch,
+        host: StepView,
         layer: int,
         window: int,
         new_k: torch.Tensor,
@@ -88,7 +96,7 @@ class ReadOracle:
         elif self._later_read(step, host):
             self.later_reads.append(step)
 
-    def _later_read(self, step: int, host: HostBatch) -> bool:
+    def _later_read(self, step: int, host: StepView) -> bool:
         """A new step after the first affected read in which an affected request runs."""
         if self.first is None or step <= self.first.step or (self.later_reads and self.later_reads[-1] >= step):
             return False
@@ -96,7 +104,7 @@ class ReadOracle:
 
     # ------------------------------------------------------------------ record
 
-    def _record(self, host: HostBatch, layer: int, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
+    def _record(self, host: StepView, layer: int, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         t = 0
         for rid, past, q, hist in zip(host.request_ids, host.past_lens, host.query_lens, host.truth, strict=True):
             keys = self._prefixes.keys(rid, hist, past + q)
@@ -113,7 +121,7 @@ class ReadOracle:
 
     # ------------------------------------------------------------------ check
 
-    def _entries(self, host: HostBatch, window: int, has_reads: bool) -> tuple[list[int], list[int]]:
+    def _entries(self, host: StepView, window: int, has_reads: bool) -> tuple[list[int], list[int]]:
         """(batch row, prefix key) of every entry a layer's attention receives, in order."""
         rows: list[int] = []
         keys: list[int] = []
@@ -135,7 +143,7 @@ class ReadOracle:
     def _check(
         self,
         step: int,
-        host: HostBatch,
+        host: StepView,
         layer: int,
         window: int,
         has_reads: bool,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvcanary.faults.base import Expect
-from kvcanary.faults.runner import FaultRow, SelftestResult
+from kvcanary.selftest.protocol import Expect
+from kvcanary.selftest.runner import FaultRow, SelftestResult
 
 
 def _steps(value: float | None) -> str:
@@ -85,8 +85,7 @@ def table(result: SelftestResult, seed: int) -> str:
 
     runs = sum(len(r.trials) + r.no_effect + r.unobservable for r in result.rows) + len(result.controls)
     out = [
-        f"kvcanary selftest: transformers {result.engine_version} continuous batching, "
-        f"{result.requested_trials} trials per fault, seed {seed}",
+        f"kvcanary selftest: {result.engine_label}, {result.requested_trials} trials per fault, seed {seed}",
         "",
         line(head),
         line(tuple("-" * w for w in widths)),

@@ -1,4 +1,6 @@
-"""The scenario runner: clean controls and faulted trials on the real engine, judged against the oracle.
+"""The scenario runner: clean controls and faulted trials on a real engine, judged against the read oracle.
+
+Engine-neutral: everything engine-specific goes through the :class:`~kvcanary.selftest.protocol.EngineDriver`.
 
 For each trial seed and model kind, one clean control runs with every selected fault *probing*: it must
 raise no violation (a false positive otherwise), and it yields each fault's eligible steps and the oracle's
@@ -8,15 +10,15 @@ drawn, so every fault gets its full number of trials (up to a cap).
 
 A trial's verdict:
 
-* the *first affected read* is the oracle's (:mod:`kvcanary.faults.oracle`): the first step at which an
+* the *first affected read* is the oracle's (:mod:`kvcanary.selftest.read_oracle`): the first step at which an
   attention layer received K/V that a correct engine would not have given it;
 * *detection* is the canary's first report at or after the injection step; ``steps`` goes from the first
   affected read to detection, counting after that read only the forwards the affected requests ran in (a
   parked request reads nothing, so nothing can be checked for it): <= 0 caught at or before that read
   (negative: the bad write was flagged when stamped), 1 caught by the affected requests' next forward;
 * *caught* means ``steps`` <= 1 (or detected while no read was ever affected); *late* means detected
-  later; *missed* means not reported (a faulted run stops a few reported forwards after its verdict is
-  settled, see :mod:`kvcanary.faults.engine`).  Reports before the injection are false positives.
+  later; *missed* means not reported (each driver stops a faulted run a few reported forwards after its
+  verdict is settled).  Reports before the injection are false positives.
 * a trial whose corruption never reached a read and was not reported (*no effect*), or reached only the
   affected requests' very last forward (*unobservable*: nothing reads those slots again, so no check made
   before a read can see it) does not test the canary: it is counted apart and redrawn with another seed.
@@ -32,11 +34,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from kvcanary.faults.base import Expect, FaultSpec, Injection, InjectMode
-from kvcanary.faults.catalogue import FAULTS
-from kvcanary.faults.engine import WORKLOADS, RunOutcome, build_models, run_engine
-from kvcanary.faults.oracle import AffectedRead
 from kvcanary.runtime import StepReport
+from kvcanary.selftest.protocol import (
+    AffectedRead,
+    EngineDriver,
+    Expect,
+    FaultSpec,
+    Injection,
+    InjectMode,
+    RunOutcome,
+)
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what runs now)
 
@@ -155,6 +162,7 @@ class FaultRow:
 class SelftestResult:
     engine: str
     engine_version: str
+    engine_label: str  # the engine as the matrix's title names it
     rows: list[FaultRow]
     controls: list[Control]
     requested_trials: int
@@ -210,96 +218,100 @@ def judge(spec: FaultSpec, seed: int, target: int, run: RunOutcome) -> Trial:
 
 
 def run_selftest(
+    driver: EngineDriver,
     fault_names: Sequence[str] | None = None,
     *,
     trials: int = 20,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> SelftestResult:
-    """Run every named fault (all by default) ``trials`` times on the transformers engine, plus one clean
-    control per seed and model kind."""
-    import torch
-
-    from kvcanary.adapters.transformers_cb.version import check_version
-    from kvcanary.demo import quiet_engine_logs
-
+    """Run every named fault of ``driver``'s library (all by default) ``trials`` times, plus one clean
+    control per seed and workload kind."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    names = list(FAULTS) if fault_names is None else list(fault_names)
-    unknown = [n for n in names if n not in FAULTS]
+    faults = driver.faults
+    names = list(faults) if fault_names is None else list(fault_names)
+    unknown = [n for n in names if n not in faults]
     if unknown or not names:
-        raise ValueError(f"unknown fault(s) {unknown}; choose from: {', '.join(FAULTS)}")
-    version = check_version()
+        raise ValueError(f"unknown fault(s) {unknown}; choose from: {', '.join(faults)}")
+    version = driver.check()
     start = time.perf_counter()
-    specs = [FAULTS[n].spec for n in names]
-    kinds = sorted({s.model for s in specs}, key=list(WORKLOADS).index)
-    models = build_models(kinds)
-    trials_by_fault: dict[str, list[Trial]] = {n: [] for n in names}
-    no_effect = dict.fromkeys(names, 0)
-    unobservable = dict.fromkeys(names, 0)
-    controls: list[Control] = []
-    planned = trials * (len(names) + len(kinds))
-    done = 0
-
-    def tick(label: str) -> None:
-        if progress is not None:
-            progress(done, planned, label)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CI core
-    # Every engine shutdown runs gc.collect(); with torch and transformers loaded that costs ~0.1 s a run.
-    # Objects alive now (modules, the models) are never garbage: keep them out of the collector's way.
-    gc.freeze()
-    try:
-        with quiet_engine_logs():
+    kinds = sorted({faults[n].spec.model for n in names}, key=list(driver.workloads).index)
+    plan = _Plan(driver, names, trials, len(kinds), progress)
+    with driver.session(kinds):
+        # Every engine shutdown runs gc.collect(); with torch and an engine loaded that costs ~0.1 s a run.
+        # Objects alive now (modules, the models) are never garbage: keep them out of the collector's way.
+        gc.freeze()
+        try:
             for kind in kinds:
-                wanted = [n for n in names if FAULTS[n].spec.model == kind]
-                for t in range(trials * MAX_SEED_FACTOR):
-                    need = [n for n in wanted if len(trials_by_fault[n]) < trials]
-                    if not need:
-                        break
-                    if t >= trials:  # an extra seed: some fault had no eligible step or no effect
-                        planned += 1 + len(need)
-                    run_seed = seed * 1000 + t
-                    tick(f"{kind} control, seed {run_seed}")
-                    control = run_engine(
-                        models[kind], WORKLOADS[kind], run_seed, [FAULTS[n]() for n in need], mode=InjectMode.PROBE
-                    )
-                    controls.append(
-                        Control(
-                            kind, run_seed, control.stats["steps"], control.violations, tuple(control.errors),
-                            control.seconds, control.features,
-                        )
-                    )  # fmt: skip
-                    done += 1
-                    rng = random.Random(run_seed)
-                    for name in need:
-                        steps = control.opportunities.get(name, [])
-                        if not steps:  # no eligible step: counted as done, so the total never shrinks
-                            done += 1
-                            continue
-                        target = rng.choice(steps)
-                        tick(f"{name}, seed {run_seed}, step {target}")
-                        run = run_engine(
-                            models[kind],
-                            WORKLOADS[kind],
-                            run_seed,
-                            [FAULTS[name]()],
-                            mode=InjectMode.INJECT,
-                            target=(name, target),
-                            store=control.store,
-                        )
-                        trial = judge(FAULTS[name].spec, run_seed, target, run)
-                        done += 1
-                        if trial.no_effect:
-                            no_effect[name] += 1
-                        elif trial.unobservable:
-                            unobservable[name] += 1
-                        else:
-                            trials_by_fault[name].append(trial)
-    finally:
-        gc.unfreeze()
-        torch.set_num_threads(threads)
-    tick("done")
-    rows = [FaultRow(FAULTS[n].spec, trials_by_fault[n], no_effect[n], unobservable[n]) for n in names]
-    return SelftestResult("transformers", version, rows, controls, trials, time.perf_counter() - start)
+                plan.run_kind(kind, seed)
+        finally:
+            gc.unfreeze()
+    plan.tick("done")
+    rows = [FaultRow(faults[n].spec, plan.trials[n], plan.no_effect[n], plan.unobservable[n]) for n in names]
+    label = driver.describe(version)
+    return SelftestResult(driver.name, version, label, rows, plan.controls, trials, time.perf_counter() - start)
+
+
+class _Plan:
+    """The trials still needed, the runs done and planned (for the progress bar), and the results so far."""
+
+    def __init__(
+        self, driver: EngineDriver, names: list[str], trials: int, kinds: int, progress: Progress | None
+    ) -> None:
+        self.driver = driver
+        self.names = names
+        self.wanted_trials = trials
+        self.progress = progress
+        self.trials: dict[str, list[Trial]] = {n: [] for n in names}
+        self.no_effect = dict.fromkeys(names, 0)
+        self.unobservable = dict.fromkeys(names, 0)
+        self.controls: list[Control] = []
+        self.planned = trials * (len(names) + kinds)
+        self.done = 0
+
+    def tick(self, label: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.planned, label)
+
+    def run_kind(self, kind: str, seed: int) -> None:
+        faults = self.driver.faults
+        wanted = [n for n in self.names if faults[n].spec.model == kind]
+        for t in range(self.wanted_trials * MAX_SEED_FACTOR):
+            need = [n for n in wanted if len(self.trials[n]) < self.wanted_trials]
+            if not need:
+                break
+            if t >= self.wanted_trials:  # an extra seed: some fault had no eligible step or no effect
+                self.planned += 1 + len(need)
+            self.run_seed(kind, seed * 1000 + t, need)
+
+    def run_seed(self, kind: str, run_seed: int, need: list[str]) -> None:
+        faults = self.driver.faults
+        self.tick(f"{kind} control, seed {run_seed}")
+        control = self.driver.run(kind, run_seed, [faults[n]() for n in need], mode=InjectMode.PROBE)
+        self.controls.append(
+            Control(
+                kind, run_seed, control.stats["steps"], control.violations, tuple(control.errors),
+                control.seconds, control.features,
+            )
+        )  # fmt: skip
+        self.done += 1
+        rng = random.Random(run_seed)
+        for name in need:
+            steps = control.opportunities.get(name, [])
+            if not steps:  # no eligible step: counted as done, so the total never shrinks
+                self.done += 1
+                continue
+            target = rng.choice(steps)
+            self.tick(f"{name}, seed {run_seed}, step {target}")
+            run = self.driver.run(
+                kind, run_seed, [faults[name]()], mode=InjectMode.INJECT, target=(name, target), store=control.store
+            )
+            trial = judge(faults[name].spec, run_seed, target, run)
+            self.done += 1
+            if trial.no_effect:
+                self.no_effect[name] += 1
+            elif trial.unobservable:
+                self.unobservable[name] += 1
+            else:
+                self.trials[name].append(trial)

@@ -1,4 +1,4 @@
-"""``kvcanary selftest``: argument parsing, the progress bar and the output (the CLI stays thin)."""
+"""``kvcanary selftest``: argument parsing, the engine choice, the progress bar and the output."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-ENGINES = ("transformers",)
 DEFAULT_TRIALS = 20
 
 EPILOG = """exit codes:
   0  every 'detect' fault was caught in every trial (within one step of its first affected read)
      and the clean controls raised no violation
   1  a 'detect' fault was missed or caught late in some trial, a control raised a violation, or a run failed
-  2  bad command-line usage (unknown fault, trials < 1, ...)
-  3  the environment cannot run it (transformers missing or of an unsupported version, --plot without matplotlib)
+  2  bad command-line usage (unknown engine or fault, trials < 1, ...)
+  3  the environment cannot run it (the engine or its self-test missing here, an unsupported engine version,
+     --plot without matplotlib)
 """
 
 
@@ -32,7 +32,7 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvcanary.faults.catalogue import FAULTS
+    from kvcanary.selftest.registry import DEFAULT_ENGINE, ENGINES
 
     p = sub.add_parser(
         "selftest",
@@ -40,11 +40,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Runs every fault of the library (or the ones named) on a real engine with the canary on, "
         "each in N randomized trials (random workload, fault injected at a random eligible step), plus clean "
         "controls with the same seeds, and prints which faults were caught, by which check and how fast. "
-        "Faults: " + ", ".join(FAULTS) + ".",
+        + _default_faults(DEFAULT_ENGINE),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
+    p.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default=DEFAULT_ENGINE,
+        help=f"engine to run (default: {DEFAULT_ENGINE}); each engine has its own fault library",
+    )
     p.add_argument(
         "--faults",
         nargs="+",
@@ -61,16 +66,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--plot", metavar="FILE.png", help="also draw the detection matrix into FILE.png (needs matplotlib)")
 
 
-def fault_names(values: list[str] | None) -> list[str] | None:
-    """``--faults a b,c`` -> ["a", "b", "c"]; raises ValueError naming unknown faults."""
-    from kvcanary.faults.catalogue import FAULTS
+def _default_faults(engine: str) -> str:
+    from kvcanary.selftest.protocol import EngineUnavailable
+    from kvcanary.selftest.registry import load_driver
 
+    try:
+        return f"Faults ({engine}): " + ", ".join(load_driver(engine).faults) + "."
+    except EngineUnavailable:
+        return ""
+
+
+def fault_names(values: list[str] | None, faults: Mapping[str, Any]) -> list[str] | None:
+    """``--faults a b,c`` -> ["a", "b", "c"]; raises ValueError naming faults not in ``faults``."""
     if not values:
         return None
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FAULTS]
+    unknown = [n for n in names if n not in faults]
     if unknown or not names:
-        raise ValueError(f"unknown fault(s): {', '.join(unknown) or '(none given)'}; choose from: {', '.join(FAULTS)}")
+        raise ValueError(f"unknown fault(s): {', '.join(unknown) or '(none given)'}; choose from: {', '.join(faults)}")
     return list(dict.fromkeys(names))
 
 
@@ -109,14 +122,19 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: int, exit_env: int) -> int:
-    from kvcanary.adapters.base import UnsupportedEngineVersion
-    from kvcanary.faults.catalogue import FAULTS
+    from kvcanary.selftest.protocol import EngineUnavailable
+    from kvcanary.selftest.registry import load_driver
 
+    try:
+        driver = load_driver(args.engine)
+    except EngineUnavailable as exc:
+        print(f"kvcanary selftest --engine {args.engine}: {exc}", file=sys.stderr)
+        return exit_env
     if args.list:
-        print(fault_list(FAULTS))
+        print(fault_list(driver.faults))
         return exit_ok
     try:
-        names = fault_names(args.faults)
+        names = fault_names(args.faults, driver.faults)
     except ValueError as exc:
         print(f"kvcanary selftest: {exc}", file=sys.stderr)
         return exit_usage
@@ -129,15 +147,15 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
             print(f"kvcanary selftest: {exc}", file=sys.stderr)
             return exit_env
     try:
-        from kvcanary.faults.report import as_json, table
-        from kvcanary.faults.runner import run_selftest
+        from kvcanary.selftest.report import as_json, table
+        from kvcanary.selftest.runner import run_selftest
 
         progress = None if args.quiet else ProgressBar(sys.stderr)
-        result = run_selftest(names, trials=args.trials, seed=args.seed, progress=progress)
-    except (ImportError, UnsupportedEngineVersion) as exc:
+        result = run_selftest(driver, names, trials=args.trials, seed=args.seed, progress=progress)
+    except (ImportError, EngineUnavailable) as exc:
         from kvcanary.cli_checks import INSTALL_HINT
 
-        print(f"kvcanary selftest needs transformers 5.24.0 ({INSTALL_HINT}): {exc}", file=sys.stderr)
+        print(f"kvcanary selftest --engine {args.engine} cannot run here ({INSTALL_HINT}): {exc}", file=sys.stderr)
         return exit_env
     if args.json:
         print(json.dumps(as_json(result, args.seed)))
