@@ -22,7 +22,7 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.batch import StepBatch
-from test_adapter_transformers_unit import PAGE, STRIDE, FakeEngine
+from transformers_helpers import PAGE, STRIDE, FakeEngine
 
 # Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
 _NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "unsqueeze", "select", "scalar_tensor"}

@@ -17,81 +17,15 @@ import torch
 
 from kvcanary import Capacities, GroupCanary, Reason, ViolationLog
 from kvcanary.adapters import ADAPTERS, UnsupportedEngineVersion, load_adapter
-from kvcanary.adapters.transformers_cb import cpu_offload, mirror
+from kvcanary.adapters.patching import AlreadyPatched, PatchSet
+from kvcanary.adapters.transformers_cb import cpu_offload, mirror, patches
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.adapters.transformers_cb.patches import AlreadyPatched, PatchSet
 from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
 from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
 from kvcanary.layout import GroupKind, RecordStore
 from kvcanary.schema import NOT_STORED, Counter, Field, Phase
-
-PAGE, STRIDE, BPS = 4, 8, 2  # page size, physical stride (2 rows x 1 layer x page), blocks per sector
-
-
-def geometry(window: int = 0) -> GroupGeometry:
-    return GroupGeometry(
-        name="sliding_attention" if window else "full_attention",
-        index=0,
-        sliding_window=window,
-        page_size=PAGE,
-        stride=STRIDE,
-        num_blocks=BPS * 6,
-        read_trash_index=0,
-        sentinel_index=1,
-        write_trash_index=STRIDE * BPS,
-    )
-
-
-class FakeEngine:
-    """Index lists the way transformers builds them, for requests with fixed block tables."""
-
-    def __init__(self, g: GroupGeometry, tables: dict[str, list[int]], tokens: dict[str, list[int]]) -> None:
-        self.g, self.tables, self.tokens = g, tables, tokens
-        self.past = dict.fromkeys(tables, 0)
-
-    def phys(self, rid: str, pos: int) -> int:
-        ring = pos % self.g.sliding_window if self.g.is_sliding else pos
-        return self.tables[rid][ring // PAGE] * STRIDE + ring % PAGE
-
-    def step(self, queries: dict[str, int]) -> tuple[dict[str, Any], HostBatch]:
-        g = self.g
-        ids, pos, read, write, cu_q, cu_k = [], [], [], [], [0], [0]
-        has_past = any(self.past[r] for r in queries)  # else transformers hands an empty read_index
-        for rid, q in queries.items():
-            p = self.past[rid]
-            ids += self.tokens[rid][p : p + q]
-            pos += list(range(p, p + q))
-            if g.is_sliding:
-                n = min(p, g.sliding_window - 1)
-                read += [self.phys(rid, x) for x in range(p - n, p)] + [g.sentinel_index] * q
-                keep = min(q, g.sliding_window)
-                write += [g.write_trash_index] * (q - keep) + [self.phys(rid, x) for x in range(p + q - keep, p + q)]
-                cu_k.append(cu_k[-1] + n + q)
-            else:
-                read += [self.phys(rid, x) for x in range(p + q)]
-                write += [self.phys(rid, x) for x in range(p, p + q)]
-                cu_k.append(cu_k[-1] + p + q)
-            cu_q.append(cu_q[-1] + q)
-        host = HostBatch(
-            request_ids=tuple(queries),
-            past_lens=tuple(self.past[r] for r in queries),
-            query_lens=tuple(queries.values()),
-            truth=tuple(self.tokens[r] for r in queries),
-        )
-        for rid, q in queries.items():
-            self.past[rid] += q
-        i32 = torch.int32
-        kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor([ids], dtype=i32),
-            "position_ids": torch.tensor([pos], dtype=i32),
-            "cu_seq_lens_q": torch.tensor(cu_q, dtype=i32),
-            "cu_seq_lens_k": {g.name: torch.tensor(cu_k, dtype=i32)},
-            "read_index": [torch.tensor(read if has_past else [], dtype=torch.int64)],
-            "write_index": [torch.tensor(write, dtype=torch.int64)],
-            "block_table": None,
-        }
-        return kwargs, host
+from transformers_helpers import BPS, PAGE, STRIDE, FakeEngine, geometry
 
 
 def make_canary(g: GroupGeometry, width: int = 64) -> tuple[StepTranslator, GroupCanary, ViolationLog]:
@@ -295,6 +229,60 @@ def test_patch_set_restores_originals_and_refuses_a_second_kvcanary_patch() -> N
     assert Engine.__dict__["step"] is original and "step" not in Child.__dict__
 
 
+def test_patch_set_on_an_object_wraps_what_lookup_finds_and_restores_it() -> None:
+    class Engine:
+        def step(self) -> str:
+            return "engine"
+
+    exclusive = PatchSet()
+    exclusive.wrap(Engine, "step", lambda orig: lambda self: "adapter " + orig(self))
+    engine = Engine()
+    faults = PatchSet(exclusive=False)  # inside an installed adapter: wraps the adapter's wrapper
+    faults.wrap(engine, "step", lambda orig: lambda: "fault " + orig())
+    assert engine.step() == "fault adapter engine" and "step" in vars(engine)
+    faults.restore()
+    assert "step" not in vars(engine) and engine.step() == "adapter engine"
+    exclusive.restore()
+    assert engine.step() == "engine"
+
+
+def test_every_declared_patch_names_a_symbol_of_the_supported_transformers() -> None:
+    pytest.importorskip("transformers")
+    assert check_version() in SUPPORTED_VERSIONS
+    assert patches.PATCHES and patches.missing() == []
+    assert {p.role for p in patches.PATCHES} == set(patches.Role)
+    keys = [(p.owner, p.method) for p in patches.PATCHES]
+    assert len(keys) == len(set(keys))  # one entry a method: the adapter finds each wrapper by (class, method)
+    gone = patches.EnginePatch("model_runner", "ModelRunner", "no_such_method", patches.Role.CRITICAL, "test")
+    assert patches.missing((gone,)) == [gone]
+
+
+class _TinyCBModel(torch.nn.Module):
+    def generate_batch(self) -> None: ...
+
+
+def test_install_refuses_a_missing_critical_patch_by_name_and_skips_a_missing_counter(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("transformers")
+    from kvcanary.adapters.transformers_cb import install
+
+    declared = patches.PATCHES
+    counter = patches.EnginePatch("cache", "PagedAttentionCache", "gone_counter", patches.Role.COUNTER, "a counter")
+    monkeypatch.setattr(patches, "PATCHES", (counter,))
+    adapter = install(_TinyCBModel())
+    assert adapter.installed and "gone_counter" in caplog.text
+    adapter.uninstall()
+    critical = patches.EnginePatch("model_runner", "ModelRunner", "gone_tap", patches.Role.CRITICAL, "the tap")
+    tap = next(p for p in declared if p.method == "compute_batch")
+    monkeypatch.setattr(patches, "PATCHES", (tap, critical))
+    with pytest.raises(RuntimeError, match=r"ModelRunner\.gone_tap"):
+        install(_TinyCBModel())
+    from transformers.generation.continuous_batching import model_runner
+
+    assert not hasattr(model_runner.ModelRunner.compute_batch, "__kvcanary_original__")  # refused before patching
+
+
 def test_version_check_names_the_supported_versions() -> None:
     assert check_version(SUPPORTED_VERSIONS[0]) == SUPPORTED_VERSIONS[0]
     with pytest.raises(UnsupportedEngineVersion, match=r"supports transformers 5\.24\.0, but 5\.23\.0"):
@@ -303,12 +291,12 @@ def test_version_check_names_the_supported_versions() -> None:
 
 
 def test_registry_is_lazy_and_names_its_adapters() -> None:
-    assert set(ADAPTERS) == {"sglang", "transformers-cb"}
+    assert set(ADAPTERS) == {"sglang", "transformers-cb", "vllm"}
     with pytest.raises(ValueError, match="transformers-cb"):
-        load_adapter("vllm")
+        load_adapter("no-such-engine")
     code = (
-        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb; "
-        "assert not {'transformers', 'sglang'} & set(sys.modules), 'an engine was imported'"
+        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb, kvcanary.selftest; "
+        "assert not {'transformers', 'sglang', 'vllm'} & set(sys.modules), 'an engine was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -15,7 +15,7 @@ from kvcanary import Mode
 from kvcanary.runtime import CanaryManager
 from kvcanary.schema import Counter
 from kvcanary.workspace import PlanWorkspace
-from test_runtime_manager import drive, make_manager
+from runtime_helpers import drive, make_manager
 
 STEPS = 8
 # Epochs a step or two before each limit: the write-mark period, int32's and uint32's ranges.
@@ -37,8 +37,8 @@ def start_near_limits(mgr: CanaryManager, epoch: int, steps_done: int) -> None:
     totals[:, Counter.STAMPED] = TOTAL_START
     phase = work.layout.phase(work.outbox)
     phase[:2] = steps_done
-    mgr._phase.before = mgr._phase.after = steps_done
-    mgr._step = mgr._steps_decoded = steps_done
+    mgr._decoder.phase.before = mgr._decoder.phase.after = steps_done
+    mgr._step = mgr._decoder.steps_decoded = steps_done
 
 
 def test_mark_of_wraps_without_zero_and_fits_int32() -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, StepReport
 from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict, _portable_bytes
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
 

@@ -75,7 +75,7 @@ def time_wrapper(canary: DistributedCanary, args: argparse.Namespace, cuda: bool
         t0 = time.perf_counter_ns()
         # What host_step adds to the manager's own host step on a clean step (private on purpose).
         canary._act(canary._finish())
-        canary._start(None)
+        canary._start(None, canary._health_delta())
         if step >= args.warmup:
             out.append(time.perf_counter_ns() - t0)
     canary._finish()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 
 class Mode(enum.Enum):
@@ -11,6 +12,34 @@ class Mode(enum.Enum):
     LOG = "log"  # log violations, keep serving
     RAISE = "raise"  # raise CanaryViolation with all rows of the step
     FAIL_REQUEST = "fail-request"  # hand the affected request ids to a callback
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestConfig:
+    """The KV digest (``docs/design.md`` §12): stamped on every slot written, verified on a budget.
+
+    ``budget`` is the share of a step's read slots whose bytes are re-digested before attention reads
+    them, rotating so that a slot read on consecutive steps is covered within ``period`` steps (1.0:
+    every read slot, every step).  Slots whose bytes were moved (copied, restored) are verified after
+    the move whatever the budget.  ``layers`` restricts the digest to those layer indices (None: all).
+    """
+
+    budget: float = 0.01  # default: within the 2 % bar of a step's attention KV read time (benchmarks/)
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 < self.budget <= 1:
+            raise ValueError(f"digest budget must be a fraction in (0, 1], got {self.budget!r}")
+        if self.layers is not None:
+            if not isinstance(self.layers, tuple) or not all(isinstance(i, int) and i >= 0 for i in self.layers):
+                raise TypeError(f"digest layers must be a tuple of layer indices >= 0 or None, got {self.layers!r}")
+            if not self.layers:
+                raise ValueError("digest layers is empty: use digest=None to turn the digest off")
+
+    @property
+    def period(self) -> int:
+        """Steps within which the budgeted verify covers every position of a read span."""
+        return max(1, math.ceil(1 / self.budget - 1e-9))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +53,7 @@ class CanaryConfig:
     events_path: str | None = None  # JSON-lines event log, when set
     events_max_bytes: int = 64 << 20  # rotate the event log past this size (one old file kept); 0 = unbounded
     check_values: bool | None = None  # host-side value checks of each batch (default: CPU only)
+    digest: DigestConfig | None = None  # the KV digest of the real K/V bytes; None: off, nothing allocated
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -34,6 +64,8 @@ class CanaryConfig:
         for name in ("stats_every", "health_every", "health_warmup", "events_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.digest is not None and not isinstance(self.digest, DigestConfig):
+            raise TypeError(f"digest must be a kvcanary.config.DigestConfig or None, got {self.digest!r}")
         if self.log_rate_limit_per_s <= 0:
             raise ValueError(f"log_rate_limit_per_s must be positive, got {self.log_rate_limit_per_s}")
 

@@ -83,8 +83,11 @@ class RecordStore:
     tokens: torch.Tensor
     positions: torch.Tensor
     links: torch.Tensor
+    # The KV digest (kvcanary.digest), when enabled: int64, 0 = never digested.  It travels with the record.
+    digests: torch.Tensor | None = None
 
     BYTES_PER_SLOT = 16  # int32 token + int32 position + int64 link
+    DIGEST_BYTES_PER_SLOT = 8
 
     @classmethod
     def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> RecordStore:
@@ -102,17 +105,27 @@ class RecordStore:
     def device(self) -> torch.device:
         return self.links.device
 
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        fields = (self.tokens, self.positions, self.links)
+        return fields if self.digests is None else (*fields, self.digests)
+
     def bytes_per_slot(self) -> int:
-        return sum(t.element_size() for t in (self.tokens, self.positions, self.links))
+        return sum(t.element_size() for t in self._fields())
+
+    def enable_digests(self) -> None:
+        """Allocate the per-slot digests (8 bytes a slot), all 0 (never digested)."""
+        if self.digests is None:
+            self.digests = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Mirror an engine's KV block copy (fork, offload restore): records move with the bytes."""
-        for t in (self.tokens, self.positions, self.links):
+        """Mirror an engine's KV block copy (fork, offload restore): records (and digests) move with the bytes."""
+        for t in self._fields():
             t[dst] = t[src]
 
     def clear_slots(self, slots: torch.Tensor) -> None:
-        for t in (self.tokens, self.positions, self.links):
+        for t in self._fields():
             t[slots] = 0
 
     def clone(self) -> RecordStore:
-        return RecordStore(self.tokens.clone(), self.positions.clone(), self.links.clone())
+        digests = None if self.digests is None else self.digests.clone()
+        return RecordStore(self.tokens.clone(), self.positions.clone(), self.links.clone(), digests)

@@ -26,6 +26,7 @@ class Reason(enum.IntFlag):
     WRITE_INTO_LIVE_SLOT = 1 << 13  # a write lands on a slot attention reads as live this step
     DUPLICATE_WRITE = 1 << 14  # two tokens of one step write one slot
     NEW_READ_MISMATCH = 1 << 15  # a new token's table entry does not resolve to the slot it writes
+    DIGEST_MISMATCH = 1 << 16  # a slot's K/V bytes no longer match the digest stamped when they landed
 
 
 REASONS: tuple[Reason, ...] = tuple(Reason)
@@ -44,6 +45,8 @@ class Phase(enum.IntEnum):
     PLAN = 0
     VERIFY = 1
     STAMP = 2
+    DIGEST_STAMP = 3  # the KV digest of the slots written this step
+    DIGEST_VERIFY = 4  # the KV digest of (a budgeted share of) the slots read this step, or of moved slots
 
 
 class Field(enum.IntEnum):
@@ -64,6 +67,7 @@ class Field(enum.IntEnum):
     STORED_LINK = 12  # stamp rows: the written link
     # The index that was out of range, -1 when none.  Stamp rows: write_into_live_slot, the writing batch row
     # (the row names the reader); new_read_mismatch, the new token's own table entry.
+    # Digest rows: EXPECTED_LINK is the stored digest, STORED_LINK the one recomputed from the bytes now.
     BAD_INDEX = 13
 
 

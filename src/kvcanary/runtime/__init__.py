@@ -5,6 +5,6 @@ schema in :mod:`kvcanary.runtime.events`, the Prometheus metric names in :mod:`k
 """
 
 from kvcanary.runtime.manager import CanaryManager
-from kvcanary.runtime.report import CanaryHealthError, CanaryViolation, StepReport, Violation
+from kvcanary.runtime.report import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport, Violation
 
-__all__ = ["CanaryHealthError", "CanaryManager", "CanaryViolation", "StepReport", "Violation"]
+__all__ = ["CanaryHealthError", "CanaryManager", "CanaryViolation", "FailRequestCallback", "StepReport", "Violation"]

@@ -21,6 +21,7 @@ import torch
 
 from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary
+from kvcanary.digest_canary import GroupDigest
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
 from kvcanary.workspace import ViolationLog
 
@@ -70,6 +71,9 @@ class StepWork:
 
     def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
         self.canaries = tuple(canaries)
+        # The KV digest of each group, when attached: verified after the plan, stamped after the forward.
+        self.digests: list[GroupDigest | None] = [None] * len(self.canaries)
+        self._batches: Sequence[StepBatch] = ()
         self.layout = layout
         self.live = torch.zeros(layout.live_size, dtype=torch.int64, device=device)
         self.outbox = torch.zeros(layout.outbox_size, dtype=torch.int64, device=device)
@@ -81,13 +85,21 @@ class StepWork:
         self._phase_before = phase[PHASE_BEFORE : PHASE_BEFORE + 1]
         self._phase_after = phase[PHASE_AFTER : PHASE_AFTER + 1]
 
-    def before(self, batches: Sequence[StepBatch], check_values: bool | None) -> None:
-        """Batches in group order, already validated by the caller."""
+    def before(self, batches: Sequence[StepBatch]) -> None:
+        """Batches in group order, already validated by the caller: each group's batch is validated once a
+        step, the canary and its launchers do not repeat the checks."""
         self._phase_before.add_(1)
-        for canary, log, batch in zip(self.canaries, self.logs, batches, strict=True):
-            canary.step(batch, log, check_values=check_values)
+        for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
+            canary.step(batch, log, validated=True)
+            if digest is not None:
+                digest.verify(batch, log)
+        self._batches = batches
 
     def after(self) -> None:
+        for digest, log, batch in zip(self.digests, self.logs, self._batches, strict=True):
+            if digest is not None:
+                digest.stamp(batch, log)  # the forward has written this step's K/V
+        self._batches = ()
         self._snapshot.copy_(self.live)
         self._totals.add_(self._live_counters)
         self.live.zero_()

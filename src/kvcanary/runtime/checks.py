@@ -73,3 +73,8 @@ class RateLimiter:
     def take_suppressed(self) -> int:
         n, self.suppressed = self.suppressed, 0
         return n
+
+    def suppressed_note(self, what: str) -> str:
+        """``"(N earlier <what> suppressed by the rate limit)"`` to append to the next logged message, or ``""``."""
+        n = self.take_suppressed()
+        return f"({n} earlier {what} suppressed by the rate limit)" if n else ""

@@ -17,8 +17,11 @@ suits tensor parallelism; with pipeline parallelism a lag of the number of stage
 exchange complete while the later stages catch up.
 
 All ranks must use the same mode and call ``host_step``/``flush`` the same number of times (checked:
-ranks out of step raise :class:`CanaryPeerError`).  Health-check failures stay per rank (logged or
-raised by the rank's own manager in log mode: logged).
+ranks out of step raise :class:`CanaryPeerError`).  Failed health checks (kernels that did not run, a
+graph without the canary's work) travel in the same exchange, as counts per check: every rank's
+verdict names the failing ranks, and in ``raise`` mode every rank raises :class:`RankedHealthError`
+at the same call (a violation wins over a failed check, as for one rank).  A health failure names no
+request, so ``fail-request`` only logs it, on every rank.
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend
 from kvcanary.runtime.checks import RateLimiter
-from kvcanary.runtime.exchange import CanaryPeerError, VerdictExchange
+from kvcanary.runtime.exchange import HEALTH_CHECKS, CanaryPeerError, VerdictExchange
 from kvcanary.runtime.manager import CanaryManager
-from kvcanary.runtime.report import CanaryViolation, StepReport, affected
+from kvcanary.runtime.report import CanaryHealthError, CanaryViolation, StepReport, affected
 from kvcanary.workspace import Capacities
 
 logger = logging.getLogger("kvcanary")
 
-__all__ = ["CanaryPeerError", "DistributedCanary", "RankVerdict", "RankedViolation"]
+__all__ = ["CanaryPeerError", "DistributedCanary", "RankVerdict", "RankedHealthError", "RankedViolation"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,26 +56,49 @@ class RankVerdict:
     """What the ranks found at one host step, identical on every rank.
 
     ``reports`` maps the group rank of each rank that found violations to its own report; the
-    affected request ids are their union, in rank order.
+    affected request ids are their union, in rank order.  ``health`` maps each rank whose health
+    checks failed to its failed checks (check name -> count).
     """
 
-    step: int  # the host step the violations happened at
+    step: int  # the host step the findings are about
     reported_at: int  # the host step call (or flush) that acted on them, on every rank
     reports: Mapping[int, StepReport]
     affected_request_ids: tuple[object, ...]
+    health: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """The ranks that found violations."""
         return tuple(sorted(self.reports))
 
+    @property
+    def health_ranks(self) -> tuple[int, ...]:
+        """The ranks whose health checks failed."""
+        return tuple(sorted(self.health))
+
     def block(self) -> str:
-        ids = ", ".join(repr(r) for r in self.affected_request_ids) or "unknown"
-        head = (
-            f"kvcanary: violation(s) at step {self.step} found on rank(s) {list(self.ranks)} "
-            f"(acted on at step {self.reported_at} on every rank); requests: {ids}"
+        lines = []
+        if self.reports:
+            ids = ", ".join(repr(r) for r in self.affected_request_ids) or "unknown"
+            lines.append(
+                f"kvcanary: violation(s) at step {self.step} found on rank(s) {list(self.ranks)} "
+                f"(acted on at step {self.reported_at} on every rank); requests: {ids}"
+            )
+            lines += [
+                f"  rank {r}: {self.reports[r].total} row(s), counts {self.reports[r].counts}" for r in self.ranks
+            ]
+        if self.health:
+            lines.append(self.health_line())
+        return "\n".join(lines)
+
+    def health_line(self) -> str:
+        failed = "; ".join(
+            f"rank {r}: " + ", ".join(f"{check} x{n}" for check, n in self.health[r].items()) for r in self.health_ranks
         )
-        per_rank = [f"  rank {r}: {self.reports[r].total} row(s), counts {self.reports[r].counts}" for r in self.ranks]
-        return "\n".join([head, *per_rank])
+        return (
+            f"kvcanary: health check(s) failed at step {self.step} on rank(s) {list(self.health_ranks)} "
+            f"(acted on at step {self.reported_at} on every rank): {failed}"
+        )
 
 
 class RankedViolation(CanaryViolation):
@@ -81,6 +107,14 @@ class RankedViolation(CanaryViolation):
     def __init__(self, verdict: RankVerdict) -> None:
         super().__init__(verdict.reports[verdict.ranks[0]])
         self.args = (verdict.block(),)
+        self.verdict = verdict
+
+
+class RankedHealthError(CanaryHealthError):
+    """Raised on every rank in ``raise`` mode when a rank's health check failed (and no rank found violations)."""
+
+    def __init__(self, verdict: RankVerdict) -> None:
+        super().__init__(verdict.health_line())
         self.verdict = verdict
 
 
@@ -138,6 +172,7 @@ class DistributedCanary:
         self.on_fail_request = on_fail_request
         self._enabled = mode is not Mode.OFF
         self._calls = 0  # host_step/flush calls so far: the exchange's step marker
+        self._health_seen = self._health_counts()
         self.lag = lag
         # Exchanges started and not yet finished, oldest first, with this rank's finding of each.
         self._in_flight: collections.deque[tuple[VerdictExchange, StepReport | None]] = collections.deque()
@@ -194,7 +229,7 @@ class DistributedCanary:
             return None
         local = self.manager.host_step(request_ids)
         verdict = self._finish() if len(self._in_flight) == self.lag else None
-        self._start(local)
+        self._start(local, self._health_delta())
         return self._act(verdict)
 
     def flush(self) -> list[RankVerdict]:
@@ -202,21 +237,34 @@ class DistributedCanary:
         if not self._enabled:
             return []
         local = self.manager.flush()
+        health = self._health_delta()
         out = []
         while self._in_flight:
             out.append(self._act(self._finish()))
-        self._start(local)
+        self._start(local, health)
         out.append(self._act(self._finish()))
         return [v for v in out if v is not None]
 
     def close(self) -> None:
         self.manager.close()
 
-    def _start(self, local: StepReport | None) -> None:
+    def _health_counts(self) -> tuple[int, ...]:
+        counts = self.manager.health_failure_counts()
+        return tuple(counts[check] for check in HEALTH_CHECKS)
+
+    def _health_delta(self) -> tuple[int, ...]:
+        """This call's failed checks, per check (empty when none: the clean path writes nothing)."""
+        now = self._health_counts()
+        if now == self._health_seen:
+            return ()
+        delta, self._health_seen = tuple(a - b for a, b in zip(now, self._health_seen, strict=True)), now
+        return delta
+
+    def _start(self, local: StepReport | None, health: tuple[int, ...] = ()) -> None:
         rows = 0 if local is None else max(local.total, 1)
         # Free by construction: the ones in flight started at the previous lag - 1 calls.
         exchange = self._exchanges[self._calls % self.lag]
-        exchange.start(self._calls, rows)
+        exchange.start(self._calls, rows, health)
         self._in_flight.append((exchange, local))
         self._calls += 1
 
@@ -227,26 +275,33 @@ class DistributedCanary:
         found = exchange.finish()
         if not found:  # the clean path ends here
             return None
-        mine = local if self.rank in found else None
-        payloads = exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
-        # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
-        reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in found}
+        reports: dict[int, StepReport] = {}
+        if found.violation_ranks:
+            ranks = list(found.violation_ranks)
+            mine = local if self.rank in ranks else None
+            payloads = exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {ranks}")
+            # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
+            reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in ranks}
         violations = [v for r in sorted(reports) for v in reports[r].violations]
         return RankVerdict(
-            step=min(rep.step for rep in reports.values()),
+            # the manager's host step k (or flush) decodes step k - 1, and exchanges under marker k
+            step=min((rep.step for rep in reports.values()), default=exchange.step - 1),
             reported_at=self._calls,
             reports=reports,
             affected_request_ids=affected(violations),
+            health=found.health,
         )
 
     def _act(self, verdict: RankVerdict | None) -> RankVerdict | None:
         if verdict is None:
             return None
         if self.mode is Mode.RAISE:
-            raise RankedViolation(verdict)
+            raise RankedViolation(verdict) if verdict.reports else RankedHealthError(verdict)
         if self._limiter.allow():
-            logger.warning(verdict.block())
-        if self.mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
+            note = self._limiter.suppressed_note("verdict(s)")
+            log = logger.warning if verdict.reports else logger.error
+            log(verdict.block() + (f"\n  {note}" if note else ""))
+        if self.mode is Mode.FAIL_REQUEST and self.on_fail_request is not None and verdict.reports:
             self.on_fail_request(list(verdict.affected_request_ids), verdict)
         return verdict
 

@@ -28,7 +28,7 @@ notes, counts).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcanary.hashing import to_unsigned64
 from kvcanary.schema import Field, Phase, reason_names
@@ -176,6 +176,10 @@ class StepReport:
             f"  counts: {counts}; rows per group: {groups}; rows kept {len(self.violations)}, "
             f"dropped {self.rows_dropped}"
         )
+
+
+FailRequestCallback = Callable[[list[object], StepReport], None]
+"""``on_fail_request(request_ids, report)``: fail-request mode's action, given the requests not reported before."""
 
 
 def affected(violations: Sequence[Violation]) -> tuple[object, ...]:

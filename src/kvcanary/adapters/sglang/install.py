@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
+from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
 from kvcanary.adapters.sglang.translate import EXTEND_MODES, ForwardTranslator, mode_name
-from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, FailRequestCallback, StepReport
+from kvcanary.runtime.capture import is_capturing
 
 logger = logging.getLogger("kvcanary")
-
-FailRequestCallback = Callable[[list[object], StepReport], None]
 
 RECENT_REPORTS = 16  # reports kept on the handle for inspection (log and fail-request modes)
 
@@ -49,10 +49,6 @@ FEATURES = (
     "skipped_before_init",
     "nested_forwards",
 )
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _looks_like_forward_batch(obj: object) -> bool:
@@ -139,35 +135,24 @@ class SglangCanary:
         self._eager_forwards = 0
         self._graph_captured = False
         self._features = dict.fromkeys(FEATURES, 0)
-        self._restore: list[tuple[object, str, object]] = []
+        self._patches = PatchSet(exclusive=False)  # on this runner's objects; the pool attach refuses a second canary
 
     # ------------------------------------------------------------------ the two patches
 
     def patch(self) -> None:
         """Wrap ``model.forward`` (device bracket) and ``model_runner.forward`` (host step)."""
-        if self._restore:
+        if len(self._patches):
             raise RuntimeError("this canary is already patched into its runner")
         model = getattr(self.runner, "model", None)
         if model is None or not callable(getattr(model, "forward", None)):
             raise ValueError("model_runner.model has no forward to bracket (install after load_model)")
-        self._patch(model, "forward", self.bracket)
+        self._patches.wrap(model, "forward", self.bracket)
         if callable(getattr(self.runner, "forward", None)):
-            self._patch(self.runner, "forward", self._with_host_step)
-
-    def _patch(self, obj: object, attr: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        had_own = attr in vars(obj)
-        self._restore.append((obj, attr, vars(obj)[attr] if had_own else None))
-        setattr(obj, attr, wrap(getattr(obj, attr)))
+            self._patches.wrap(self.runner, "forward", self._with_host_step)
 
     def uninstall(self) -> None:
         """Restore the patched forwards, release the pool for another attach; safe to call twice."""
-        while self._restore:
-            obj, attr, own = self._restore.pop()
-            if own is None:
-                if attr in vars(obj):
-                    delattr(obj, attr)
-            else:
-                setattr(obj, attr, own)
+        self._patches.restore()
         self.attached.detach()
         self.manager.close()
 
@@ -179,7 +164,7 @@ class SglangCanary:
             if self._depth > 0:
                 self._features["nested_forwards"] += 1
                 return forward(*args, **kwargs)
-            capturing = _capturing(self.device)
+            capturing = is_capturing(self.device)
             if not (self.init_finished or capturing):
                 self._features["skipped_before_init"] += 1
                 return forward(*args, **kwargs)
@@ -219,7 +204,7 @@ class SglangCanary:
     def _with_host_step(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def with_host_step(*args: Any, **kwargs: Any) -> Any:
-            if self.init_finished and not _capturing(self.device):
+            if self.init_finished and not is_capturing(self.device):
                 # Outside any graph, so that a replay reads this forward's ids (truth.py).
                 self.translator.truth.fill(find_forward_batch(args, kwargs))
             out = forward(*args, **kwargs)
@@ -235,7 +220,7 @@ class SglangCanary:
 
     def before_forward(self, forward_batch: Any) -> None:
         """Translate and hand the batch to the manager (EAGLE workers may call this directly)."""
-        if not _capturing(self.device):
+        if not is_capturing(self.device):
             self.translator.truth.fill(forward_batch)  # once per ForwardBatch: free after the runner's fill
         batches = self.translator.translate(forward_batch)
         self.manager.before_forward(batches)

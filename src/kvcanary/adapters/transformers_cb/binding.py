@@ -1,4 +1,5 @@
-"""The canary of one transformers ``PagedAttentionCache``: its groups, capacities, tables and manager."""
+"""The canary of one transformers ``PagedAttentionCache`` (groups, capacities, tables, manager) and the
+succession of caches one install sees."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.config import CanaryConfig
 from kvcanary.ops import Backend
-from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.runtime import CanaryManager, FailRequestCallback, StepReport
 from kvcanary.workspace import Capacities
 
 logger = logging.getLogger("kvcanary")
 
 TABLE_BUDGET_BYTES = 256 << 20  # default cap on the adapter's token tables (all groups + truth)
+STAT_KEYS = ("steps", "forwards", "verified_slots", "violations", "skipped_entries", "stamped", "health_failures")
 
 
 class Binding:
@@ -61,7 +63,7 @@ class Binding:
         backend: Backend,
         max_context: int | None,
         max_positions: object,
-        on_fail_request: Callable[[list[object], StepReport], None] | None,
+        on_fail_request: FailRequestCallback | None,
     ) -> Binding:
         """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``)."""
         cache = runner.cache
@@ -103,3 +105,44 @@ def default_width(reads: int, max_batch: int, n_groups: int, max_positions: obje
         )
         width = budget
     return max(width, 1)
+
+
+class Bindings:
+    """The binding of the engine cache in use, and the totals of the caches retired before it.
+
+    A new paged cache (a new continuous-batching manager) gets a fresh canary; statistics accumulate.
+    """
+
+    def __init__(self, make: Callable[[Any], Binding], collect: Callable[[StepReport | None], None]) -> None:
+        self._make = make  # runner -> a new Binding for its cache
+        self._collect = collect  # where the last report of a retired binding goes
+        self.current: Binding | None = None
+        self._retired: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+
+    def bind(self, runner: Any) -> tuple[Binding, bool]:
+        """The binding for ``runner``'s cache, and whether it was created by this call."""
+        if self.current is not None and self.current.is_for(runner.cache):
+            return self.current, False
+        self.retire()
+        self.current = self._make(runner)
+        return self.current, True
+
+    def retire(self) -> None:
+        """Flush the current binding's last step, add its stats to the totals and drop it."""
+        b = self.current
+        if b is None:
+            return
+        try:
+            self._collect(b.manager.flush())
+        finally:
+            for k, v in b.manager.stats().items():
+                self._retired[k] = self._retired.get(k, 0) + v
+            b.manager.close()
+            self.current = None
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._retired)
+        if self.current is not None:
+            for k, v in self.current.manager.stats().items():
+                out[k] = out.get(k, 0) + v
+        return out

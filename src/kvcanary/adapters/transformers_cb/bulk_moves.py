@@ -16,6 +16,7 @@ from typing import Any
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
+from kvcanary.adapters.transformers_cb.step_tap import stream_context
 
 
 class BulkMoveWrappers:
@@ -47,7 +48,7 @@ class BulkMoveWrappers:
                 return original(om, victims, victim_block_tables)
             with _observer(b, om) as seen:
                 done = original(om, victims, victim_block_tables)
-            with _stream(om._compute_stream):
+            with stream_context(om._compute_stream):
                 for save in seen.host_saves:
                     for name in save.groups:
                         rows = int(om._cpu_views[name].shape[0])
@@ -67,7 +68,7 @@ class BulkMoveWrappers:
                 return original(om, requests_in_batch)
             with _observer(b, om) as seen:
                 out = original(om, requests_in_batch)
-            with _stream(om._compute_stream):
+            with stream_context(om._compute_stream):
                 for write in seen.writes:
                     for name in write.groups:
                         if write.source_host_blocks is not None:
@@ -84,9 +85,3 @@ def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
     allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
     views = {n: byte_moves.block_view(a) for n, a in allocators.items()}
     return byte_moves.BlockWriteObserver(views, host_pool=om._cpu_tensor)
-
-
-def _stream(stream: Any) -> Any:
-    from transformers.generation.continuous_batching.utils import stream_context
-
-    return stream_context(stream)

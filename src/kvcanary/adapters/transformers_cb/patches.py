@@ -1,51 +1,86 @@
-"""Reversible method patches on engine classes.
+"""The transformers adapter's patch table, declared as data.
 
-Each wrapper carries the function it replaced, so a second kvcanary install on the same classes is
-refused instead of silently stacking, and :meth:`PatchSet.restore` puts every original back.
+Each :class:`EnginePatch` names the engine symbol it replaces (module, class, method), what it is for,
+and whether the canary is correct without it: a *critical* patch feeds the records or the step tap (the
+canary would verify the wrong thing, or nothing), a *counter* patch only feeds :mod:`.features`.  After a
+transformers upgrade, :func:`missing` lists the patches whose symbol is gone; ``install`` refuses a
+missing critical patch by name and skips a missing counter patch with a warning.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+import dataclasses
+import enum
+import importlib
 from typing import Any
 
-logger = logging.getLogger("kvcanary")
-
-_ORIGINAL = "__kvcanary_original__"
+_CB = "transformers.generation.continuous_batching"
 
 
-class AlreadyPatched(RuntimeError):
-    """Another kvcanary adapter is installed on the same engine classes."""
+class Role(enum.Enum):
+    CRITICAL = "correctness-critical"
+    COUNTER = "counter-only"
 
 
-class PatchSet:
-    def __init__(self) -> None:
-        self._applied: list[tuple[type, str, Any, bool, Any]] = []
+class When(enum.Enum):
+    """Which installs apply the patch."""
 
-    def wrap(self, owner: type, name: str, make: Callable[[Any], Any]) -> None:
-        """Replace ``owner.name`` with ``make(original)``."""
-        own = name in owner.__dict__
-        original = owner.__dict__[name] if own else getattr(owner, name)
-        if getattr(original, _ORIGINAL, None) is not None:
-            raise AlreadyPatched(
-                f"{owner.__qualname__}.{name} is already patched by a kvcanary adapter; uninstall that one first"
-            )
-        wrapper = make(original)
-        setattr(wrapper, _ORIGINAL, original)
-        setattr(owner, name, wrapper)
-        self._applied.append((owner, name, original, own, wrapper))
+    ALWAYS = "always"
+    FAIL_REQUEST = "mode fail-request"
+    RAISE = "mode raise"
+    UNPINNED_OFFLOAD = "unpinned_cpu_offload=True"
 
-    def restore(self) -> None:
-        """Undo every patch, last first; safe to call twice."""
-        while self._applied:
-            owner, name, original, own, wrapper = self._applied.pop()
-            if owner.__dict__.get(name) is not wrapper:
-                logger.warning("kvcanary: %s.%s was re-patched by someone else; restoring it anyway", owner, name)
-            if own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
 
-    def __len__(self) -> int:
-        return len(self._applied)
+@dataclasses.dataclass(frozen=True)
+class EnginePatch:
+    module: str  # the engine module, relative to transformers.generation.continuous_batching
+    owner: str  # the class
+    method: str
+    role: Role
+    purpose: str
+    when: When = When.ALWAYS
+
+    @property
+    def symbol(self) -> str:
+        return f"{_CB}.{self.module}.{self.owner}.{self.method}"
+
+    def resolve(self) -> type | None:
+        """The class to patch, or None when the engine no longer has the symbol."""
+        try:
+            module = importlib.import_module(f"{_CB}.{self.module}")
+        except ImportError:
+            return None
+        owner: Any = getattr(module, self.owner, None)
+        return owner if isinstance(owner, type) and hasattr(owner, self.method) else None
+
+
+_C, _N = Role.CRITICAL, Role.COUNTER
+
+PATCHES: tuple[EnginePatch, ...] = (
+    EnginePatch("input_outputs", "ContinuousBatchingIOs", "prepare_batch_tensors", _C, "the host's view of the step"),
+    EnginePatch("model_runner", "ModelRunner", "compute_batch", _C, "the step tap: verify what the forward reads"),
+    EnginePatch("cache_allocators.cache_allocator", "CacheAllocator", "copy_blocks", _C, "records follow fork copies"),
+    EnginePatch("offloading_manager", "OffloadingManager", "_offload_to_cpu", _C, "records follow CPU offloads"),
+    EnginePatch("offloading_manager", "OffloadingManager", "restore_scheduled_requests", _C, "records follow restores"),
+    EnginePatch("cache_allocators.cache_allocator", "CacheAllocator", "mark_complete_blocks", _N, "dedup_swaps"),
+    EnginePatch("cache_allocators.cache_allocator", "BlockLedger", "acquire", _N, "cached_block_reuse"),
+    EnginePatch("cache", "PagedAttentionCache", "search_prefix_match", _N, "prefix_hits, prefix_tokens"),
+    EnginePatch("cache", "PagedAttentionCache", "prepare_fork_request", _N, "forks"),
+    EnginePatch(
+        "continuous_api", "ContinuousBatchProcessor", "update_batch", _C, "fail reported requests", When.FAIL_REQUEST
+    ),
+    EnginePatch("continuous_api", "ContinuousMixin", "generate_batch", _C, "re-raise in the caller", When.RAISE),
+    EnginePatch(
+        "offloading_manager",
+        "OffloadingManager",
+        "__init__",
+        _C,
+        "offload without pinned memory",
+        When.UNPINNED_OFFLOAD,
+    ),
+)
+
+
+def missing(patches: tuple[EnginePatch, ...] = PATCHES) -> list[EnginePatch]:
+    """The declared patches whose engine symbol does not exist in the installed transformers."""
+    return [p for p in patches if p.resolve() is None]

@@ -1,0 +1,207 @@
+"""The per-step work of the transformers adapter: the host view, the step tap and the bypass check.
+
+* ``ContinuousBatchingIOs.prepare_batch_tensors``: the host's view of the step (request ids, past and
+  query lengths, ground-truth tokens), read just before the engine advances the requests.
+* ``ModelRunner.compute_batch``: right after the engine launched the forward, the kwargs the model
+  received are translated and handed to the :class:`~kvcanary.runtime.CanaryManager` on the engine's
+  compute stream.  Running after the launch keeps the tap outside compiled code and CUDA graphs (the
+  static buffers the graph replayed are the ones read) and sees the carried-over tokens of asynchronous
+  batching; the records only change through the canary, so nothing is lost by verifying after the
+  forward was enqueued.
+* a forward pre-hook on the model only counts paged forwards, so a forward that ran without the tap
+  (the engine changed its call path) is noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcanary.adapters.transformers_cb.binding import Binding, Bindings
+from kvcanary.adapters.transformers_cb.features import FeatureCounters
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.modes import ModeActions
+from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
+from kvcanary.adapters.transformers_cb.translate import Translation
+from kvcanary.config import Mode
+from kvcanary.runtime import StepReport
+
+logger = logging.getLogger("kvcanary")
+
+StepCallback = Callable[[int, Translation], None]  # (steps run on the current cache, the step's translation)
+
+
+class StepTap:
+    """Counts and wrappers of one install's per-step path (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        mode: Mode,
+        modes: ModeActions,
+        bindings: Bindings,
+        features: FeatureCounters,
+        collect: Callable[[StepReport | None], None],
+        on_step: StepCallback | None,
+    ) -> None:
+        self._model = model
+        self._mode = mode
+        self._modes = modes
+        self._bindings = bindings
+        self._features = features
+        self._collect = collect
+        self._on_step = on_step
+        self.pending: tuple[Any, HostBatch] | None = None  # (cache, host batch) of the step being prepared
+        self.input_probe: Callable[[dict[str, Any]], None] | None = None
+        self.forwards_seen = 0
+        self.taps = 0
+        self.adapter_errors = 0
+        self.hook_misses = 0
+        self.timer = TapTimer()  # host time of verified steps (the device work is asynchronous on GPU)
+        self._warned_long_rows = False
+
+    def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+            # Before the engine advances position_offset: past lengths are read here.
+            if self._mode is not Mode.OFF:
+                start = time.perf_counter_ns()
+                self.pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
+                self.timer.discard()  # a step prepared but never tapped is not timed
+                self.timer.add("capture", time.perf_counter_ns() - start)
+            return original(io, requests_in_batch, *args, **kwargs)
+
+        return prepare_batch_tensors
+
+    def wrap_compute(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def compute_batch(runner: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+            if self.input_probe is not None and model is self._model:
+                self.input_probe(batch_data)
+            out = original(runner, model, batch_data)
+            if model is self._model:
+                try:
+                    self._tap(runner, batch_data)
+                except Exception as exc:  # raise mode: the engine's thread swallows it, generate_batch re-raises
+                    self._modes.note_raised(exc)
+                    raise
+            return out
+
+        return compute_batch
+
+    def pre_hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("cache") is None or "write_index" not in kwargs:
+            return  # not a paged continuous-batching forward
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # the engine capturing a CUDA graph: its warm-up forward already counted, the tap follows
+        self.forwards_seen += 1
+        if self.forwards_seen - 1 > self.taps:
+            self.hook_misses += 1
+            msg = (
+                "kvcanary: a paged forward ran without the canary's step tap (ModelRunner.compute_batch was "
+                "bypassed); the canary is not in effect"
+            )
+            if self._mode is Mode.RAISE:
+                error = RuntimeError(msg)
+                self._modes.note_raised(error)
+                raise error
+            if self.hook_misses == 1:
+                logger.error(msg)
+            self.taps = self.forwards_seen - 1  # report each miss once
+
+    def _tap(self, runner: Any, batch_data: dict[str, Any]) -> None:
+        self.taps += 1
+        pending, self.pending = self.pending, None
+        if self._mode is Mode.OFF:
+            return
+        # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
+        # asynchronous batching) and before the next step rewrites the static buffers.  The host step too:
+        # its copy of the step's counters must queue behind the canary's work, not race it on another
+        # stream (the engine's streams do not synchronise with the default one).
+        with stream_context(getattr(runner.inputs_and_outputs, "compute_stream", None)):
+            tr = self._verify_step(runner, batch_data, pending)
+            binding = self._bindings.current  # bound by _verify_step
+            if tr is None or binding is None:
+                self.timer.discard()
+                return
+            start = time.perf_counter_ns()
+            report = binding.manager.host_step(list(tr.request_ids))
+        binding.steps += 1
+        self.timer.add("host_step", time.perf_counter_ns() - start)
+        self.timer.commit()
+        self._collect(report)
+        if self._on_step is not None:
+            self._on_step(binding.steps, tr)
+
+    def _verify_step(self, runner: Any, batch_data: dict[str, Any], pending: Any) -> Translation | None:
+        """Translate the step and run plan/verify/stamp; None when the step is not verified."""
+        try:
+            if pending is None or pending[0] is not runner.cache:
+                raise RuntimeError("the forward ran without a host batch prepared for its cache")
+            host = pending[1]
+            if host.is_warmup:
+                self._features.warmup_steps += 1
+                return None
+            binding = self._bind(runner)
+            start = time.perf_counter_ns()
+            tr = binding.translator.translate(batch_data, host)
+        except Exception as exc:
+            self._adapter_error("could not translate the step", exc)
+            return None
+        translated = time.perf_counter_ns()
+        try:
+            binding.manager.before_forward(tr.batches)
+        except Exception as exc:
+            self._adapter_error("the canary refused the step's batch", exc)
+            return None
+        binding.manager.after_forward()
+        self.timer.add("translate", translated - start)
+        self.timer.add("launch", time.perf_counter_ns() - translated)
+        self._count(tr)
+        return tr
+
+    def _bind(self, runner: Any) -> Binding:
+        binding, created = self._bindings.bind(runner)
+        if created:
+            self._modes.reset()
+            self._features.caches_bound += 1
+        return binding
+
+    def _count(self, tr: Translation) -> None:
+        f = self._features
+        f.ring_wraps += tr.ring_wraps
+        f.padded_steps += int(tr.padded)
+        f.block_table_steps += int(tr.block_table)
+        f.rows_too_long += tr.rows_too_long
+        if tr.rows_too_long and not self._warned_long_rows:
+            self._warned_long_rows = True
+            logger.warning(
+                "kvcanary: %d request(s) are longer than the adapter's table (max_context) and are not verified; "
+                "pass a larger max_context to install()",
+                tr.rows_too_long,
+            )
+
+    def _adapter_error(self, what: str, exc: Exception) -> None:
+        """A bug or an unsupported engine state: raise in raise mode, else log (first time) and skip the step."""
+        self.adapter_errors += 1
+        if self._mode is Mode.RAISE:
+            raise exc
+        if self.adapter_errors == 1:
+            logger.error("kvcanary transformers adapter: %s; the step is not verified", what, exc_info=exc)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "adapter_errors": self.adapter_errors,
+            "hook_misses": self.hook_misses,
+            "taps": self.taps,
+            **self.timer.stats(),
+        }
+
+
+def stream_context(stream: Any) -> Any:
+    """The engine's own stream context (its compute stream; a no-op without one)."""
+    from transformers.generation.continuous_batching.utils import stream_context as engine_stream_context
+
+    return engine_stream_context(stream)

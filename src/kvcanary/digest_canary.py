@@ -1,0 +1,104 @@
+"""One group's KV digest: stamp the slots a step wrote, verify a budgeted share of what it reads.
+
+Created beside a :class:`~kvcanary.canary.GroupCanary` (it stores the digests in that group's records,
+so they follow every record copy) from the engine's :class:`~kvcanary.digest.DigestLayout` and a
+:class:`~kvcanary.config.DigestConfig`.  Per step: :meth:`verify` after the group's plan and before
+attention reads (it selects from the plan's verify spans), :meth:`stamp` once the engine has written the
+step's K/V (it digests ``out_cache_loc``).  :meth:`verify_slots` checks slots whose bytes were just
+moved (copied, restored), whatever the budget.  Violations go into the group's log like the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcanary.arguments import require_affordable
+from kvcanary.batch import StepBatch
+from kvcanary.canary import GroupCanary, uses_kernels
+from kvcanary.config import DigestConfig
+from kvcanary.digest import TILE_TOKENS, DigestLayout, DigestWorkspace
+from kvcanary.ops import digest_reference as dref
+from kvcanary.workspace import ViolationLog
+
+
+def workspace_entries(canary: GroupCanary, period: int) -> int:
+    """Entries one call may need: a prefill chunk's writes, or the budgeted share of a full verify.
+
+    A row's verify span of n positions spans at most n / G + 2 runs of G positions, of which every
+    ``period``-th is selected (at least one per row).
+    """
+    caps = canary.caps
+    writes = -(-caps.max_tokens // TILE_TOKENS) * TILE_TOKENS
+    reads = TILE_TOKENS * (caps.verify_entries // (TILE_TOKENS * period) + caps.max_batch * (1 + 2 // period + 1))
+    return max(writes, reads)
+
+
+class GroupDigest:
+    """The digest state of one group (digests in its records, a workspace) and its per-step calls."""
+
+    def __init__(self, canary: GroupCanary, layout: DigestLayout, config: DigestConfig) -> None:
+        if not isinstance(layout, DigestLayout):
+            raise TypeError(f"layout must be a kvcanary.digest.DigestLayout, got {type(layout).__name__}")
+        if not isinstance(config, DigestConfig):
+            raise TypeError(f"config must be a kvcanary.config.DigestConfig, got {type(config).__name__}")
+        if layout.device != canary.device:
+            raise ValueError(f"digest layout on {layout.device}, canary on {canary.device}")
+        if layout.num_slots < canary.group.num_slots - len(canary.group.reserved_slots):
+            # Reserved slots past the layout (a sentinel slot of its own) are never digested; others must be.
+            raise ValueError(
+                f"group {canary.group.name!r}: the digest layout covers {layout.num_slots} slots, "
+                f"the group has {canary.group.num_slots}"
+            )
+        self.canary = canary
+        self.layout = layout
+        self.config = config
+        self.period = config.period
+        entries = workspace_entries(canary, self.period)
+        require_affordable(
+            f"digest of group {canary.group.name!r}", canary.group.num_slots * 8 + entries * 24, canary.device
+        )
+        canary.records.enable_digests()
+        self.workspace = DigestWorkspace.allocate(entries, canary.device)
+        self._kernels = uses_kernels(canary.backend, canary.device)
+        self._device_layout = None
+        if self._kernels:
+            from kvcanary.ops.digest_launchers import DeviceLayout
+
+            self._device_layout = DeviceLayout.build(layout)
+
+    @property
+    def digests(self) -> torch.Tensor:
+        d = self.canary.records.digests
+        assert d is not None  # allocated in __init__
+        return d
+
+    def _ops(self) -> tuple[Any, Any]:
+        """(module, layout) of the backend: the launchers with the device table, or the reference."""
+        if self._kernels:
+            from kvcanary.ops import digest_launchers
+
+            return digest_launchers, self._device_layout
+        return dref, self.layout
+
+    def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
+        """Digest the slots this step wrote (``out_cache_loc``, through the lookup); after the engine wrote them."""
+        ops, layout = self._ops()
+        ops.stamp_list(self.canary.group, layout, self.digests, self.workspace, log, batch.out_cache_loc,
+                       lookup=batch.lookup)  # fmt: skip
+
+    def verify(self, batch: StepBatch, log: ViolationLog) -> None:
+        """Verify the budgeted share of the last plan's verify entries (same batch), before attention reads."""
+        ops, layout = self._ops()
+        ops.verify_planned(self.canary.group, layout, self.digests, self.workspace, log, batch,
+                           self.canary.workspace, period=self.period)  # fmt: skip
+
+    def verify_slots(self, slots: torch.Tensor, log: ViolationLog) -> None:
+        """Verify slots whose bytes were just moved (in chunks of the workspace's entries)."""
+        ops, layout = self._ops()
+        slots = slots.to(self.canary.device, dtype=torch.int64)
+        step = self.workspace.entries
+        for c0 in range(0, int(slots.shape[0]), step):
+            ops.verify_list(self.canary.group, layout, self.digests, self.workspace, log,
+                            slots[c0 : c0 + step].contiguous())  # fmt: skip

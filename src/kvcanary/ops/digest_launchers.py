@@ -1,0 +1,183 @@
+"""Launchers of the digest kernel: same signatures and results as :mod:`kvcanary.ops.digest_reference`.
+
+:class:`DeviceLayout` is built once (install time): a device table of every component's address and
+strides, grouped by element size; a component whose head rows are contiguous whole words is read as
+64-bit words directly (the same bytes, so the same digest).  Calls check metadata on the host, never read
+device values, synchronise or allocate: a step's digest work can sit in a CUDA graph.  The layout's
+tensors must stay allocated (and in place) while it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from kvcanary.batch import StepBatch
+from kvcanary.digest import TILE_TOKENS, WORD_BYTES, DigestLayout, DigestWorkspace, KVComponent
+from kvcanary.layout import CanaryGroup
+from kvcanary.ops.kernels.digest import digest_kernel
+from kvcanary.schema import NUM_COUNTERS
+from kvcanary.workspace import PlanWorkspace, ViolationLog
+
+# Words read per tile row and step, by element size: tiles of TILE_TOKENS x 128 words.
+_BLOCK_W = {8: 128, 4: 64, 2: 32, 1: 16}
+
+
+def _row(comp: KVComponent, base: int) -> tuple[int, list[int]]:
+    """(element size the kernel reads, table row) of one component."""
+    v = comp.view
+    es = v.element_size()
+    s_block, s_off, s_head, s_dim = v.stride()
+    if comp.block_size == 1:
+        s_off = 0  # never multiplied by a non-zero offset
+    if comp.heads == 1:
+        s_head = 0
+    addr, dim = v.data_ptr(), comp.dim
+    words_ok = (s_dim == 1 or dim == 1) and (dim * es) % WORD_BYTES == 0 and addr % WORD_BYTES == 0
+    if es < WORD_BYTES and words_ok and all((s * es) % WORD_BYTES == 0 for s in (s_block, s_off, s_head)):
+        k = WORD_BYTES // es
+        es, dim, s_block, s_off, s_head, s_dim = WORD_BYTES, dim // k, s_block // k, s_off // k, s_head // k, 1
+    return es, [addr, s_block, s_off, s_head, s_dim, comp.block_size, comp.heads, dim, comp.words_per_head, base]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLayout:
+    """A :class:`DigestLayout` as the kernel reads it: one table, one launch per element size."""
+
+    layout: DigestLayout
+    table: torch.Tensor  # int64 [components, 10], rows grouped by element size
+    classes: tuple[tuple[int, int, int], ...]  # (element size, first row, rows)
+
+    @classmethod
+    def build(cls, layout: DigestLayout) -> DeviceLayout:
+        rows: dict[int, list[list[int]]] = {}
+        for comp, base in zip(layout.components, layout.word_bases(), strict=True):
+            es, row = _row(comp, base)
+            rows.setdefault(es, []).append(row)
+        flat: list[list[int]] = []
+        classes = []
+        for es in sorted(rows):
+            classes.append((es, len(flat), len(rows[es])))
+            flat.extend(rows[es])
+        table = torch.tensor(flat, dtype=torch.int64, device=layout.device)
+        return cls(layout, table, tuple(classes))
+
+
+def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog) -> None:
+    if not isinstance(dl, DeviceLayout):
+        raise TypeError(f"layout must be a DeviceLayout (DeviceLayout.build(...)), got {type(dl).__name__}")
+    dev = dl.layout.device
+    for name, t, dtype, shape in (
+        ("digests", digests, torch.int64, (group.num_slots,)),
+        ("workspace.sync", ws.sync, torch.int64, (4,)),
+        ("workspace.epoch", ws.epoch, torch.int64, (1,)),
+        ("workspace.stats", ws.stats, torch.int64, (4,)),
+        ("workspace.entry_slots", ws.entry_slots, torch.int64, (ws.entries,)),
+        ("workspace.entry_info", ws.entry_info, torch.int64, (ws.entries,)),
+        ("log.counters", log.counters, torch.int64, (NUM_COUNTERS,)),
+    ):
+        if t.dtype != dtype or tuple(t.shape) != shape or t.device != dev or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "the digest kernel got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels"
+        )
+
+
+def _programs(units: int, dev: torch.device) -> int:
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_properties(dev).multi_processor_count * 8
+    else:
+        cap = 3
+    return max(1, min(units, cap))
+
+
+def _reserved(group: CanaryGroup) -> list[int]:
+    return list(group.reserved_slots) + [-1] * (CanaryGroup.MAX_RESERVED - len(group.reserved_slots))
+
+
+def _launch(
+    group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog, *,
+    locs: torch.Tensor | None, lookup: torch.Tensor | None, batch: StepBatch | None, plan_ws: PlanWorkspace | None,
+    stamp: bool, report_range: bool, period: int, max_tiles: int,
+) -> None:  # fmt: skip
+    dummy = ws.sync
+    n_list = 0 if locs is None else int(locs.shape[0])
+    b = n_rows = n_cols = 0
+    rows = table = starts = voff = state = dummy
+    if batch is not None and plan_ws is not None:
+        b = batch.batch_size
+        n_rows, n_cols = (int(s) for s in batch.table.shape)
+        rows, table = batch.rows, batch.table if batch.table.numel() else dummy
+        starts, voff, state = plan_ws.window_starts, plan_ws.verify_offsets, plan_ws.row_state
+    max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
+    block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
+    has_lookup = lookup is not None and lookup.numel() > 0
+    units = max_tiles * len(dl.layout.components)
+    for k, (es, c_begin, n_cls) in enumerate(dl.classes):
+        digest_kernel[(_programs(units, dl.layout.device),)](
+            dl.table, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
+            rows if b else dummy, table, starts, voff, state,
+            digests, ws.acc, ws.entry_slots, ws.entry_info, ws.sync, ws.epoch, ws.stats,
+            log.first, log.last, log.counters,
+            n_list, int(lookup.shape[0]) if has_lookup and lookup is not None else 0, b, n_rows, n_cols,
+            group.page_size, min(group.num_slots, dl.layout.num_slots), period, max_tiles, c_begin, n_cls,
+            log.capacity, group.group_id, *_reserved(group),
+            FROM_PLAN=batch is not None, STAMP=stamp, HAS_LOOKUP=has_lookup, PAGED=group.page_size > 1,
+            REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
+            G=TILE_TOKENS, BLOCK_W=_BLOCK_W[es], BLOCK_B=block_b, num_warps=4,
+        )  # fmt: skip
+
+
+def _list(
+    group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    locs: torch.Tensor, lookup: torch.Tensor | None, report_range: bool, stamp: bool,
+) -> None:  # fmt: skip
+    _check(group, dl, digests, ws, log)
+    if not isinstance(locs, torch.Tensor) or locs.dim() != 1 or locs.dtype not in (torch.int32, torch.int64):
+        raise TypeError("locs must be a 1-D int32/int64 tensor")
+    if locs.device != dl.layout.device or not locs.is_contiguous():
+        raise ValueError(f"locs must be contiguous on {dl.layout.device}")
+    tiles = -(-int(locs.shape[0]) // TILE_TOKENS)
+    if tiles * TILE_TOKENS > ws.entries:
+        raise ValueError(f"{locs.shape[0]} entries exceed the digest workspace ({ws.entries} entries)")
+    _launch(
+        group, dl, digests, ws, log, locs=locs, lookup=lookup, batch=None, plan_ws=None, stamp=stamp,
+        report_range=report_range, period=1, max_tiles=tiles,
+    )  # fmt: skip
+
+
+def stamp_list(
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
+) -> None:  # fmt: skip
+    """digest_reference.stamp_list on device."""
+    _list(group, layout, digests, ws, log, locs, lookup, report_range, True)
+
+
+def verify_list(
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
+) -> None:  # fmt: skip
+    """digest_reference.verify_list on device."""
+    _list(group, layout, digests, ws, log, locs, lookup, report_range, False)
+
+
+def verify_planned(
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+) -> None:  # fmt: skip
+    """digest_reference.verify_planned on device (the batch's plan must have run)."""
+    _check(group, layout, digests, ws, log)
+    if group_tokens != TILE_TOKENS:
+        raise ValueError(f"the kernel selects runs of {TILE_TOKENS} positions, got group_tokens={group_tokens}")
+    if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+        raise ValueError(f"period must be a positive int, got {period!r}")
+    if batch.batch_size > int(plan_ws.row_state.shape[0]):
+        raise ValueError("batch larger than the plan workspace")
+    _launch(
+        group, layout, digests, ws, log, locs=None, lookup=batch.lookup, batch=batch, plan_ws=plan_ws,
+        stamp=False, report_range=False, period=period, max_tiles=ws.entries // TILE_TOKENS,
+    )  # fmt: skip

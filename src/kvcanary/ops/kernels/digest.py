@@ -1,0 +1,287 @@
+# mypy: disable-error-code="no-untyped-def"
+"""The KV digest on device: :mod:`kvcanary.ops.digest_reference` as one kernel.
+
+Work units are (tile, component): a tile is G entries (G list indices, or G consecutive positions of one
+row's budgeted verify span), a component one strided tensor of the layout (its address and strides come
+from a device table, so one launch reads every layer).  Each unit sums its words' terms per entry and adds
+them into ``acc`` (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever
+the schedule).  Components of one element size share a launch; the last launch's last program (a
+ticket) finalizes every entry in order: stores digests or compares them, then writes violation rows
+through :mod:`.log`'s first-K / last-K placement.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvcanary import digest as spec
+from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
+from kvcanary.ops.kernels.log import VIOLATIONS, add_counters, reason_counts, store_rows
+from kvcanary.schema import Phase, Reason
+
+SEED = tl.constexpr(spec.DIGEST_SEED)
+GAMMA = tl.constexpr(spec.DIGEST_GAMMA)
+C1 = tl.constexpr(0xBF58476D1CE4E5B9)
+C2 = tl.constexpr(0x94D049BB133111EB)
+MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
+OUT_OF_RANGE = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
+PHASE_STAMP = tl.constexpr(int(Phase.DIGEST_STAMP))
+PHASE_VERIFY = tl.constexpr(int(Phase.DIGEST_VERIFY))
+SKIP = tl.constexpr(-1)  # entry_slot: nothing to digest
+BAD = tl.constexpr(-2)  # entry_slot: an index out of range, reported
+TICKET = tl.constexpr(1)
+STAT_STAMPED = tl.constexpr(spec.DigestWorkspace.STAT_STAMPED)
+STAT_VERIFIED = tl.constexpr(spec.DigestWorkspace.STAT_VERIFIED)
+STAT_SKIPPED = tl.constexpr(spec.DigestWorkspace.STAT_SKIPPED_TILES)
+STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
+COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size, heads, dim, words/head, word base
+FIN = tl.constexpr(512)  # entries per step of the finalize
+POS_BITS = tl.constexpr(32)
+POS_MASK = tl.constexpr((1 << 32) - 1)
+
+
+@triton.jit
+def fmix64(x):
+    x = x ^ (x >> 30)
+    x = x * C1
+    x = x ^ (x >> 27)
+    x = x * C2
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
+    """Per row (BLOCK_B lanes): first selected group, selected tiles, and the tiles' exclusive prefix."""
+    rb = tl.arange(0, BLOCK_B)
+    rm = rb < b
+    active = tl.load(state_ptr + rb, mask=rm, other=1) == 0
+    start = tl.load(starts_ptr + rb, mask=rm, other=0)
+    count = tl.load(voff_ptr + rb + 1, mask=rm, other=0) - tl.load(voff_ptr + rb, mask=rm, other=0)
+    end = tl.where(active & rm, start + count, start)
+    lo = start // G
+    hi = tl.where(end > start, (end + G - 1) // G, lo)
+    trow = tl.load(rows_ptr + rb, mask=rm, other=0).to(tl.int64)
+    ph = ((epoch + trow) % period + period) % period
+    tiles = tl.maximum((hi - ph + period - 1) // period, 0) - tl.maximum((lo - ph + period - 1) // period, 0)
+    first = lo + ((ph - lo) % period + period) % period
+    incl = tl.cumsum(tiles, 0)
+    return first, tiles, incl - tiles, start, end
+
+
+@triton.jit
+def _pick(values, i):
+    return tl.sum(tl.where(tl.arange(0, values.shape[0]) == i, values, 0))
+
+
+@triton.jit
+def _tile_entries(
+    tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
+    first, tiles_excl, tiles_incl, starts, ends, period,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    FROM_PLAN: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr, REPORT_RANGE: tl.constexpr,
+    G: tl.constexpr,
+):  # fmt: skip
+    """One tile's entries: (entry index, slot marker, info) with marker = slot, SKIP or BAD."""
+    lane = tl.arange(0, G)
+    e = tile * G + lane
+    if FROM_PLAN:
+        r = tl.sum((tiles_incl <= tile).to(tl.int64))  # rows whose tiles all come before this one
+        grp = _pick(first, r) + (tile - _pick(tiles_excl, r)) * period
+        pos = grp * G + lane
+        inside = (pos >= _pick(starts, r)) & (pos < _pick(ends, r))
+        trow = tl.load(rows_ptr + r).to(tl.int64)
+        full = table_entry(table_ptr, trow, pos, n_rows, n_cols, page, inside, PAGED)
+        info = (tl.zeros_like(pos) + r) << POS_BITS | pos
+        stored = inside
+    else:
+        m = e < n_list
+        full = tl.load(locs_ptr + e, mask=m, other=-1).to(tl.int64)
+        stored = m & (full != -1)
+        info = full
+    slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
+    ok = stored & ~lookup_bad & in_pool(slot, num_slots)
+    usable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+    marker = tl.where(usable, slot, SKIP)
+    if REPORT_RANGE:
+        marker = tl.where(stored & ~ok, BAD, marker)
+    return e, marker, info
+
+
+@triton.jit
+def _unit(
+    comp_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """Sum of one component's terms for G slots (uint64 [G]); unusable lanes read nothing and add 0."""
+    row = comp_ptr + c * COMP_WIDTH
+    addr = tl.load(row)
+    s_block = tl.load(row + 1)
+    s_off = tl.load(row + 2)
+    s_head = tl.load(row + 3)
+    s_dim = tl.load(row + 4)
+    bsize = tl.load(row + 5)
+    n_words = tl.load(row + 6) * tl.load(row + 8)
+    dim = tl.load(row + 7)
+    wph = tl.load(row + 8)
+    word_base = tl.load(row + 9)
+    if ESIZE == 1:
+        base = addr.to(tl.pointer_type(tl.uint8))
+    elif ESIZE == 2:
+        base = addr.to(tl.pointer_type(tl.uint16))
+    elif ESIZE == 4:
+        base = addr.to(tl.pointer_type(tl.uint32))
+    else:
+        base = addr.to(tl.pointer_type(tl.uint64))
+    s = tl.where(usable, slot, 0)
+    row_off = (s // bsize) * s_block + (s % bsize) * s_off
+    total = tl.zeros((G,), tl.uint64)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w < n_words
+        h = w // wph
+        j = w % wph
+        key = fmix64(((word_base + w + 1).to(tl.uint64) * GAMMA) + SEED)
+        valid = usable[:, None] & wm[None, :]
+        if ESIZE == 8:
+            ptrs = base + row_off[:, None] + (h * s_head + j * s_dim)[None, :]
+            word = tl.load(ptrs, mask=valid, other=0).to(tl.uint64)
+        else:
+            EPW: tl.constexpr = 8 // ESIZE
+            k = tl.arange(0, EPW)
+            d = j[:, None] * EPW + k[None, :]
+            off = h[:, None] * s_head + d * s_dim
+            m3 = valid[:, :, None] & (d < dim)[None, :, :]
+            el = tl.load(base + row_off[:, None, None] + off[None, :, :], mask=m3, other=0).to(tl.uint64)
+            word = tl.sum(el << (k * (8 * ESIZE)).to(tl.uint64)[None, None, :], axis=2)
+        term = fmix64(word ^ key[None, :])
+        total += tl.sum(tl.where(valid, term, 0), axis=1)
+    return total
+
+
+@triton.jit
+def _finalize(
+    digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
+    n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
+):  # fmt: skip
+    """Every entry in order: store or compare its digest, count, then write the kept violation rows."""
+    found = tl.zeros((), tl.int64)
+    done = tl.zeros((), tl.int64)
+    bits = tl.zeros((32,), tl.int64)
+    for e0 in range(0, n_entries, FIN):
+        e = e0 + tl.arange(0, FIN)
+        m = e < n_entries
+        slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
+        usable = m & (slot >= 0)
+        d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m) | 1
+        if STAMP:
+            tl.store(digests_ptr + slot, d, mask=usable)
+            mismatch = usable & (slot < 0)
+        else:
+            stored = tl.load(digests_ptr + slot, mask=usable, other=0)
+            mismatch = usable & (stored != 0) & (stored != d)
+            tl.store(acc_ptr + e, d, mask=mismatch)  # kept for the rows' pass: nonzero marks a mismatch
+        hit = mismatch | (m & (slot == BAD))
+        reasons = tl.where(mismatch, MISMATCH, tl.where(hit, OUT_OF_RANGE, 0)).to(tl.int64)
+        bits += reason_counts(reasons)
+        found += tl.sum(hit.to(tl.int64))
+        done += tl.sum(usable.to(tl.int64))
+    if STAMP:
+        tl.atomic_add(stats_ptr + STAT_STAMPED, done)
+    else:
+        tl.atomic_add(stats_ptr + STAT_VERIFIED, done)
+    if found > 0:
+        base = tl.atomic_add(counters_ptr + VIOLATIONS, found)
+        add_counters(counters_ptr, bits)
+        rank = tl.zeros((), tl.int64)
+        for e0 in range(0, n_entries, FIN):
+            e = e0 + tl.arange(0, FIN)
+            m = e < n_entries
+            slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
+            computed = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m)
+            mismatch = m & (slot >= 0) & (computed != 0)
+            bad = m & (slot == BAD)
+            hit = mismatch | bad
+            info = tl.load(einfo_ptr + e, mask=hit, other=0, cache_modifier=".cg")
+            stored = tl.load(digests_ptr + slot, mask=mismatch, other=0)
+            if FROM_PLAN:
+                r = info >> POS_BITS
+                pos = info & POS_MASK
+                trow = tl.load(rows_ptr + r, mask=hit, other=0).to(tl.int64)
+                phase = PHASE_VERIFY
+            else:
+                r = tl.zeros_like(info) - 1
+                pos = r
+                trow = r
+                if STAMP:
+                    phase = PHASE_STAMP
+                else:
+                    phase = PHASE_VERIFY
+            hit64 = hit.to(tl.int64)
+            g = base + rank + tl.cumsum(hit64, 0) - hit64
+            reasons = tl.where(mismatch, MISMATCH, OUT_OF_RANGE).to(tl.int64)
+            minus = tl.zeros_like(info) - 1
+            store_rows(
+                first_ptr, last_ptr, log_k, g, base + found, hit, reasons, phase, group_id, r, trow,
+                tl.where(bad, -1, slot), minus, pos, minus, minus, minus, stored, computed,
+                tl.where(bad, info, -1),
+            )  # fmt: skip
+            rank += tl.sum(hit64)
+
+
+@triton.jit(do_not_specialize=[
+    "n_list", "n_lookup", "b", "n_rows", "n_cols", "page", "num_slots", "period", "max_tiles",
+    "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
+])  # fmt: skip
+def digest_kernel(
+    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr,
+    digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
+    n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
+    REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
+    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    if FROM_PLAN:
+        epoch = tl.load(epoch_ptr)
+        first, tiles, excl, starts, ends = _row_spans(
+            rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G
+        )
+        total_tiles = tl.sum(tiles)
+        n_tiles = tl.minimum(total_tiles, max_tiles)
+        incl = excl + tiles
+    else:
+        first = tl.zeros((BLOCK_B,), tl.int64)
+        excl = first
+        incl = first
+        starts = first
+        ends = first
+        total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
+        n_tiles = total_tiles
+    for u in range(pid, n_tiles * n_cls, n_programs):
+        tile = u // n_cls
+        c = c_begin + u % n_cls
+        e, marker, info = _tile_entries(
+            tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
+            first, excl, incl, starts, ends, period, res0, res1, res2, res3, res4, res5, res6, res7,
+            FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
+        )  # fmt: skip
+        if u % n_cls == 0:
+            tl.store(eslot_ptr + e, marker)
+            tl.store(einfo_ptr + e, info)
+        usable = marker >= 0
+        part = _unit(comp_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
+        tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
+    if FINALIZE:
+        ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+        if ticket == n_programs - 1:
+            tl.atomic_xchg(sync_ptr + TICKET, 0)
+            _finalize(
+                digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
+                n_tiles * G, log_k, group_id, STAMP, FROM_PLAN,
+            )  # fmt: skip
+            tl.atomic_add(stats_ptr + STAT_CALLS, 1)
+            if FROM_PLAN:
+                tl.atomic_add(stats_ptr + STAT_SKIPPED, total_tiles - n_tiles)
+                tl.atomic_add(epoch_ptr, 1)

@@ -1,0 +1,173 @@
+"""The KV digest through the manager, driven by the scripted engine with real K/V bytes.
+
+The engine's "forward" writes each stored token's K/V rows (full pool, and the window pool through its
+lookup) between before_forward and after_forward, as a model would.  Clean runs stay silent at every
+budget; byte faults that leave every record intact (a flipped bit, a padding token's K/V written into a
+live slot, a block copy or restore with wrong bytes) are reported as ``digest_mismatch`` within the
+budget's period (one step at budget 1.0), naming the slot and the request whose read hits it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary import CanaryConfig, Capacities, Mode
+from kvcanary import digest as D
+from kvcanary.config import DigestConfig
+from kvcanary.runtime import CanaryManager, StepReport
+from scripted_engine import EngineStep, ScriptedEngine, standard_workload
+
+CAPS = Capacities(max_batch=8, max_tokens=32, verify_entries=128, max_context=24)
+HEADS, DIM, LAYERS = 2, 6, 2
+
+
+class KVPools:
+    """K and V of LAYERS layers for both groups, written by the 'forward' from (token, position)."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        full, window = engine.canary_groups()
+        self.full = [torch.zeros(full.num_slots, HEADS, DIM, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+        self.window = [torch.zeros(window.num_slots, HEADS, DIM, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+
+    def layouts(self) -> dict[str, D.DigestLayout]:
+        return {
+            "full": D.DigestLayout(tuple(D.token_major(t) for t in self.full)),
+            "window": D.DigestLayout(tuple(D.token_major(t) for t in self.window)),
+        }
+
+    @staticmethod
+    def rows_for(token: int, pos: int, i: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(token * 7919 + pos * 31 + i)
+        return torch.randn(HEADS, DIM, generator=gen).to(torch.bfloat16)
+
+    def forward(self, step: EngineStep) -> None:
+        for t, (loc, tok, pos) in enumerate(zip(step.out_cache_loc, step.input_ids, step.positions, strict=True)):
+            if int(loc) < 0:
+                continue
+            wslot = int(step.lookup[int(loc)])
+            for i in range(2 * LAYERS):
+                row = self.rows_for(int(tok), int(pos), i)
+                self.full[i][int(loc)] = row
+                self.window[i][wslot] = row
+            del t
+
+
+def run(engine: ScriptedEngine, budget: float, fault=None) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
+    mgr = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget)))
+    pools = KVPools(engine)
+    mgr.attach_digests(pools.layouts())
+    reports = []
+    while not engine.done:
+        step = engine.begin_step()
+        if fault is not None:
+            fault(engine, step, pools, mgr)
+        mgr.before_forward({"full": step.full(True), "window": step.window(True)})
+        pools.forward(step)
+        mgr.after_forward()
+        reports.append(mgr.host_step(step.rids))
+        engine.end_step()
+    reports.append(mgr.flush())
+    return reports, mgr
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.3, 0.01])
+def test_clean_workload_is_silent_and_digests_every_write(budget: float) -> None:
+    reports, mgr = run(ScriptedEngine(standard_workload()), budget)
+    assert all(r is None for r in reports)
+    assert mgr.stats()["violations"] == 0
+    digest = mgr.digest_of("full")
+    assert digest is not None
+    stats = digest.workspace.stats.tolist()
+    assert stats[D.DigestWorkspace.STAT_STAMPED] > 0 and stats[D.DigestWorkspace.STAT_CALLS] > 0
+    # At 1 % the 15 steps of this short workload may select no read run at all; above, some are verified.
+    assert stats[D.DigestWorkspace.STAT_VERIFIED] > 0 or budget < 0.1
+    written = mgr.canaries["full"].records.links != 0
+    assert torch.equal(digest.digests != 0, written)  # every written slot carries a digest
+
+
+def _first_digest_report(reports: list[StepReport | None]) -> tuple[int, StepReport]:
+    for i, r in enumerate(reports):
+        if r is not None and "digest_mismatch" in r.counts:
+            return i, r
+    raise AssertionError("no digest_mismatch reported")
+
+
+def _flip_at(step_index: int, rid: int, pos: int, layer: int):  # type: ignore[no-untyped-def]
+    def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
+        if step.index == step_index:
+            slot = engine.slot_at(rid, pos)
+            raw = pools.full[layer][slot].view(torch.int16)
+            raw[1, 3] ^= 1 << 9
+
+    return fault
+
+
+@pytest.mark.parametrize("layer", [0, 2 * LAYERS - 1])
+def test_bit_flip_is_caught_at_the_next_read(layer: int) -> None:
+    reports, mgr = run(ScriptedEngine(standard_workload()), 1.0, _flip_at(6, 1, 2, layer))
+    i, report = _first_digest_report(reports)
+    assert report.step == 6 and i == 7  # read at step 6, reported by the next host step
+    bad = [v for v in report.violations if "digest_mismatch" in v.reasons]
+    assert {v.group for v in bad} == {"full"} and {v.request_id for v in bad} >= {1}
+    assert mgr.stats()["violations"] > 0
+
+
+def test_bit_flip_is_caught_within_the_budget_period() -> None:
+    budget = 0.3  # period 4
+    reports, _ = run(ScriptedEngine(standard_workload()), budget, _flip_at(5, 1, 2, 1))
+    _, report = _first_digest_report(reports)
+    assert 5 <= report.step < 5 + DigestConfig(budget).period
+
+
+def test_padding_write_into_a_live_slot_is_caught() -> None:
+    def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
+        if step.index == 7:  # the padding token's K/V lands on request 1's slot 0; no record moves
+            slot = engine.slot_at(1, 0)
+            for t in pools.full:
+                t[slot] = KVPools.rows_for(0, 0, 0)
+
+    reports, _ = run(ScriptedEngine(standard_workload()), 1.0, fault)
+    _, report = _first_digest_report(reports)
+    assert report.step == 7
+
+
+@pytest.mark.parametrize("bytes_ok", [True, False])
+def test_moved_slots_are_verified_after_the_move(bytes_ok: bool) -> None:
+    """A copy whose records follow the bytes is silent; one whose bytes are stale is reported."""
+
+    def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
+        if step.index != 6:
+            return
+        src = torch.tensor([engine.slot_at(1, p) for p in range(3)])
+        dst = torch.tensor([60, 61, 62])  # free slots at the top of the pool, never handed out here
+        mgr.canaries["full"].records.copy_slots(src, dst)
+        for t in pools.full:
+            t[dst] = t[src] if bytes_ok else t[src.flip(0)]
+        mgr.verify_moved("full", dst)
+
+    reports, _ = run(ScriptedEngine(standard_workload()), 0.01, fault)
+    if bytes_ok:
+        assert all(r is None for r in reports)
+    else:
+        _, report = _first_digest_report(reports)
+        bad = [v for v in report.violations if "digest_mismatch" in v.reasons]
+        assert report.step == 6 and {v.slot for v in bad} == {60, 62} and all(v.phase == "digest_verify" for v in bad)
+
+
+def test_attach_refuses_misuse() -> None:
+    engine = ScriptedEngine(standard_workload())
+    pools = KVPools(engine)
+    plain = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig())
+    with pytest.raises(ValueError, match="digest"):
+        plain.attach_digests(pools.layouts())
+    mgr = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig(digest=DigestConfig()))
+    with pytest.raises(ValueError, match="unknown groups"):
+        mgr.attach_digests({"nope": pools.layouts()["full"]})
+    with pytest.raises(ValueError, match="budget"):
+        DigestConfig(0.0)
+    with pytest.raises(TypeError, match="layers"):
+        DigestConfig(layers=[1])  # type: ignore[arg-type]
+    off = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig(mode=Mode.OFF, digest=DigestConfig()))
+    off.attach_digests(pools.layouts())  # off: nothing allocated, nothing to do
+    assert off.digest_of("full") is None
