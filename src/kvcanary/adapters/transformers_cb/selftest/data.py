@@ -12,21 +12,19 @@ from typing import Any
 
 import torch
 
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec, batch_rows, read_segment_starts
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.selftest.context import (
+    FULL,
+    FaultContext,
+    TransformersFault,
+    batch_rows,
+    read_segment_starts,
+)
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
-class KVBitFlip(Fault):
-    spec = FaultSpec(
-        name="kv-bit-flip",
-        bug_class="flipped bits in stored K/V",
-        catalogue="B.15 / B.16 'SDC in HBM'; B.8 vllm-project/vllm#54363 (bit rot in a tier)",
-        mechanism="between two steps, the sign bit of the largest key element of one cached token in one layer flips",
-        model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="the checks compare token, position and link records, never the KV bytes; a flipped bit under a "
-        "correct record needs the KV digest",
-    )
+class KVBitFlip(TransformersFault):
+    spec = SPECS["kv-bit-flip"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)
@@ -34,10 +32,7 @@ class KVBitFlip(Fault):
             return
         g = ctx.group_index(FULL)
 
-        def before_forward(kwargs: dict[str, Any]) -> None:
-            host = ctx.host
-            if host is None:
-                return
+        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
             rows = batch_rows(host)
             starts = read_segment_starts(rows, 0)
             readers = [(r, s) for r, s in zip(rows, starts, strict=True) if r.past > 0]
@@ -57,20 +52,8 @@ class KVBitFlip(Fault):
         ctx.on_forward(before_forward)
 
 
-class PaddingWriteLiveSlot(Fault):
-    spec = FaultSpec(
-        name="padding-write-live-slot",
-        bug_class="a padding write into a live slot",
-        catalogue="B.10 vllm-project/vllm#43810 (padding slot id -1 overwrote slot 79), vllm-project/vllm#39444 "
-        "(dummy run writes into block 0)",
-        mechanism="one step's write list carries an extra padding entry that points at a live slot of another "
-        "request instead of the write trash; every layer writes the padding row's K/V there",
-        model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="padding entries belong to no request row, so the canary stamps nothing for them: the victim's "
-        "record stays right while its bytes are overwritten; needs the KV digest",
-    )
+class PaddingWriteLiveSlot(TransformersFault):
+    spec = SPECS["padding-write-live-slot"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)

@@ -13,31 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.allocator import allocations_ahead, hand_out_next
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.allocator import allocations_ahead, hand_out_next
+from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
-class StalePrefixHit(Fault):
-    spec = FaultSpec(
-        name="stale-prefix-hit",
-        bug_class="stale prefix-cache hash serves a reused block",
-        catalogue="B.1 vllm-project/vllm#4761 (evicted block still tracked as cached), vllm-project/vllm#49125, "
-        "NVIDIA/TensorRT-LLM#15018, sgl-project/sglang#38319",
-        mechanism="a cached block is evicted to the free list but its hash stays in the ledger; a request served it "
-        "by hash (prefix hit or de-duplication) keeps it while the next allocation overwrites it",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: token/link mismatch, or stamp: write_into_live_slot",
-        checks=frozenset(
-            {
-                ("verify", "token_mismatch"),
-                ("verify", "link_mismatch"),
-                ("verify", "position_mismatch"),
-                ("verify", "never_written"),
-                ("stamp", "write_into_live_slot"),  # the next allocation's write, while the hit still reads it
-            }
-        ),
-    )
+class StalePrefixHit(TransformersFault):
+    spec = SPECS["stale-prefix-hit"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)

@@ -11,17 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec
-
-_ALIASING_CHECKS = frozenset(
-    {
-        ("verify", "position_mismatch"),
-        ("verify", "token_mismatch"),
-        ("verify", "link_mismatch"),
-        ("verify", "never_written"),
-        ("stamp", "write_into_live_slot"),  # the reuse's own write, while the old owner still reads the slot
-    }
-)
+from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
 def free_list_contains(pool: Any, index: int, block: int) -> bool:
@@ -63,19 +54,8 @@ def allocations_ahead(ctx: FaultContext) -> int:
     return len(sched.waiting_requests) + sum(bool(s.remaining_prefill_tokens) for s in sched.active_requests.values())
 
 
-class UseAfterFree(Fault):
-    spec = FaultSpec(
-        name="use-after-free",
-        bug_class="block freed and reused while still referenced",
-        catalogue="B.1 vllm-project/vllm#37076 (use-after-free under eviction pressure), vllm-project/vllm#4761, "
-        "NVIDIA/TensorRT-LLM#15018 (orphaned blocks recycled)",
-        mechanism="between two steps, a full block of a decoding request goes back to the free list while the "
-        "request's block table keeps it; the next allocation writes another request's tokens into it",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: position/token/link mismatch, or stamp: write_into_live_slot",
-        checks=_ALIASING_CHECKS,
-    )
+class UseAfterFree(TransformersFault):
+    spec = SPECS["use-after-free"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)
@@ -117,19 +97,8 @@ class UseAfterFree(Fault):
         ctx.wrap(alloc, "free_blocks", make)
 
 
-class DoubleFree(Fault):
-    spec = FaultSpec(
-        name="double-free",
-        bug_class="two owners of one block (double free)",
-        catalogue="B.2 LMCache/LMCache#5005 (double free aliases live KV pages), sgl-project/sglang#27731, "
-        "sgl-project/sglang#18694 (double free during preemption)",
-        mechanism="when a request's blocks are freed, one block that went back to the free list is freed a second "
-        "time; its two copies are handed out first, to allocations of two different steps",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: position/token/link mismatch, or stamp: write_into_live_slot",
-        checks=_ALIASING_CHECKS,
-    )
+class DoubleFree(TransformersFault):
+    spec = SPECS["double-free"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 
-from kvcanary.faults.allocator import DoubleFree, UseAfterFree
-from kvcanary.faults.base import Fault
-from kvcanary.faults.copies import (
+from kvcanary.adapters.transformers_cb.selftest.allocator import DoubleFree, UseAfterFree
+from kvcanary.adapters.transformers_cb.selftest.context import TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.copies import (
     ForkCopyLost,
     ForkSkipCopy,
     OffloadRestoreLost,
     OffloadRestoreWrongBlock,
     OffloadRestoreWrongHostBlock,
 )
-from kvcanary.faults.data import KVBitFlip, PaddingWriteLiveSlot
-from kvcanary.faults.index import (
+from kvcanary.adapters.transformers_cb.selftest.data import KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.adapters.transformers_cb.selftest.index import (
     ChunkBoundaryPosition,
     DroppedWrite,
     SlotMappingForeign,
@@ -23,10 +23,10 @@ from kvcanary.faults.index import (
     WriteIntoLiveSlot,
     WrongTokenId,
 )
-from kvcanary.faults.prefix import StalePrefixHit
-from kvcanary.faults.rollback import RollbackKeepsDraft
+from kvcanary.adapters.transformers_cb.selftest.prefix import StalePrefixHit
+from kvcanary.adapters.transformers_cb.selftest.rollback import RollbackKeepsDraft
 
-_ALL: tuple[type[Fault], ...] = (
+_ALL: tuple[type[TransformersFault], ...] = (
     SlotMappingForeign,
     StalePrefixHit,
     UseAfterFree,
@@ -46,4 +46,4 @@ _ALL: tuple[type[Fault], ...] = (
     PaddingWriteLiveSlot,
 )
 
-FAULTS: Mapping[str, type[Fault]] = types.MappingProxyType({f.spec.name: f for f in _ALL})
+FAULTS: Mapping[str, type[TransformersFault]] = types.MappingProxyType({f.spec.name: f for f in _ALL})

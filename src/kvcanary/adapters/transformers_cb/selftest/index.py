@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.faults.base import (
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
     SLIDING,
-    Expect,
-    Fault,
     FaultContext,
-    FaultSpec,
     Row,
+    TransformersFault,
     batch_rows,
 )
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
 def _row_map(ctx: FaultContext) -> dict[str, Row]:
@@ -27,19 +27,8 @@ def _row_map(ctx: FaultContext) -> dict[str, Row]:
     return {} if host is None else {r.request_id: r for r in batch_rows(host)}
 
 
-class SlotMappingForeign(Fault):
-    spec = FaultSpec(
-        name="slot-mapping-foreign",
-        bug_class="slot mapping points at another request's slots",
-        catalogue="B.6 vllm-project/vllm#54296 (slot mapping reads the adjacent row's block id); B.3 resume onto "
-        "foreign slots",
-        mechanism="the full-attention allocator's read indices for one request map one of its full pages onto "
-        "the block of another request in the batch (same page index, different prefix)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: token/link mismatch",
-        checks=frozenset({("verify", "token_mismatch"), ("verify", "link_mismatch")}),
-    )
+class SlotMappingForeign(TransformersFault):
+    spec = SPECS["slot-mapping-foreign"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(FULL)
@@ -86,25 +75,11 @@ class SlotMappingForeign(Fault):
         return ctx.rng.choice(options) if options else None
 
 
-class ChunkBoundaryPosition(Fault):
-    spec = FaultSpec(
-        name="chunk-boundary-position",
-        bug_class="positions off by one at a chunk boundary",
-        catalogue="B.6 sgl-project/sglang#24590 (committed length inflated by one); huggingface/transformers#43082 "
-        "(position_ids per chunk)",
-        mechanism="the position ids the engine builds for a prefill chunk that continues a cached prefix start one "
-        "past the committed length",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: write_position_mismatch",
-        checks=frozenset({("stamp", "write_position_mismatch")}),
-    )
+class ChunkBoundaryPosition(TransformersFault):
+    spec = SPECS["chunk-boundary-position"]
 
     def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any]) -> None:
-            host = ctx.host
-            if host is None:
-                return
+        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
             chunks = [r for r in batch_rows(host) if r.past > 0 and r.query > 1]
             if chunks and ctx.take(self.name):
                 r = ctx.rng.choice(chunks)
@@ -116,23 +91,11 @@ class ChunkBoundaryPosition(Fault):
         ctx.on_forward(before_forward)
 
 
-class DroppedWrite(Fault):
-    spec = FaultSpec(
-        name="dropped-write",
-        bug_class="a dropped KV write (sent to the trash slot)",
-        catalogue="B.4 NVIDIA/TensorRT-LLM#5285 (KV of the last draft token not stored); B.10 padding slot ids",
-        mechanism="one decode token's write index is sent to the engine's write-trash slot, so its slot keeps stale KV",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: reserved_slot",
-        checks=frozenset({("stamp", "reserved_slot"), ("verify", "never_written"), ("verify", "position_mismatch")}),
-    )
+class DroppedWrite(TransformersFault):
+    spec = SPECS["dropped-write"]
 
     def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any]) -> None:
-            host = ctx.host
-            if host is None:
-                return
+        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
             alloc = ctx.allocator(FULL)
             decodes = [r for r in batch_rows(host) if r.query == 1 and r.past > 0]
             if alloc is not None and decodes and ctx.take(self.name):
@@ -147,25 +110,13 @@ class DroppedWrite(Fault):
         ctx.on_forward(before_forward)
 
 
-class WriteIntoLiveSlot(Fault):
-    spec = FaultSpec(
-        name="write-into-live-slot",
-        bug_class="a write into another request's live slot",
-        catalogue="B.3 slots reused while still referenced; B.6 vllm-project/vllm#54296 (slot mapping points at "
-        "the adjacent row's block)",
-        mechanism="one decode token's write index is sent to a cached position of another request in the same "
-        "batch, which that request reads in this very step",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: write_into_live_slot",
-        checks=frozenset({("stamp", "write_into_live_slot")}),
-    )
+class WriteIntoLiveSlot(TransformersFault):
+    spec = SPECS["write-into-live-slot"]
 
     def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any]) -> None:
-            host = ctx.host
+        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
             alloc = ctx.allocator(FULL)
-            if host is None or alloc is None:
+            if alloc is None:
                 return
             pairs = [
                 (r, o)
@@ -189,25 +140,11 @@ class WriteIntoLiveSlot(Fault):
         ctx.on_forward(before_forward)
 
 
-class WrongTokenId(Fault):
-    spec = FaultSpec(
-        name="wrong-token-id",
-        bug_class="a wrong token id written to a slot",
-        catalogue="B.11 NVIDIA/TensorRT-LLM#15546 (reused host buffer, another batch's ids); B.1 "
-        "sgl-project/sglang#38319 (impossible token ids); async carry-over of sampled tokens",
-        mechanism="one decode token's input id is replaced by another token (the carried-over sampled token of "
-        "another row), so its KV is computed for a token the request never produced",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: write_token_mismatch",
-        checks=frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
-    )
+class WrongTokenId(TransformersFault):
+    spec = SPECS["wrong-token-id"]
 
     def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any]) -> None:
-            host = ctx.host
-            if host is None:
-                return
+        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
             decodes = [r for r in batch_rows(host) if r.query == 1]
             if decodes and ctx.take(self.name):
                 r = ctx.rng.choice(decodes)
@@ -221,19 +158,8 @@ class WrongTokenId(Fault):
         ctx.on_forward(before_forward)
 
 
-class WindowRingOffByOne(Fault):
-    spec = FaultSpec(
-        name="window-ring-off-by-one",
-        bug_class="sliding-window ring mapping off by one on wrap-around",
-        catalogue="B.5 huggingface/transformers#47708 (sliding window cache index off-by-one on wraparound); "
-        "vllm-project/vllm#42273",
-        mechanism="once a request's ring has wrapped, the sliding allocator starts its read window at ring index "
-        "past % W instead of (past + 1) % W: it reads the token that left the window and misses the newest",
-        model="hybrid",
-        expected=Expect.DETECT,
-        check="verify: position_mismatch",
-        checks=frozenset({("verify", "position_mismatch"), ("verify", "link_mismatch")}),
-    )
+class WindowRingOffByOne(TransformersFault):
+    spec = SPECS["window-ring-off-by-one"]
 
     def install(self, ctx: FaultContext) -> None:
         alloc = ctx.allocator(SLIDING)

@@ -11,24 +11,14 @@ one-token rewind of asynchronous batching when a request is offloaded mid-flight
 
 from __future__ import annotations
 
-from kvcanary.faults.base import Expect, Fault, FaultContext, FaultSpec
+from kvcanary.adapters.transformers_cb.selftest.context import FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 _VOCAB = 1000  # the workload models' vocabulary
 
 
-class RollbackKeepsDraft(Fault):
-    spec = FaultSpec(
-        name="rollback-keeps-draft",
-        bug_class="draft tokens left in place after a speculative rollback",
-        catalogue="B.4 vllm-project/vllm#14649, NVIDIA/TensorRT-LLM#18554, NVIDIA/TensorRT-LLM#5285; B.16 "
-        "'rollback leaves draft KV'",
-        mechanism="after a step, the last committed token of a decoding request is replaced in its history (as a "
-        "rejected draft is by the target's token) while its slot keeps the KV computed for the old token",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: token_mismatch",
-        checks=frozenset({("verify", "token_mismatch")}),
-    )
+class RollbackKeepsDraft(TransformersFault):
+    spec = SPECS["rollback-keeps-draft"]
 
     def install(self, ctx: FaultContext) -> None:
         def after_update() -> None:
