@@ -50,7 +50,7 @@ def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_a
             reqs[rid] = ([rng.randrange(1000) for _ in range(rng.randrange(1, 150))], [])
         ids = rng.sample(sorted(reqs), min(rows, len(reqs)))  # any 4 of up to 7 live requests: rows get reused
         for rid in ids:
-            prompt, gen = reqs[rid]
+            gen = reqs[rid][1]
             if gen and rng.random() < 0.1:
                 gen[-1 - rng.randrange(min(len(gen), 3))] = rng.randrange(1000)  # rewrite a recent token
             if gen and rng.random() < 0.05:
