@@ -17,8 +17,7 @@ from kvcanary.adapters.sglang.install import SglangCanary, install_canary
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, add_cli_args, options_from_args
 from kvcanary.adapters.sglang.pools import SUPPORTED_POOLS
 from kvcanary.adapters.sglang.translate import SUPPORTED_MODES
-
-SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+from kvcanary.adapters.sglang.version import SUPPORTED_SGLANG_VERSIONS
 
 install = install_canary
 
