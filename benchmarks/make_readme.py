@@ -217,6 +217,30 @@ def _host_section() -> list[str]:
             f"| {r['scenario']} | {m['commit']} | {r['median_us']:.1f} | {r['p20_us']:.1f} | {r['p80_us']:.1f} "
             f"| {verdict} <= 15 us | `{f.relative_to(HERE)}` |"
         )
+    return lines + _launch_rows(date)
+
+
+def _launch_rows(date: str) -> list[str]:
+    """The same run's eager before_forward + after_forward (an engine without CUDA graphs pays it per step)."""
+    rows = []
+    for f in sorted(HERE.glob("results/*.json")):
+        d = json.loads(f.read_text())
+        if d["meta"]["date"] == date:
+            rows += [(d["meta"], f, r) for r in d["records"] if str(r.get("scenario", "")).startswith("launch_eager")]
+    if not rows:
+        return []
+    lines = ["", "Eager `before_forward` + `after_forward` of the same run (one validation per group, three Triton "
+             "launches per group, the bookkeeping ops; no CUDA graph), and one bare verify launch with no host "
+             "checks (Triton's own launch path):", ""]  # fmt: skip
+    lines += [
+        "| scenario | commit | median us | p20 | p80 | bare launch us | source |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for m, f, r in rows:
+        lines.append(
+            f"| {r['scenario']} | {m['commit']} | {r['step_median_us']:.1f} | {r['step_p20_us']:.1f} "
+            f"| {r['step_p80_us']:.1f} | {r['verify_launch_median_us']:.1f} | `{f.relative_to(HERE)}` |"
+        )
     return lines
 
 

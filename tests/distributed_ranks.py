@@ -42,7 +42,7 @@ class Counting(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def make(mode: Mode, calls: list[Any], lag: int = 1) -> DistributedCanary:
+def make(mode: Mode, calls: list[Any], lag: int = 1, every: int = 1) -> DistributedCanary:
     def on_fail(ids: list[object], verdict: object) -> None:
         calls.append(ids)
 
@@ -52,7 +52,7 @@ def make(mode: Mode, calls: list[Any], lag: int = 1) -> DistributedCanary:
     world = dist.group.WORLD
     assert world is not None
     return DistributedCanary.create(
-        groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S, lag=lag
+        groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S, lag=lag, exchange_every=every
     )
 
 
@@ -108,7 +108,7 @@ def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
         "clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE,
         "health-fail": Mode.FAIL_REQUEST, "health-raise": Mode.RAISE,
     }  # fmt: skip
-    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1)
+    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1, every=3 if name == "every3" else 1)
     if name in ("kill", "stall"):
         out = drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
     elif name.startswith("health"):

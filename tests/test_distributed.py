@@ -19,7 +19,7 @@ import pytest
 from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
 
 WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
-SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise"
+SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise,every3"
 RUN_LIMIT_S = 90.0
 
 
@@ -115,6 +115,18 @@ def test_raise_mode_raises_on_every_rank_at_the_same_step(world: dict[int, dict[
         raised = res["raise"]
         assert raised.get("raised_at") == FAULT_AT + 2, raised
         assert raised["ranks"] == [0] and raised["step"] == FAULT_AT
+
+
+def test_exchanging_every_three_steps_agrees_on_the_window_on_every_rank(world: dict[int, dict[str, Any]]) -> None:
+    faulty = len(world) - 1
+    for res in world.values():
+        # the fault's first decode (call FAULT_AT + 1) falls in the window of calls 3..5: exchanged at call 5,
+        # finished by flush, with the window after it (the manager's last step)
+        assert res["every3"]["seen"] == [None] * STEPS
+        flushed = res["every3"]["flushed"]
+        assert [v["step"] for v in flushed] == [FAULT_AT, STEPS - 1]
+        assert all(v["ranks"] == [faulty] and v["ids"] == ["req-b"] for v in flushed)
+    assert len({json.dumps(res["every3"]["flushed"]) for res in world.values()}) == 1
 
 
 def test_a_health_failure_on_one_rank_is_reported_by_every_rank_at_the_same_step(

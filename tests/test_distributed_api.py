@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, StepReport
-from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict, _portable_bytes
+from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict
 from kvcanary.runtime.exchange import VerdictExchange
+from kvcanary.runtime.verdict import portable_bytes
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
@@ -117,7 +118,7 @@ def test_unpicklable_request_ids_travel_as_their_repr(world: dist.ProcessGroup) 
     unpicklable = lambda: None  # noqa: E731  (a lambda does not pickle)
     violations = tuple(dataclasses.replace(v, request_id=unpicklable) for v in report.violations)
     report = dataclasses.replace(report, violations=violations, affected_request_ids=(unpicklable,))
-    back = pickle.loads(_portable_bytes(report))
+    back = pickle.loads(portable_bytes(report))
     assert isinstance(back, StepReport) and back.total == report.total
     assert back.affected_request_ids == (repr(unpicklable),)
     assert all(v.request_id == repr(unpicklable) for v in back.violations)
@@ -179,3 +180,31 @@ def test_the_verdict_log_is_rate_limited_and_counts_what_it_held_back(
     assert verdicts == 9 and len(blocks) == 3  # verdicts from call 3 on; logged at 0.75, 1.75 and 2.75 s
     assert held == 3 + 3  # the ones between the logged ones, each counted in the next logged block
     assert canary._limiter.suppressed == verdicts - len(blocks) - held
+
+
+def test_exchange_every_three_steps_divides_the_collectives_and_acts_on_whole_windows(
+    world: dist.ProcessGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    markers: list[int] = []
+    original = VerdictExchange.start
+
+    def counting(self: VerdictExchange, step: int, rows: int, health: tuple[int, ...] = ()) -> None:
+        markers.append(step)
+        original(self, step, rows, health)
+
+    monkeypatch.setattr(VerdictExchange, "start", counting)
+    clean = make(world, Mode.LOG, exchange_every=3)
+    assert steps(clean, 9, fault_at=None) == [None] * 9 and clean.flush() == []
+    assert markers == [2, 5, 8, 9]  # one exchange per window of three calls, and flush's
+    markers.clear()
+    canary = make(world, Mode.LOG, exchange_every=3)
+    seen = steps(canary, 9, fault_at=1)
+    # step 1 is decoded at call 2, the last of the first window; that exchange is finished at call 5
+    assert [k for k, v in enumerate(seen) if v is not None] == [5, 8]
+    first, second = seen[5], seen[8]
+    assert first is not None and first.step == 1 and first.reported_at == 5 and first.affected_request_ids == ("b",)
+    # the second window holds steps 2, 3 and 4 (the fault persists): one verdict, the rank's reports merged
+    assert second is not None and second.step == 2 and second.reports[0].total == 3
+    assert [v.step for v in canary.flush()] == [5, 8]
+    with pytest.raises(ValueError, match="exchange_every must be a positive int"):
+        make(world, Mode.LOG, exchange_every=0)
