@@ -244,6 +244,11 @@ class SglangCanary:
             self.recent_reports.append(report)
         return report
 
+    @property
+    def in_forward(self) -> bool:
+        """Inside the bracketed model forward (between before_forward and after_forward)."""
+        return self._depth > 0
+
     def mark_init_finished(self) -> None:
         """Warm-up and graph capture are done: check every forward from now on."""
         self.init_finished = True

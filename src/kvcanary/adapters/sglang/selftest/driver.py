@@ -12,6 +12,7 @@ a few more forwards after either (the same rule as the transformers driver).
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import time
 import warnings
@@ -25,7 +26,8 @@ from kvcanary.adapters.sglang.selftest.workload import WorkloadRequest, run_work
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
 
-_GRACE_FORWARDS = 3  # a faulted run stops this many forwards after its verdict is known
+_GRACE_FORWARDS = 3
+_QUIET_LOGGERS = ("kvcanary", "sglang")  # a faulted run stops this many forwards after its verdict is known
 
 
 class SglangDriver:
@@ -52,12 +54,20 @@ class SglangDriver:
 
     @contextlib.contextmanager
     def session(self, kinds: Sequence[str]) -> Iterator[None]:
-        if self.loop is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # sglang's import-time notices about CUDA-only kernels
-                self.loop = SchedulerLoop()
-        yield
-        self.loop.reset()
+        # The self-test prints its own matrix: silence the canary's log lines and sglang's (retractions).
+        levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+        try:
+            for name in _QUIET_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            if self.loop is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # sglang's import-time notices about CUDA-only kernels
+                    self.loop = SchedulerLoop()
+            yield
+            self.loop.reset()
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
     def run(
         self,
