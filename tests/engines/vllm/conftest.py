@@ -24,6 +24,14 @@ else:
         os.environ.setdefault(key, value)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stops_engine: leaves the shared engine stopped (runs last)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("stops_engine") is not None)  # stable: others keep order
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tiny.build_model(tmp_path_factory.mktemp("tiny-llama")))

@@ -57,7 +57,7 @@ def test_clean_workload_is_silent(clean_run: dict[str, Any]) -> None:
     assert stats["violations"] == 0, stats
     assert stats["health_failures"] == 0, stats
     assert stats["steps"] > 50 and stats["verified_slots"] > 10_000, stats
-    print(f"\nclean workload: {stats} features={clean_run['features']} host_us_per_step={clean_run['host_us']:.0f}")
+    print(f"\nclean workload: {stats} features={clean_run['features']} host_us_per_step={clean_run['host_us']}")
 
 
 def test_log_mode_does_not_change_outputs(clean_run: dict[str, Any]) -> None:

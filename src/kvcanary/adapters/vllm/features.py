@@ -33,6 +33,7 @@ class Features:
     def __init__(self) -> None:
         self.counts = dict.fromkeys(FEATURES, 0)
         self.host_seconds = 0.0  # canary host time inside the engine step
+        self.core_seconds = 0.0  # of which in the canary core (CanaryManager calls)
         self.timed_steps = 0
 
     def add(self, name: str, n: int = 1) -> None:
