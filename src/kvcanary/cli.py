@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.selftest import FAULTS
     from kvcanary.cli_checks import add_device_options
-    from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
+    from kvcanary.demo import DEFAULT_FAULTS, MODEL_KINDS
     from kvcanary.selftest import command as selftest
     from kvcanary.soak_command import add_parser as add_soak_parser
 
@@ -69,9 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--fault",
         choices=list(FAULTS),
-        default=DEFAULT_FAULT,
+        default=None,
         metavar="FAULT",
-        help=f"fault to inject, one of `kvcanary selftest --list` (default: {DEFAULT_FAULT})",
+        help="fault to inject, one of `kvcanary selftest --list` (default by model: "
+        + ", ".join(f"{model} {fault}" for model, fault in DEFAULT_FAULTS.items())
+        + ")",
     )
     demo.add_argument("--requests", type=int, default=64, help="number of prompts (default: 64)")
     add_device_options(demo)

@@ -41,7 +41,14 @@ from kvcanary.selftest.protocol import Injection
 
 __all__ = ["MODEL_KINDS", "build_model", "build_prompts", "engine_configs", "quiet_engine_logs", "run_demo"]
 
-DEFAULT_FAULT = "slot-mapping-foreign"
+# The fault each model gets unless --fault names another: a read index pointed at another request's block,
+# or, on the model with sliding layers only, a ring read one slot off.
+DEFAULT_FAULTS = {
+    "dense": "slot-mapping-foreign",
+    "hybrid": "slot-mapping-foreign",
+    "sliding": "window-ring-off-by-one",
+}
+DEFAULT_FAULT = DEFAULT_FAULTS["dense"]
 _PROGRESS_EVERY = 100
 FOLLOW_UP = 8  # prompts of the follow-up wave (after the main wave of DemoOptions.requests prompts)
 WARM_UP = 8  # prompts of the canary's warm-up run before a timed comparison (--baseline)
@@ -50,7 +57,7 @@ WARM_UP = 8  # prompts of the canary's warm-up run before a timed comparison (--
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
     model: str = "dense"
-    fault: str = DEFAULT_FAULT  # a fault of the transformers fault library
+    fault: str | None = None  # a fault of the transformers fault library; None: the model's DEFAULT_FAULTS entry
     fault_after_step: int = 30
     requests: int = 64
     follow_up: int = FOLLOW_UP  # prompts of the second wave
@@ -67,6 +74,8 @@ class DemoOptions:
 
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
+        if self.fault is None:
+            object.__setattr__(self, "fault", DEFAULT_FAULTS[self.model])
         if self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
         if self.requests < 1 or self.new_tokens < 2 or self.follow_up < 0:
