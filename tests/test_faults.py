@@ -15,7 +15,7 @@ from kvcanary.faults.runner import SelftestResult, Trial, judge
 from kvcanary.schema import Reason
 
 REASONS = {str(r.name).lower() for r in Reason}
-PHASES = {"plan", "verify", "stamp"}
+PHASES = {"plan", "verify", "stamp", "digest_stamp", "digest_verify"}
 
 
 def test_catalogue_documents_every_fault() -> None:

@@ -14,7 +14,7 @@ from kvcanary.faults.copies import (
     OffloadRestoreWrongBlock,
     OffloadRestoreWrongHostBlock,
 )
-from kvcanary.faults.data import KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.faults.data import ForkCopyCorruptsBytes, KVBitFlip, OffloadRestoreStaleBytes, PaddingWriteLiveSlot
 from kvcanary.faults.index import (
     ChunkBoundaryPosition,
     DroppedWrite,
@@ -44,6 +44,8 @@ _ALL: tuple[type[Fault], ...] = (
     WrongTokenId,
     KVBitFlip,
     PaddingWriteLiveSlot,
+    ForkCopyCorruptsBytes,
+    OffloadRestoreStaleBytes,
 )
 
 FAULTS: Mapping[str, type[Fault]] = types.MappingProxyType({f.spec.name: f for f in _ALL})

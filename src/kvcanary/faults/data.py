@@ -1,9 +1,8 @@
 """Faults in the KV bytes themselves, which the token/position/link records do not describe.
 
-Both are expected misses: the canary verifies *which* token, position and prefix a slot was stamped with,
-and neither fault touches those records -- the bytes under a correct record change.  They stay in the
-matrix so the miss is measured (the oracle shows attention really read the damaged bytes) and so the KV
-digest, when it lands, turns them into detections.
+The records say *which* token, position and prefix a slot holds; these faults change the bytes under a
+correct record.  The KV digest (``docs/design.md`` §12; the self-test runs it at budget 1.0) sees them: a
+slot's bytes no longer match the digest stamped when they were written, or that moved in with its record.
 """
 
 from __future__ import annotations
@@ -14,6 +13,14 @@ import torch
 
 from kvcanary.faults.base import FULL, Expect, Fault, FaultContext, FaultSpec, batch_rows, read_segment_starts
 
+DIGEST_CHECK = "digest_verify: digest_mismatch"
+DIGEST_CHECKS = frozenset({("digest_verify", "digest_mismatch")})
+
+
+def flip_top_bit(block_bytes: torch.Tensor, element_size: int) -> None:
+    """Flip the most significant bit of the block's first element: layer 0's K of its first token."""
+    block_bytes[element_size - 1] ^= 0x80
+
 
 class KVBitFlip(Fault):
     spec = FaultSpec(
@@ -22,10 +29,9 @@ class KVBitFlip(Fault):
         catalogue="B.15 / B.16 'SDC in HBM'; B.8 vllm-project/vllm#54363 (bit rot in a tier)",
         mechanism="between two steps, the sign bit of the largest key element of one cached token in one layer flips",
         model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="the checks compare token, position and link records, never the KV bytes; a flipped bit under a "
-        "correct record needs the KV digest",
+        expected=Expect.DETECT,
+        check=DIGEST_CHECK,
+        checks=DIGEST_CHECKS,
     )
 
     def install(self, ctx: FaultContext) -> None:
@@ -66,10 +72,9 @@ class PaddingWriteLiveSlot(Fault):
         mechanism="one step's write list carries an extra padding entry that points at a live slot of another "
         "request instead of the write trash; every layer writes the padding row's K/V there",
         model="dense",
-        expected=Expect.MISS,
-        check="none",
-        why_miss="padding entries belong to no request row, so the canary stamps nothing for them: the victim's "
-        "record stays right while its bytes are overwritten; needs the KV digest",
+        expected=Expect.DETECT,
+        check=DIGEST_CHECK,
+        checks=DIGEST_CHECKS,
     )
 
     def install(self, ctx: FaultContext) -> None:
@@ -112,3 +117,76 @@ class PaddingWriteLiveSlot(Fault):
             return update
 
         ctx.wrap(alloc, "update", make)
+
+
+class ForkCopyCorruptsBytes(Fault):
+    spec = FaultSpec(
+        name="fork-copy-corrupts-bytes",
+        bug_class="a block copy that lands damaged",
+        catalogue="B.8 vllm-project/vllm#45704 (copy without stream sync), B.11 async copy races, B.16 'torn copy'",
+        mechanism="a fork's copy_blocks lands where it should, then one byte of a copied block changes (a torn or "
+        "racing copy): the records that moved with the bytes are right, the bytes are not",
+        model="dense",
+        expected=Expect.DETECT,
+        check=DIGEST_CHECK,
+        checks=DIGEST_CHECKS,
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+
+        def make(inner: Any) -> Any:
+            def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+                inner(source_block_ids, dest_block_ids)
+                if not (dest_block_ids and ctx.take(self.name)):
+                    return
+                dst = int(dest_block_ids[0])
+                layer = alloc.layer_indices[0]
+                flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
+                children = [rid for rid, table in alloc.block_table.items() if dst in table]
+                ctx.injected(f"copied block {dst}: first K element damaged after the copy", children)
+
+            return copy_blocks
+
+        ctx.wrap(alloc, "copy_blocks", make)
+
+
+class OffloadRestoreStaleBytes(Fault):
+    spec = FaultSpec(
+        name="offload-restore-stale-bytes",
+        bug_class="restore into the right block with wrong bytes",
+        catalogue="B.8 ggml-org/llama.cpp#27068 (corrupted K/V after restore), LMCache/LMCache#4463 (packed layout "
+        "corruption), B.3 vllm-project/vllm#49250",
+        mechanism="a CPU-offloaded request's first host block is overwritten in one byte before its restore (a "
+        "stale or reused host buffer); the restore copies it into the right device block",
+        model="dense",
+        expected=Expect.DETECT,
+        check=DIGEST_CHECK,
+        checks=DIGEST_CHECKS,
+    )
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+        om = ctx.offloading
+
+        def make(inner: Any) -> Any:
+            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+                options = [
+                    (fs.state.request_id, om._request_id_to_cpu_blocks[fs.state.request_id][FULL][0])
+                    for fs in requests_in_batch
+                    if fs.state.is_cpu_offloaded and om._request_id_to_cpu_blocks.get(fs.state.request_id, {}).get(FULL)
+                ]
+                if options and ctx.take(self.name):
+                    rid, host_block = ctx.rng.choice(options)
+                    layer = alloc.layer_indices[0]
+                    flip_top_bit(om._cpu_views[FULL][int(host_block)], alloc._kv_token_views[layer][0].element_size())
+                    ctx.injected(f"host block {int(host_block)} of {rid!r} damaged before its restore", [rid])
+                return inner(requests_in_batch)
+
+            return restore_scheduled_requests
+
+        ctx.wrap(ctx.offloading, "restore_scheduled_requests", make)

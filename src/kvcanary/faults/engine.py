@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.faults.base import Fault, FaultContext, Injection, InjectMode
 from kvcanary.faults.oracle import AffectedRead, ReadOracle
 from kvcanary.runtime import StepReport
@@ -117,7 +117,8 @@ def run_engine(
     cfg: Any = getattr(model, "config", None)
     oracle = ReadOracle(store, int(cfg.num_hidden_layers))
     oracle.check_from = check_from  # normally set by the injection; tests force it to validate the oracle
-    adapter = install(model, CanaryConfig(mode=Mode.LOG), max_kept_reports=8)
+    # The KV digest at budget 1.0: every read slot's bytes are checked each step (byte faults, design.md §12).
+    adapter = install(model, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=1.0)), max_kept_reports=8)
     ctx = FaultContext(
         adapter,
         mode,

@@ -36,6 +36,7 @@ class BulkMoveWrappers:
                 out = original(allocator, source_block_ids, dest_block_ids)
             for write in seen.writes:
                 mirror.apply_block_write(b.geometries[name], b.records(name), write)
+                _verify_moved(b, name, write)
             self._features.fork_block_copies += len(source_block_ids)
             return out
 
@@ -75,10 +76,18 @@ class BulkMoveWrappers:
                             b.host.restore(b.geometries[name], b.records(name), write)
                         else:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write)
+                        _verify_moved(b, name, write)
             self._features.restores += restored
             return out
 
         return restore_scheduled_requests
+
+
+def _verify_moved(b: Binding, name: str, write: byte_moves.BlockWrite) -> None:
+    """With the KV digest on: the written blocks' bytes against the digests that moved with their records
+    (queued after the move on the same stream, so it reads the bytes that landed)."""
+    geometry = b.geometries[name]
+    b.manager.verify_moved(name, geometry.block_slots(write.dest.to(b.records(name).device, non_blocking=True)))
 
 
 def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
