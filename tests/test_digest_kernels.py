@@ -22,7 +22,7 @@ from kvcanary import CanaryGroup
 from kvcanary import digest as D
 from kvcanary.ops import digest_launchers as dl
 from kvcanary.ops import digest_reference as dref
-from kvcanary.workspace import ViolationLog
+from kvcanary.workspace import PlanWorkspace, ViolationLog
 from test_digest_reference import planned_step
 from test_kernels_differential import DEVICE
 
@@ -152,8 +152,11 @@ def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) 
     )), num_slots))  # fmt: skip
     twin = Twin(group, pool.layout, entries=256, log_rows=3, tuning=TUNINGS[tuning])
     twin.call("stamp_list", torch.arange(num_slots, device=DEVICE))
+    mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
     for step in range(6):
         period = [1, 2, 3, 5][step % 4]
+        plan_ws.write_marks.zero_()  # some slots written this step (a ring reused in the step): left to the stamp
+        plan_ws.write_marks[torch.randperm(num_slots)[: num_slots // 3].to(DEVICE)] = 2 * mark + step % 2
         comp = pool.layout.components[step % 2]
         for _ in range(rng.randint(0, 4)):
             dc.flip_bit(comp, rng.randrange(1, num_slots), rng.randrange(2), rng.randrange(5), rng.randrange(16))

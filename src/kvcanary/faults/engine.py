@@ -117,7 +117,7 @@ def run_engine(
     cfg: Any = getattr(model, "config", None)
     oracle = ReadOracle(store, int(cfg.num_hidden_layers))
     oracle.check_from = check_from  # normally set by the injection; tests force it to validate the oracle
-    # The KV digest at budget 1.0: every read slot's bytes are checked each step (byte faults, design.md §12).
+    # The KV digest at budget 1.0: every read slot's bytes are checked each step (the byte faults, design.md §12).
     adapter = install(model, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=1.0)), max_kept_reports=8)
     ctx = FaultContext(
         adapter,

@@ -128,12 +128,14 @@ def _launch(
     dummy = ws.sync
     n_list = 0 if locs is None else int(locs.shape[0])
     b = n_rows = n_cols = 0
-    rows = table = starts = voff = state = dummy
+    rows = table = starts = voff = state = pepoch = dummy
+    wmarks: torch.Tensor = dummy
     if batch is not None and plan_ws is not None:
         b = batch.batch_size
         n_rows, n_cols = (int(s) for s in batch.table.shape)
         rows, table = batch.rows, batch.table if batch.table.numel() else dummy
         starts, voff, state = plan_ws.window_starts, plan_ws.verify_offsets, plan_ws.row_state
+        pepoch, wmarks = plan_ws.epoch, plan_ws.write_marks
     max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
@@ -142,7 +144,7 @@ def _launch(
         units = max_tiles * -(-n_cls // cb)
         digest_kernel[(_programs(units, dl.layout.device, tuning),)](
             dl.table, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
-            rows if b else dummy, table, starts, voff, state,
+            rows if b else dummy, table, starts, voff, state, pepoch, wmarks,
             digests, ws.acc, ws.entry_slots, ws.entry_info, ws.sync, ws.epoch, ws.stats,
             log.first, log.last, log.counters,
             n_list, int(lookup.shape[0]) if has_lookup and lookup is not None else 0, b, n_rows, n_cols,

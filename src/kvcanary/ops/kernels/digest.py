@@ -19,6 +19,7 @@ from kvcanary import digest as spec
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, store_rows
 from kvcanary.schema import Phase, Reason
+from kvcanary.workspace import PlanWorkspace
 
 SEED = tl.constexpr(spec.DIGEST_SEED)
 GAMMA = tl.constexpr(spec.DIGEST_GAMMA)
@@ -41,6 +42,7 @@ COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size
 FIN = tl.constexpr(512)  # entries per step of the finalize
 POS_BITS = tl.constexpr(32)
 POS_MASK = tl.constexpr((1 << 32) - 1)
+MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
 
 
 @triton.jit
@@ -79,7 +81,7 @@ def _pick(values, i):
 @triton.jit
 def _tile_entries(
     tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-    first, tiles_excl, tiles_incl, starts, ends, period,
+    first, tiles_excl, tiles_incl, starts, ends, period, wmarks_ptr, mark,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr, REPORT_RANGE: tl.constexpr,
     G: tl.constexpr,
@@ -104,6 +106,9 @@ def _tile_entries(
     slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
     ok = stored & ~lookup_bad & in_pool(slot, num_slots)
     usable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+    if FROM_PLAN:  # slots this step also writes are left to the stamp (digest_reference.written_this_step)
+        written = tl.load(wmarks_ptr + slot, mask=usable, other=0)
+        usable = usable & ((written >> 1) != mark)
     marker = tl.where(usable, slot, SKIP)
     if REPORT_RANGE:
         marker = tl.where(stored & ~ok, BAD, marker)
@@ -273,7 +278,7 @@ def _finalize(
     "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
 ])  # fmt: skip
 def digest_kernel(
-    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr,
+    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
@@ -283,7 +288,9 @@ def digest_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    mark = tl.zeros((), tl.int32)
     if FROM_PLAN:
+        mark = (1 + tl.load(pepoch_ptr) % MARK_PERIOD).to(tl.int32)
         epoch = tl.load(epoch_ptr)
         first, tiles, excl, starts, ends = _row_spans(
             rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G
@@ -305,7 +312,7 @@ def digest_kernel(
         chunk = u % n_chunks
         e, marker, info = _tile_entries(
             tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-            first, excl, incl, starts, ends, period, res0, res1, res2, res3, res4, res5, res6, res7,
+            first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
             FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
         )  # fmt: skip
         if chunk == 0:
