@@ -185,6 +185,45 @@ def measure(groups: int, batch: int, prefix: int, steps: int, warmup: int, devic
     }
 
 
+def measure_launch(groups: int, batch: int, prefix: int, steps: int, device: str) -> dict[str, object]:
+    """Host time of an eager before_forward + after_forward (what an engine without CUDA graphs pays per
+    step: one validation per group, then each group's three Triton launches and the bookkeeping ops), and
+    of one bare verify launch (``checked=True``: no host checks at all), for comparison."""
+    from kvcanary.ops import launchers
+
+    built = [decode_batch(batch, prefix, page, device) for page in (1, 16)[:groups]]
+    mgr = CanaryManager(
+        [g for g, _, _ in built], {g.name: c for g, c, _ in built}, CanaryConfig(mode=Mode.LOG), device=device
+    )
+    batches = {g.name: b for g, _, b in built}
+    canary = mgr.canaries[built[0][0].name]
+    log = mgr._work.logs[0]
+
+    def step() -> None:
+        mgr.before_forward(batches)
+        mgr.after_forward()
+
+    def verify() -> None:
+        launchers.verify(canary.group, built[0][2], canary.records, canary.workspace, log, canary.caps.verify_entries,
+                         checked=True)  # fmt: skip
+
+    out: dict[str, object] = {"scenario": "launch_eager" if groups == 1 else f"launch_eager_{groups}groups"}
+    for name, fn in (("step", step), ("verify_launch", verify)):
+        fn()  # compile
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - t0) / 1000.0)
+            if i % 64 == 63 and device == "cuda":
+                torch.cuda.synchronize()  # keep the launch queue short
+        q = statistics.quantiles(times, n=10)
+        out |= {f"{name}_median_us": round(statistics.median(times), 3), f"{name}_p20_us": round(q[1], 3),
+                f"{name}_p80_us": round(q[7], 3)}  # fmt: skip
+    out["median_us"] = out["step_median_us"]
+    return out | {"groups": groups, "batch": batch, "prefix": prefix, "steps": steps}
+
+
 def breakdown(iters: int = 2000) -> dict[str, float]:
     """Median host time of host_step's pieces (printed, not stored): where the microseconds go."""
     group, caps, _ = decode_batch(8, 16, 1, "cuda")
@@ -233,6 +272,8 @@ def main() -> None:
     device = "cpu" if args.cpu_dry_run else "cuda"
     measure(1, args.batch, args.prefix, args.warmup, args.warmup, device)  # warm the process (first run read high)
     records = [measure(g, args.batch, args.prefix, args.steps, args.warmup, device) for g in (1, 2)]
+    if not args.cpu_dry_run:  # the kernel path only (the CPU dry run uses the reference)
+        records += [measure_launch(g, args.batch, args.prefix, min(args.steps, 2000), device) for g in (1, 2)]
     for r in records:
         print(json.dumps(r))
     if args.cpu_dry_run:

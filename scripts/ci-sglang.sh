@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# sglang job: real sglang 0.5.23 memory pools, allocators, radix cache and torch-native attention on the CPU.
+# sglang job: sglang 0.5.23's own scheduler loop (Scheduler, ScheduleBatch, radix cache, allocators, its Llama on
+# torch-native attention) in process on the CPU with the canary installed, plus its pools driven by hand.
 #
 # Creates .venv-sglang from scratch (unless KEEP_VENV=1 and it already exists), then runs tests/engines/sglang.
 # sglang pins torch 2.14.1 (CUDA) and ~140 requirements, so it is installed with --no-deps on top of the CPU
@@ -31,6 +32,10 @@ if [ "${KEEP_VENV:-0}" != 1 ] || [ ! -x "$VENV/bin/python" ]; then
   "${PIP[@]}" torch==2.13.0 triton numpy orjson pybase64 requests pillow starlette msgspec pyzmq IPython aiohttp \
     dill apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors gguf einops openai==2.8.0 partial_json_parser \
     transformers==5.24.0 psutil
+  # The in-process Scheduler (tests/engines/sglang/test_scheduler_loop.py, the sglang self-test) imports these
+  # on its way in (disaggregation receivers, process title, grammar backend).
+  say "dependencies of sglang's scheduler module"
+  "${PIP[@]}" torch==2.13.0 uvicorn fastapi setproctitle xgrammar
   # torchvision: sglang.srt.configs imports it (VLM processors) on the way to the memory pools. PyPI's
   # torchvision pulls a CUDA torch 2.14.1 (several GB), and its wheels fail to import beside the CPU 2.13
   # build ("operator torchvision::nms does not exist"). Nothing we run uses it, so a tiny import-only stub

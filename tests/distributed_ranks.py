@@ -24,8 +24,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcanary import CanaryConfig, CanaryGroup, Mode
-from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedViolation
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedHealthError, RankedViolation
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 STEPS = 6
 FAULT_AT = 2
@@ -42,7 +42,7 @@ class Counting(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def make(mode: Mode, calls: list[Any], lag: int = 1) -> DistributedCanary:
+def make(mode: Mode, calls: list[Any], lag: int = 1, every: int = 1) -> DistributedCanary:
     def on_fail(ids: list[object], verdict: object) -> None:
         calls.append(ids)
 
@@ -52,12 +52,23 @@ def make(mode: Mode, calls: list[Any], lag: int = 1) -> DistributedCanary:
     world = dist.group.WORLD
     assert world is not None
     return DistributedCanary.create(
-        groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S, lag=lag
+        groups, CAPS, config, world, on_fail_request=callback, timeout_s=PEER_TIMEOUT_S, lag=lag, exchange_every=every
     )
 
 
-def drive(canary: DistributedCanary, faulty: bool, exit_at: int | None = None, stall: bool = False) -> dict[str, Any]:
-    """Prefill then decode two requests; returns per call the verdict seen (or the error raised)."""
+def verdict_json(v: Any) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return {"step": v.step, "ranks": list(v.ranks), "ids": v.affected_request_ids, "health": v.health}
+
+
+def drive(
+    canary: DistributedCanary, faulty: bool, exit_at: int | None = None, stall: bool = False, unhealthy: bool = False
+) -> dict[str, Any]:
+    """Prefill then decode two requests; returns per call the verdict seen (or the error raised).
+
+    ``faulty``: a corrupt table from FAULT_AT on; ``unhealthy``: at FAULT_AT the step's device work is left
+    out, as by a CUDA graph replayed without the canary's work (the phase check fails once)."""
     wl = Workload()
     seen: list[Any] = []
     for k in range(STEPS):
@@ -68,17 +79,23 @@ def drive(canary: DistributedCanary, faulty: bool, exit_at: int | None = None, s
                 time.sleep(PEER_TIMEOUT_S + 1.5)
             os._exit(17)  # a killed peer: no goodbye to the others
         n = 4 if k == 0 else 1
-        canary.before_forward({"full": wl.batch([(1, n), (2, n)])})
-        canary.after_forward()
+        if unhealthy and k == FAULT_AT:
+            canary.manager._graph_captured = True  # what a capture leaves; this "replay" lacks the canary's work
+        else:
+            canary.before_forward({"full": wl.batch([(1, n), (2, n)])})
+            canary.after_forward()
         t0 = time.monotonic()
         try:
             v = canary.host_step(IDS)
         except RankedViolation as exc:
             return {"seen": seen, "raised_at": k, "ranks": list(exc.verdict.ranks), "step": exc.verdict.step}
+        except RankedHealthError as exc:
+            v = exc.verdict
+            return {"seen": seen, "health_raised_at": k, "health": v.health, "step": v.step, "message": str(exc)}
         except CanaryPeerError as exc:
             return {"seen": seen, "peer_error_at": k, "message": str(exc), "waited_s": time.monotonic() - t0}
-        seen.append(None if v is None else {"step": v.step, "ranks": list(v.ranks), "ids": v.affected_request_ids})
-    flushed = [{"step": v.step, "ranks": list(v.ranks), "ids": v.affected_request_ids} for v in canary.flush()]
+        seen.append(verdict_json(v))
+    flushed = [verdict_json(v) for v in canary.flush()]
     return {"seen": seen, "flushed": flushed}
 
 
@@ -87,10 +104,15 @@ def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
     logging.getLogger("kvcanary").addHandler(handler)
     calls: list[Any] = []
     faulty_rank = world - 1 if name != "raise" else 0
-    mode = {"clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE}
-    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1)
+    mode = {
+        "clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE,
+        "health-fail": Mode.FAIL_REQUEST, "health-raise": Mode.RAISE,
+    }  # fmt: skip
+    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1, every=3 if name == "every3" else 1)
     if name in ("kill", "stall"):
         out = drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
+    elif name.startswith("health"):
+        out = drive(canary, faulty=False, unhealthy=rank == faulty_rank)
     else:
         out = drive(canary, faulty=name != "clean" and rank == faulty_rank)
     logging.getLogger("kvcanary").removeHandler(handler)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,12 +23,15 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.batch import StepBatch
-from test_adapter_transformers_unit import PAGE, STRIDE, FakeEngine
+from transformers_helpers import PAGE, STRIDE, FakeEngine
 
 # Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
 _NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "unsqueeze", "select", "scalar_tensor"}
 # Ops that read a device value on the host or build a tensor from Python data (a blocking copy on GPU).
 _SYNCING = {"_local_scalar_dense", "item", "lift_fresh", "nonzero", "is_nonzero", "tolist"}
+
+
+TRANSLATION_OPS = 22  # device ops of one full group's step (the read-index path), pinned: lower it, never raise it
 
 
 class OpCounter(TorchDispatchMode):
@@ -72,7 +76,7 @@ def test_translation_issues_the_same_few_ops_whatever_the_batch_and_reads_nothin
     one, four = device_ops(1, window), device_ops(4, window)
     assert one == four  # no per-request op
     kernels = {op: n for op, n in four.items() if op not in _NO_KERNEL}
-    assert sum(kernels.values()) <= 30, kernels
+    assert sum(kernels.values()) <= TRANSLATION_OPS + (window > 0), kernels  # a window's edge cells: one fill
     assert not _SYNCING & set(four), four
 
 
@@ -130,7 +134,9 @@ def _to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
 def sync_debug(mode: str) -> Iterator[None]:
     """torch's CUDA sync-debug mode for a block, whatever it was before (it is process-wide)."""
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
+    with warnings.catch_warnings():  # torch warns, once per process, that the mode is a prototype
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype", category=UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:

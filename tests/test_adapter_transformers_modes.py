@@ -15,7 +15,7 @@ import torch
 
 from kvcanary import CanaryConfig, CanaryViolation, Mode, StepReport
 from kvcanary.adapters.transformers_cb import install
-from kvcanary.adapters.transformers_cb.faults import FaultInjector
+from kvcanary.adapters.transformers_cb.selftest.hooks import attach_fault
 from kvcanary.demo import build_model, build_prompts, quiet_engine_logs
 
 NEW_TOKENS = 16
@@ -24,6 +24,9 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return build_model("dense")
+
+
+FAULT = "slot-mapping-foreign"  # corrupts what one request reads: only that request is affected
 
 
 def generate(model: torch.nn.Module, n: int = 4) -> dict[str, object]:
@@ -42,8 +45,7 @@ def generate(model: torch.nn.Module, n: int = 4) -> dict[str, object]:
 def test_raise_mode_raises_the_violation_to_the_caller_of_generate_batch(model: torch.nn.Module) -> None:
     with install(model, CanaryConfig(mode=Mode.RAISE)) as canary:
         assert all(getattr(o, "error", None) is None for o in generate(model).values())  # clean: no raise
-        FaultInjector(canary, "write-misdirect", after_step=3).attach()
-        with pytest.raises(CanaryViolation) as caught:
+        with attach_fault(canary, FAULT, after_step=3), pytest.raises(CanaryViolation) as caught:
             generate(model)
         assert caught.value.report.violations and canary.stats()["violations"] > 0
 
@@ -57,11 +59,11 @@ def test_fail_request_fails_the_request_in_the_engine_and_calls_back_once(model:
     with install(model, CanaryConfig(mode=Mode.FAIL_REQUEST), on_fail_request=on_fail) as canary:
         clean = generate(model)
         assert not calls and all(getattr(o, "error", None) is None for o in clean.values())
-        fault = FaultInjector(canary, "write-misdirect", after_step=3).attach()
-        outputs = generate(model)
+        with attach_fault(canary, FAULT, after_step=3) as fault:
+            outputs = generate(model)
         canary.flush()
-    assert fault.injected is not None
-    victim = fault.injected.request_id
+    assert fault.injection is not None and len(fault.injection.requests) == 1
+    victim = fault.injection.requests[0]
     reported = [rid for call in calls for rid in call]
     assert reported == [victim], calls  # once, for the corrupted request only
     failed = outputs[victim]

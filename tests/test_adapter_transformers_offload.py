@@ -13,17 +13,18 @@ pytest.importorskip("transformers")
 
 import torch
 
-from kvcanary.faults import FAULTS
-from kvcanary.faults.base import InjectMode
-from kvcanary.faults.engine import WORKLOADS, build_models, run_engine
-from kvcanary.faults.runner import judge
+from kvcanary.adapters.transformers_cb.selftest import FAULTS
+from kvcanary.adapters.transformers_cb.selftest.driver import WORKLOADS, run_engine
+from kvcanary.adapters.transformers_cb.selftest.workload import build_model
+from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.runner import judge
 
 FAULT = "offload-restore-wrong-host-block"
 
 
 @pytest.fixture(scope="module")
 def dense_model() -> torch.nn.Module:
-    model: torch.nn.Module = build_models(["dense"])["dense"]
+    model: torch.nn.Module = build_model("dense", seed=0)
     return model
 
 

@@ -25,73 +25,7 @@ from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translat
 from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
 from kvcanary.layout import GroupKind, RecordStore
 from kvcanary.schema import NOT_STORED, Counter, Field, Phase
-
-PAGE, STRIDE, BPS = 4, 8, 2  # page size, physical stride (2 rows x 1 layer x page), blocks per sector
-
-
-def geometry(window: int = 0) -> GroupGeometry:
-    return GroupGeometry(
-        name="sliding_attention" if window else "full_attention",
-        index=0,
-        sliding_window=window,
-        page_size=PAGE,
-        stride=STRIDE,
-        num_blocks=BPS * 6,
-        read_trash_index=0,
-        sentinel_index=1,
-        write_trash_index=STRIDE * BPS,
-    )
-
-
-class FakeEngine:
-    """Index lists the way transformers builds them, for requests with fixed block tables."""
-
-    def __init__(self, g: GroupGeometry, tables: dict[str, list[int]], tokens: dict[str, list[int]]) -> None:
-        self.g, self.tables, self.tokens = g, tables, tokens
-        self.past = dict.fromkeys(tables, 0)
-
-    def phys(self, rid: str, pos: int) -> int:
-        ring = pos % self.g.sliding_window if self.g.is_sliding else pos
-        return self.tables[rid][ring // PAGE] * STRIDE + ring % PAGE
-
-    def step(self, queries: dict[str, int]) -> tuple[dict[str, Any], HostBatch]:
-        g = self.g
-        ids, pos, read, write, cu_q, cu_k = [], [], [], [], [0], [0]
-        has_past = any(self.past[r] for r in queries)  # else transformers hands an empty read_index
-        for rid, q in queries.items():
-            p = self.past[rid]
-            ids += self.tokens[rid][p : p + q]
-            pos += list(range(p, p + q))
-            if g.is_sliding:
-                n = min(p, g.sliding_window - 1)
-                read += [self.phys(rid, x) for x in range(p - n, p)] + [g.sentinel_index] * q
-                keep = min(q, g.sliding_window)
-                write += [g.write_trash_index] * (q - keep) + [self.phys(rid, x) for x in range(p + q - keep, p + q)]
-                cu_k.append(cu_k[-1] + n + q)
-            else:
-                read += [self.phys(rid, x) for x in range(p + q)]
-                write += [self.phys(rid, x) for x in range(p, p + q)]
-                cu_k.append(cu_k[-1] + p + q)
-            cu_q.append(cu_q[-1] + q)
-        host = HostBatch(
-            request_ids=tuple(queries),
-            past_lens=tuple(self.past[r] for r in queries),
-            query_lens=tuple(queries.values()),
-            truth=tuple(self.tokens[r] for r in queries),
-        )
-        for rid, q in queries.items():
-            self.past[rid] += q
-        i32 = torch.int32
-        kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor([ids], dtype=i32),
-            "position_ids": torch.tensor([pos], dtype=i32),
-            "cu_seq_lens_q": torch.tensor(cu_q, dtype=i32),
-            "cu_seq_lens_k": {g.name: torch.tensor(cu_k, dtype=i32)},
-            "read_index": [torch.tensor(read if has_past else [], dtype=torch.int64)],
-            "write_index": [torch.tensor(write, dtype=torch.int64)],
-            "block_table": None,
-        }
-        return kwargs, host
+from transformers_helpers import BPS, PAGE, STRIDE, FakeEngine, geometry
 
 
 def make_canary(g: GroupGeometry, width: int = 64) -> tuple[StepTranslator, GroupCanary, ViolationLog]:
@@ -357,12 +291,12 @@ def test_version_check_names_the_supported_versions() -> None:
 
 
 def test_registry_is_lazy_and_names_its_adapters() -> None:
-    assert set(ADAPTERS) == {"sglang", "transformers-cb"}
+    assert set(ADAPTERS) == {"sglang", "transformers-cb", "vllm"}
     with pytest.raises(ValueError, match="transformers-cb"):
-        load_adapter("vllm")
+        load_adapter("no-such-engine")
     code = (
-        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb; "
-        "assert not {'transformers', 'sglang'} & set(sys.modules), 'an engine was imported'"
+        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb, kvcanary.selftest; "
+        "assert not {'transformers', 'sglang', 'vllm'} & set(sys.modules), 'an engine was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -31,13 +31,13 @@ def test_demo_json_run_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def fake_result(clean_violations: int, detected: bool) -> demo.DemoResult:
-    from kvcanary.adapters.transformers_cb.faults import InjectedFault
+    from kvcanary.selftest.protocol import Injection
 
     stats = {"steps": 10, "verified_slots": 100, "violations": clean_violations, "stamped": 50, "tap_us": 900}
     features = dict.fromkeys(
         ["prefix_hits", "prefix_tokens", "cached_block_reuse", "dedup_swaps", "forks", "fork_block_copies"], 1
     ) | {"offloads": 1, "restores": 1, "ring_wraps": 0}
-    injected = InjectedFault("read-swap", "full_attention", 3, "req_1", "swapped")
+    injected = Injection(3, "read index redirected", ("req_1",))
     clean = demo.RunResult(stats, features, 1.0, 8, [])
     faulted = demo.RunResult(dict(stats, violations=0), features, 1.0, 8, [], None, injected)
     assert faulted.detected is False

@@ -15,7 +15,7 @@ from kvcanary import Mode
 from kvcanary.runtime import CanaryManager
 from kvcanary.schema import Counter
 from kvcanary.workspace import PlanWorkspace
-from test_runtime_manager import drive, make_manager
+from runtime_helpers import drive, make_manager
 
 STEPS = 8
 # Epochs a step or two before each limit: the write-mark period, int32's and uint32's ranges.

@@ -19,7 +19,7 @@ import pytest
 from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
 
 WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
-SCENARIOS = "clean,log,fail,raise,lag2"
+SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise,every3"
 RUN_LIMIT_S = 90.0
 
 
@@ -115,6 +115,46 @@ def test_raise_mode_raises_on_every_rank_at_the_same_step(world: dict[int, dict[
         raised = res["raise"]
         assert raised.get("raised_at") == FAULT_AT + 2, raised
         assert raised["ranks"] == [0] and raised["step"] == FAULT_AT
+
+
+def test_exchanging_every_three_steps_agrees_on_the_window_on_every_rank(world: dict[int, dict[str, Any]]) -> None:
+    faulty = len(world) - 1
+    for res in world.values():
+        # the fault's first decode (call FAULT_AT + 1) falls in the window of calls 3..5: exchanged at call 5,
+        # finished by flush, with the window after it (the manager's last step)
+        assert res["every3"]["seen"] == [None] * STEPS
+        flushed = res["every3"]["flushed"]
+        assert [v["step"] for v in flushed] == [FAULT_AT, STEPS - 1]
+        assert all(v["ranks"] == [faulty] and v["ids"] == ["req-b"] for v in flushed)
+    assert len({json.dumps(res["every3"]["flushed"]) for res in world.values()}) == 1
+
+
+def test_a_health_failure_on_one_rank_is_reported_by_every_rank_at_the_same_step(
+    world: dict[int, dict[str, Any]],
+) -> None:
+    faulty = str(len(world) - 1)  # JSON keys
+    for res in world.values():
+        seen = res["health-fail"]["seen"]
+        hits = [k for k, v in enumerate(seen) if v is not None]
+        # decoded at FAULT_AT + 1 by the unhealthy rank's manager, agreed on at FAULT_AT + 2 by everyone
+        assert hits == [FAULT_AT + 2], seen
+        v = seen[hits[0]]
+        assert v["health"] == {faulty: {"phase": 1}} and v["ranks"] == [] and v["step"] == FAULT_AT
+        assert res["health-fail"]["callbacks"] == []  # a failed check names no request: fail-request only logs
+        assert any(
+            f"health check(s) failed at step {FAULT_AT} on rank(s) [{faulty}]" in m
+            for m in res["health-fail"]["warnings"]
+        )
+    assert len({json.dumps(res["health-fail"]["seen"]) for res in world.values()}) == 1
+
+
+def test_raise_mode_raises_a_health_failure_on_every_rank_at_the_same_step(world: dict[int, dict[str, Any]]) -> None:
+    faulty = str(len(world) - 1)
+    for res in world.values():
+        raised = res["health-raise"]
+        assert raised.get("health_raised_at") == FAULT_AT + 2, raised
+        assert raised["health"] == {faulty: {"phase": 1}} and raised["step"] == FAULT_AT
+        assert f"rank {faulty}: phase x1" in raised["message"]
 
 
 @pytest.mark.parametrize("how", ["kill", "stall"])

@@ -8,11 +8,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from kvcanary.faults import FAULTS, Expect, run_selftest
-from kvcanary.faults.base import InjectMode
-from kvcanary.faults.engine import MODEL_KINDS, WORKLOADS, build_models, run_engine
-from kvcanary.faults.runner import SelftestResult, Trial, judge
+from kvcanary.adapters.transformers_cb.selftest import FAULTS, TransformersDriver
+from kvcanary.adapters.transformers_cb.selftest.driver import WORKLOAD_KINDS, WORKLOADS, run_engine
+from kvcanary.adapters.transformers_cb.selftest.workload import build_model
 from kvcanary.schema import Reason
+from kvcanary.selftest import Expect, run_selftest
+from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.runner import SelftestResult, Trial, judge
 
 REASONS = {str(r.name).lower() for r in Reason}
 PHASES = {"plan", "verify", "stamp", "digest_stamp", "digest_verify"}
@@ -22,7 +24,7 @@ def test_catalogue_documents_every_fault() -> None:
     assert len(FAULTS) >= 12
     for name, cls in FAULTS.items():
         s = cls.spec
-        assert s.name == name and s.model in MODEL_KINDS
+        assert s.name == name and s.model in WORKLOAD_KINDS
         assert s.bug_class and s.mechanism and "#" in s.catalogue  # an example issue from the catalogue
         if s.expected is Expect.DETECT:
             assert s.check != "none" and s.checks and not s.why_miss
@@ -31,15 +33,23 @@ def test_catalogue_documents_every_fault() -> None:
             assert s.check == "none" and not s.checks and s.why_miss
 
 
+def test_the_spec_file_names_each_fault_class_in_matrix_order() -> None:
+    from kvcanary.adapters.transformers_cb.selftest.specs import CLASSES, SPECS
+
+    assert list(SPECS) == list(FAULTS) == list(CLASSES)
+    for name, cls in FAULTS.items():
+        assert cls.spec is SPECS[name] and CLASSES[name] == f"{cls.__module__.rsplit('.', 1)[1]}.{cls.__name__}"
+
+
 @pytest.fixture(scope="module")
 def matrix() -> SelftestResult:
-    return run_selftest(trials=2, seed=7)
+    return run_selftest(TransformersDriver(), trials=2, seed=7)
 
 
 def test_small_matrix_detects_every_detect_fault_and_controls_are_silent(matrix: SelftestResult) -> None:
     assert matrix.engine == "transformers" and [r.spec.name for r in matrix.rows] == list(FAULTS)
     assert matrix.false_positives == 0 and matrix.control_errors == 0
-    assert len(matrix.controls) >= 2 * len(MODEL_KINDS)
+    assert len(matrix.controls) >= 2 * len(WORKLOAD_KINDS)
     for row in matrix.rows:
         assert len(row.trials) == 2, row.spec.name
         for t in row.trials:
@@ -61,7 +71,7 @@ def test_faulted_runs_start_from_an_eligible_step_of_their_control(matrix: Selft
 
 @pytest.fixture(scope="module")
 def dense_model() -> torch.nn.Module:
-    model: torch.nn.Module = build_models(["dense"])["dense"]
+    model: torch.nn.Module = build_model("dense", seed=0)
     return model
 
 

@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcanary import CanaryConfig, Mode
 from kvcanary.adapters.transformers_cb import install
-from kvcanary.adapters.transformers_cb.faults import FaultInjector
-from kvcanary.demo import DemoOptions, build_model, build_prompts, quiet_engine_logs, run_engine
+from kvcanary.adapters.transformers_cb.selftest.hooks import attach_fault
+from kvcanary.demo import DemoOptions, build_model, build_prompts, generate_waves, quiet_engine_logs
 from kvcanary.runtime import metrics
 
 FAULT_AFTER = 6
@@ -50,13 +50,13 @@ def test_counters_move_over_http_during_a_faulted_run() -> None:
         )
         server = metrics.serve_metrics(canary, port=0)  # the one-liner (port 0: any free port)
         url = server.url
-        injector = FaultInjector(canary, "read-swap", after_step=FAULT_AFTER).attach()
+        injector = attach_fault(canary, "slot-mapping-foreign", after_step=FAULT_AFTER)
         try:
             assert scrape(url) == {}  # no engine cache bound yet: nothing to report, but the endpoint answers
-            run_engine(model, build_prompts(options.requests), options)
+            generate_waves(model, build_prompts(options.requests), options)
             canary.flush()
             final = scrape(url)
-            stats, injected = canary.stats(), injector.injected
+            stats, injected = canary.stats(), injector.injection
         finally:
             injector.detach()
             canary.uninstall()
@@ -78,7 +78,7 @@ def test_counters_move_over_http_during_a_faulted_run() -> None:
 
 
 def test_serve_a_manager_and_stop() -> None:
-    from test_runtime_manager import drive, make_manager
+    from runtime_helpers import drive, make_manager
 
     mgr = make_manager(Mode.LOG)
     server = metrics.serve_metrics(mgr, port=0)

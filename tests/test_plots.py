@@ -73,7 +73,7 @@ def test_plots_without_matplotlib_exit_3(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvcanary.faults import runner
+    from kvcanary.selftest import runner
 
     _no_matplotlib(monkeypatch)
     out = tmp_path / "x.png"

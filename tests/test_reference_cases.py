@@ -8,150 +8,37 @@ positions; stamp rows have no predecessor (-1) and no expected link (0).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 
-from kvcanary import Backend, CanaryGroup, Capacities, GroupCanary, GroupKind, StepBatch, ViolationLog
-from kvcanary.hashing import LINK_ANCHOR, link_step, to_signed64
+from kvcanary import CanaryGroup, GroupCanary, GroupKind, ViolationLog
+from kvcanary.hashing import LINK_ANCHOR
 from kvcanary.schema import NUM_REASONS, Counter, Field, Phase, Reason
-
-ANCHOR = to_signed64(LINK_ANCHOR)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def chain(tokens: list[int], positions: list[int] | None = None, seed: int = LINK_ANCHOR) -> list[int]:
-    """Signed links of consecutive records chained from ``seed`` (scalar spec)."""
-    positions = list(range(len(tokens))) if positions is None else positions
-    out, link = [], seed
-    for tok, pos in zip(tokens, positions, strict=True):
-        link = link_step(link, tok, pos)
-        out.append(to_signed64(link))
-    return out
-
-
-def link_of(prev_signed: int, tok: int, pos: int) -> int:
-    return to_signed64(link_step(prev_signed, tok, pos))
-
-
-def t64(values: list[int] | list[list[int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def make_batch(
-    table: torch.Tensor,
-    rows: list[int],
-    prefix: list[int],
-    extend: list[int],
-    ids: list[int],
-    pos: list[int],
-    loc: list[int],
-    *,
-    truth: torch.Tensor | None = None,
-    truth_lens: list[int] | None = None,
-    lookup: torch.Tensor | None = None,
-) -> StepBatch:
-    return StepBatch(
-        rows=t64(rows),
-        prefix_lens=t64(prefix),
-        extend_lens=t64(extend),
-        table=table,
-        input_ids=t64(ids),
-        positions=t64(pos),
-        out_cache_loc=t64(loc),
-        truth=truth,
-        truth_lens=None if truth_lens is None else t64(truth_lens),
-        lookup=lookup,
-    )
-
-
-def canary_for(group: CanaryGroup, *, verify_entries: int = 256, log_rows: int = 64) -> GroupCanary:
-    caps = Capacities(max_batch=8, max_tokens=64, verify_entries=verify_entries, log_rows=log_rows)
-    return GroupCanary(group, caps, backend=Backend.REFERENCE)
-
-
-def new_rows(log: ViolationLog, since: int) -> list[dict[str, int]]:
-    """Rows appended after the first ``since`` (the log must not have wrapped), as field-name dicts."""
-    rows = log.rows()[since:]
-    return [{f.name: int(r[f]) for f in Field} for r in rows]
-
-
-def expect(phase: Phase, reasons: Reason, *, group: int = 0, **fields: int) -> dict[str, int]:
-    """A full expected row; only the per-phase constants may be left out."""
-    row = {"REASONS": int(reasons), "PHASE": int(phase), "GROUP": group}
-    if phase is Phase.PLAN:
-        row |= {"SLOT": -1, "PRED": -1, "EXPECTED_TOKEN": -1, "STORED_TOKEN": 0, "EXPECTED_LINK": 0, "STORED_LINK": 0}
-    if phase is Phase.STAMP:
-        row |= {"PRED": -1, "EXPECTED_LINK": 0}
-    row |= fields
-    missing = {f.name for f in Field} - set(row)
-    if missing:
-        raise TypeError(f"expected row lacks {sorted(missing)}")
-    return row
-
-
-def reason_counts(log: ViolationLog) -> dict[str, int]:
-    return {Reason(1 << i).name or "": int(log.counters[i]) for i in range(NUM_REASONS) if log.counters[i]}
-
-
-def records_at(canary: GroupCanary, slots: list[int]) -> list[tuple[int, int, int]]:
-    r = canary.records
-    return [(int(r.tokens[s]), int(r.positions[s]), int(r.links[s])) for s in slots]
-
-
-# --------------------------------------------------------------------------- two requests, reused below
-
-FULL = CanaryGroup(num_slots=40, reserved_slots=(0, 39), padding_row=0)
-A_SLOTS = [5, 9, 2, 7, 11, 3]  # table row 1: deliberately not monotonic
-B_SLOTS = [20, 21, 22, 23, 24, 25, 26, 27]  # table row 2
-A_SEQ = [11, 12, 13, 14, 15]
-B_SEQ = [31, 32, 33, 34]
-A_LINKS = chain(A_SEQ)
-B_LINKS = chain(B_SEQ)
-
-
-def two_table() -> torch.Tensor:
-    table = torch.zeros(3, 8, dtype=torch.int32)
-    table[1, : len(A_SLOTS)] = torch.tensor(A_SLOTS)
-    table[2] = torch.tensor(B_SLOTS)
-    return table
-
-
-def two_requests(group: CanaryGroup = FULL, **kw: int) -> tuple[GroupCanary, ViolationLog, torch.Tensor]:
-    """A has prefilled positions 0..3, B positions 0..2; both clean."""
-    canary = canary_for(group, **kw)
-    log = canary.new_log()
-    table = two_table()
-    canary.step(
-        make_batch(
-            table,
-            [1, 2],
-            [0, 0],
-            [4, 3],
-            A_SEQ[:4] + B_SEQ[:3],
-            [0, 1, 2, 3, 0, 1, 2],
-            A_SLOTS[:4] + B_SLOTS[:3],
-        ),
-        log,
-    )
-    assert log.total() == 0
-    return canary, log, table
-
-
-def decode_both(table: torch.Tensor, **kw: object) -> StepBatch:
-    """A decodes position 4 (slot 11), B decodes position 3 (slot 23)."""
-    args: dict[str, object] = {"ids": [A_SEQ[4], B_SEQ[3]], "pos": [4, 3], "loc": [A_SLOTS[4], B_SLOTS[3]]}
-    args |= kw
-    return make_batch(table, [1, 2], [4, 3], [1, 1], **args)  # type: ignore[arg-type]
-
-
-def run_step(
-    canary: GroupCanary, log: ViolationLog, batch: StepBatch, *, check_values: bool = True
-) -> list[dict[str, int]]:
-    since = log.total()
-    canary.step(batch, log, check_values=check_values)
-    return new_rows(log, since)
-
+from reference_helpers import (
+    A_LINKS,
+    A_SEQ,
+    A_SLOTS,
+    ANCHOR,
+    B_LINKS,
+    B_SEQ,
+    B_SLOTS,
+    FULL,
+    canary_for,
+    chain,
+    decode_both,
+    expect,
+    link_of,
+    make_batch,
+    reason_counts,
+    records_at,
+    row,
+    run_step,
+    two_requests,
+    two_table,
+    verify_row,
+)
 
 # --------------------------------------------------------------------------- clean workloads
 
@@ -310,34 +197,8 @@ def test_reserved_slots() -> None:
     rows = run_step(canary, log, decode_both(table, loc=[0, B_SLOTS[3]]))  # and A writes into slot 0
     assert canary.workspace.seed_links[:2].tolist() == [A_LINKS[3], ANCHOR]  # no seed from a reserved slot
     assert rows == [
-        expect(
-            Phase.VERIFY,
-            Reason.RESERVED_SLOT,
-            BATCH_ROW=1,
-            TABLE_ROW=2,
-            SLOT=39,
-            PRED=21,
-            EXPECTED_POSITION=2,
-            STORED_POSITION=0,
-            EXPECTED_TOKEN=-1,
-            STORED_TOKEN=0,
-            EXPECTED_LINK=0,
-            STORED_LINK=0,
-            BAD_INDEX=-1,
-        ),
-        expect(
-            Phase.STAMP,
-            Reason.RESERVED_SLOT,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            SLOT=0,
-            EXPECTED_POSITION=4,
-            STORED_POSITION=4,
-            EXPECTED_TOKEN=-1,
-            STORED_TOKEN=15,
-            STORED_LINK=A_LINKS[4],
-            BAD_INDEX=-1,
-        ),
+        row(Phase.VERIFY, Reason.RESERVED_SLOT, 1, 2, 39, 21, 2, 0, -1, 0, 0, 0, -1),
+        row(Phase.STAMP, Reason.RESERVED_SLOT, 0, 1, 0, -1, 4, 4, -1, 15, 0, A_LINKS[4], -1),
     ]
     assert records_at(canary, [0, 39]) == [(0, 0, 0), (0, 0, 0)]  # reserved slots are never written
     assert int(log.counters[Counter.STAMPED]) == 7 + 1
@@ -529,19 +390,7 @@ def test_truth_valid_length_bounds_the_token_check() -> None:
         )
     assert found[2] == []
     assert found[3] == [
-        expect(
-            Phase.STAMP,
-            Reason.WRITE_TOKEN_MISMATCH,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            SLOT=2,
-            EXPECTED_POSITION=1,
-            STORED_POSITION=1,
-            EXPECTED_TOKEN=72,
-            STORED_TOKEN=99,
-            STORED_LINK=chain([71, 99])[1],
-            BAD_INDEX=-1,
-        )
+        row(Phase.STAMP, Reason.WRITE_TOKEN_MISMATCH, 0, 1, 2, -1, 1, 1, 72, 99, 0, chain([71, 99])[1], -1)
     ]
 
 
@@ -555,23 +404,7 @@ def test_ground_truth_checks_on_and_off() -> None:
     assert run_step(canary, log, decode_both(table)) == []  # off: the chain alone cannot know
     canary, log, table = two_requests()
     rows = run_step(canary, log, decode_both(table, truth=truth, truth_lens=[5, 4]))
-    assert rows == [
-        expect(
-            Phase.VERIFY,
-            Reason.TOKEN_MISMATCH,
-            BATCH_ROW=1,
-            TABLE_ROW=2,
-            SLOT=21,
-            PRED=20,
-            EXPECTED_POSITION=1,
-            STORED_POSITION=1,
-            EXPECTED_TOKEN=99,
-            STORED_TOKEN=32,
-            EXPECTED_LINK=B_LINKS[1],
-            STORED_LINK=B_LINKS[1],
-            BAD_INDEX=-1,
-        )
-    ]
+    assert rows == [row(Phase.VERIFY, Reason.TOKEN_MISMATCH, 1, 2, 21, 20, 1, 1, 99, 32, B_LINKS[1], B_LINKS[1], -1)]
 
 
 # --------------------------------------------------------------------------- overflow
@@ -591,21 +424,7 @@ def test_plan_overflow_verifies_partially_and_counts_the_rest() -> None:
     assert (int(c7[Counter.VERIFIED]), int(c7[Counter.SKIPPED])) == (7, 0)
     # Entries 0..4 checked: the corrupt record is caught; its successor (entry 5) was skipped.
     assert [(r["SLOT"], r["EXPECTED_POSITION"]) for r in rows5] == [(20, 0)]
-    assert rows5[0] == expect(
-        Phase.VERIFY,
-        Reason.LINK_MISMATCH,
-        BATCH_ROW=1,
-        TABLE_ROW=2,
-        SLOT=20,
-        PRED=-1,
-        EXPECTED_POSITION=0,
-        STORED_POSITION=0,
-        EXPECTED_TOKEN=-1,
-        STORED_TOKEN=31,
-        EXPECTED_LINK=B_LINKS[0],
-        STORED_LINK=12345,
-        BAD_INDEX=-1,
-    )
+    assert rows5[0] == row(Phase.VERIFY, Reason.LINK_MISMATCH, 1, 2, 20, -1, 0, 0, -1, 31, B_LINKS[0], 12345, -1)
     assert [(r["SLOT"], r["EXPECTED_POSITION"]) for r in rows7] == [(20, 0), (21, 1)]
     # Stamping is not limited by the verify capacity.
     assert int(c5[Counter.STAMPED]) == int(c7[Counter.STAMPED]) == 9
@@ -614,119 +433,65 @@ def test_plan_overflow_verifies_partially_and_counts_the_rest() -> None:
 # --------------------------------------------------------------------------- every reason
 
 
-def verify_row(reasons: Reason, batch_row: int, pos: int, slot: int, pred: int, **kw: int) -> dict[str, int]:
-    table_row = 1 if batch_row == 0 else 2
-    return expect(
-        Phase.VERIFY,
-        reasons,
-        BATCH_ROW=batch_row,
-        TABLE_ROW=table_row,
-        SLOT=slot,
-        PRED=pred,
-        EXPECTED_POSITION=pos,
-        **({"EXPECTED_TOKEN": -1, "BAD_INDEX": -1} | kw),
-    )
+def _set(field: str, slot: int, value: int) -> Callable[[GroupCanary, torch.Tensor], None]:
+    """A record field of one slot overwritten behind the canary's back."""
+    return lambda canary, _table: getattr(canary.records, field).__setitem__(slot, value)
 
 
-def test_link_mismatch_flags_the_record_and_its_successor() -> None:
+def _point(row: int, pos: int, slot: int) -> Callable[[GroupCanary, torch.Tensor], None]:
+    """A table entry pointed at another slot (the engine's mapping corrupted)."""
+    return lambda _canary, table: table[row].__setitem__(pos, slot)
+
+
+_POS_LINK = Reason.POSITION_MISMATCH | Reason.LINK_MISMATCH
+
+# One corruption of the two clean requests each, and every row the next decode of both must log (as
+# verify_row arguments: reasons, batch row, position, slot, predecessor, then the stored / expected values).
+RECORD_CASES = {
+    "a corrupt link flags the record and its successor": (
+        _set("links", A_SLOTS[2], 12345),
+        [
+            (Reason.LINK_MISMATCH, 0, 2, A_SLOTS[2], A_SLOTS[1], 2, 13, A_LINKS[2], 12345),
+            (Reason.LINK_MISMATCH, 0, 3, A_SLOTS[3], A_SLOTS[2], 3, 14, link_of(12345, 14, 3), A_LINKS[3]),
+        ],
+    ),
+    "an overwritten last token breaks its own link": (
+        _set("tokens", A_SLOTS[3], 77),
+        [(Reason.LINK_MISMATCH, 0, 3, A_SLOTS[3], A_SLOTS[2], 3, 77, link_of(A_LINKS[2], 77, 3), A_LINKS[3])],
+    ),
+    "a wrong position breaks the link too": (
+        _set("positions", A_SLOTS[1], 7),
+        [
+            (_POS_LINK, 0, 1, A_SLOTS[1], A_SLOTS[0], 7, 12, link_of(A_LINKS[0], 12, 7), A_LINKS[1]),
+        ],
+    ),
+    "a never-written slot in a prefix, then its successor chained from link 0": (
+        _point(2, 1, 30),
+        [
+            (Reason.NEVER_WRITTEN, 1, 1, 30, B_SLOTS[0], 0, 0, 0, 0),
+            (Reason.LINK_MISMATCH, 1, 2, B_SLOTS[2], 30, 2, 33, link_of(0, 33, 2), B_LINKS[2]),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RECORD_CASES))
+def test_a_corrupt_record_or_mapping_is_logged_field_by_field(case: str) -> None:
+    corrupt, expected = RECORD_CASES[case]
     canary, log, table = two_requests()
-    canary.records.links[A_SLOTS[2]] = 12345
+    corrupt(canary, table)
     rows = run_step(canary, log, decode_both(table))
     assert rows == [
-        verify_row(
-            Reason.LINK_MISMATCH,
-            0,
-            2,
-            A_SLOTS[2],
-            A_SLOTS[1],
-            STORED_POSITION=2,
-            STORED_TOKEN=13,
-            EXPECTED_LINK=A_LINKS[2],
-            STORED_LINK=12345,
-        ),
-        verify_row(
-            Reason.LINK_MISMATCH,
-            0,
-            3,
-            A_SLOTS[3],
-            A_SLOTS[2],
-            STORED_POSITION=3,
-            STORED_TOKEN=14,
-            EXPECTED_LINK=link_of(12345, 14, 3),
-            STORED_LINK=A_LINKS[3],
-        ),
-    ]
-    assert reason_counts(log) == {"LINK_MISMATCH": 2}
-
-
-def test_overwritten_token_breaks_the_link() -> None:
-    canary, log, table = two_requests()
-    canary.records.tokens[A_SLOTS[3]] = 77  # the last record: no successor in the prefix
-    rows = run_step(canary, log, decode_both(table))
-    assert rows == [
-        verify_row(
-            Reason.LINK_MISMATCH,
-            0,
-            3,
-            A_SLOTS[3],
-            A_SLOTS[2],
-            STORED_POSITION=3,
-            STORED_TOKEN=77,
-            EXPECTED_LINK=link_of(A_LINKS[2], 77, 3),
-            STORED_LINK=A_LINKS[3],
-        )
-    ]
-
-
-def test_position_mismatch() -> None:
-    canary, log, table = two_requests()
-    canary.records.positions[A_SLOTS[1]] = 7
-    rows = run_step(canary, log, decode_both(table))
-    assert rows == [
-        verify_row(
-            Reason.POSITION_MISMATCH | Reason.LINK_MISMATCH,
-            0,
-            1,
-            A_SLOTS[1],
-            A_SLOTS[0],
-            STORED_POSITION=7,
-            STORED_TOKEN=12,
-            EXPECTED_LINK=link_of(A_LINKS[0], 12, 7),
-            STORED_LINK=A_LINKS[1],
-        )
-    ]
-    assert reason_counts(log) == {"LINK_MISMATCH": 1, "POSITION_MISMATCH": 1}
-
-
-def test_never_written_slot_in_a_prefix() -> None:
-    canary, log, table = two_requests()
-    table[2, 1] = 30  # B's position 1 points at a slot nobody wrote
-    rows = run_step(canary, log, decode_both(table))
-    assert rows == [
-        verify_row(
-            Reason.NEVER_WRITTEN,
-            1,
-            1,
-            30,
-            B_SLOTS[0],
-            STORED_POSITION=0,
-            STORED_TOKEN=0,
-            EXPECTED_LINK=0,
-            STORED_LINK=0,
-        ),
-        # The successor's link is recomputed from the empty predecessor (link 0) and fails.
-        verify_row(
-            Reason.LINK_MISMATCH,
-            1,
-            2,
-            B_SLOTS[2],
-            30,
-            STORED_POSITION=2,
-            STORED_TOKEN=33,
-            EXPECTED_LINK=link_of(0, 33, 2),
-            STORED_LINK=B_LINKS[2],
-        ),
-    ]
+        verify_row(reasons, batch_row, pos, slot, pred, STORED_POSITION=stored_pos, STORED_TOKEN=stored_tok,
+                   EXPECTED_LINK=expected_link, STORED_LINK=stored_link)
+        for reasons, batch_row, pos, slot, pred, stored_pos, stored_tok, expected_link, stored_link in expected
+    ]  # fmt: skip
+    counts: dict[str, int] = {}
+    for reasons, *_ in expected:
+        for r in Reason:
+            if r & reasons:
+                counts[r.name or ""] = counts.get(r.name or "", 0) + 1
+    assert reason_counts(log) == counts
 
 
 def test_slot_and_predecessor_out_of_range_in_verify() -> None:
@@ -773,15 +538,7 @@ def test_negative_table_entry_in_a_block_table() -> None:
     table[1, 1] = -2  # position 4's block: slot -2 * 4 + 0 = -8
     rows = run_step(canary, log, make_batch(table, [1], [5], [1], [4], [5], [21]), check_values=False)
     assert rows == [
-        expect(
-            Phase.PLAN,
-            Reason.SEED_OUT_OF_RANGE,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            EXPECTED_POSITION=5,
-            STORED_POSITION=6,
-            BAD_INDEX=-8,
-        ),
+        row(Phase.PLAN, Reason.SEED_OUT_OF_RANGE, 0, 1, -1, -1, 5, 6, -1, 0, 0, 0, -8),
         verify_row(
             Reason.SLOT_OUT_OF_RANGE,
             0,
@@ -795,19 +552,7 @@ def test_negative_table_entry_in_a_block_table() -> None:
             BAD_INDEX=-8,
         ),
         # The new token's own table entry (position 5, block -2) does not lead to the slot it writes.
-        expect(
-            Phase.STAMP,
-            Reason.NEW_READ_MISMATCH,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            SLOT=21,
-            EXPECTED_POSITION=5,
-            STORED_POSITION=5,
-            EXPECTED_TOKEN=-1,
-            STORED_TOKEN=4,
-            STORED_LINK=chain([4], [5])[0],
-            BAD_INDEX=-7,
-        ),
+        row(Phase.STAMP, Reason.NEW_READ_MISMATCH, 0, 1, 21, -1, 5, 5, -1, 4, 0, chain([4], [5])[0], -7),
     ]
     # The seed was not trusted: position 5 chains from the anchor.
     assert records_at(canary, [21]) == [(4, 5, chain([4], [5])[0])]
@@ -934,16 +679,7 @@ def test_lookup_out_of_range_at_the_seed() -> None:
     canary, log, table, lookup, seq = lookup_world()
     table[1, 4] = -1  # the seed (position 4) cannot be translated
     rows = run_step(canary, log, make_batch(table, [1], [5], [1], [seq[5]], [5], [15], lookup=lookup))
-    assert rows[0] == expect(
-        Phase.PLAN,
-        Reason.LOOKUP_OUT_OF_RANGE,
-        group=1,
-        BATCH_ROW=0,
-        TABLE_ROW=1,
-        EXPECTED_POSITION=5,
-        STORED_POSITION=6,
-        BAD_INDEX=-1,
-    )
+    assert rows[0] == row(Phase.PLAN, Reason.LOOKUP_OUT_OF_RANGE, 0, 1, -1, -1, 5, 6, -1, 0, 0, 0, -1, group=1)
     assert [(r["PHASE"], r["REASONS"], r["EXPECTED_POSITION"], r["BAD_INDEX"]) for r in rows[1:]] == [
         (Phase.VERIFY, Reason.LOOKUP_OUT_OF_RANGE, 4, -1)
     ]
@@ -955,32 +691,8 @@ def test_seed_out_of_range_through_the_lookup() -> None:
     lookup[14] = 99  # position 4 (the seed) translates outside the 16-slot pool
     rows = run_step(canary, log, make_batch(table, [1], [5], [1], [seq[5]], [5], [15], lookup=lookup))
     assert rows == [
-        expect(
-            Phase.PLAN,
-            Reason.SEED_OUT_OF_RANGE,
-            group=1,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            EXPECTED_POSITION=5,
-            STORED_POSITION=6,
-            BAD_INDEX=99,
-        ),
-        expect(
-            Phase.VERIFY,
-            Reason.SLOT_OUT_OF_RANGE,
-            group=1,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            SLOT=99,
-            PRED=pool(lookup, 13),
-            EXPECTED_POSITION=4,
-            STORED_POSITION=0,
-            EXPECTED_TOKEN=-1,
-            STORED_TOKEN=0,
-            EXPECTED_LINK=0,
-            STORED_LINK=0,
-            BAD_INDEX=99,
-        ),
+        row(Phase.PLAN, Reason.SEED_OUT_OF_RANGE, 0, 1, -1, -1, 5, 6, -1, 0, 0, 0, 99, group=1),
+        row(Phase.VERIFY, Reason.SLOT_OUT_OF_RANGE, 0, 1, 99, pool(lookup, 13), 4, 0, -1, 0, 0, 0, 99, group=1),
     ]
     # The untrusted seed falls back to the anchor; the stamp still happens.
     assert records_at(canary, [pool(lookup, 15)]) == [(45, 5, chain([45], [5])[0])]
@@ -1040,17 +752,7 @@ def test_row_out_of_range() -> None:
     canary, log, table = two_requests()
     batch = make_batch(table, [5, 2], [4, 3], [1, 1], [15, 34], [4, 3], [11, 23])
     rows = run_step(canary, log, batch, check_values=False)
-    assert rows == [
-        expect(
-            Phase.PLAN,
-            Reason.ROW_OUT_OF_RANGE,
-            BATCH_ROW=0,
-            TABLE_ROW=5,
-            EXPECTED_POSITION=4,
-            STORED_POSITION=5,
-            BAD_INDEX=5,
-        )
-    ]
+    assert rows == [row(Phase.PLAN, Reason.ROW_OUT_OF_RANGE, 0, 5, -1, -1, 4, 5, -1, 0, 0, 0, 5)]
     ws = canary.workspace
     assert ws.row_state[:2].tolist() == [ws.ROW_BAD, ws.ROW_ACTIVE]
     assert ws.verify_offsets[:3].tolist() == [0, 0, 3]
@@ -1064,24 +766,8 @@ def test_length_out_of_range() -> None:
     batch = make_batch(table, [1, 2], [8, 3], [1, 2], [15, 34], [4, 3], [11, 23])
     rows = run_step(canary, log, batch, check_values=False)
     plan_rows = [
-        expect(
-            Phase.PLAN,
-            Reason.LENGTH_OUT_OF_RANGE,
-            BATCH_ROW=0,
-            TABLE_ROW=1,
-            EXPECTED_POSITION=8,
-            STORED_POSITION=9,
-            BAD_INDEX=-1,
-        ),
-        expect(
-            Phase.PLAN,
-            Reason.LENGTH_OUT_OF_RANGE,
-            BATCH_ROW=1,
-            TABLE_ROW=2,
-            EXPECTED_POSITION=3,
-            STORED_POSITION=5,
-            BAD_INDEX=-1,
-        ),
+        row(Phase.PLAN, Reason.LENGTH_OUT_OF_RANGE, 0, 1, -1, -1, 8, 9, -1, 0, 0, 0, -1),
+        row(Phase.PLAN, Reason.LENGTH_OUT_OF_RANGE, 1, 2, -1, -1, 3, 5, -1, 0, 0, 0, -1),
     ]
     assert rows == plan_rows
     ws = canary.workspace

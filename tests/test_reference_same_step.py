@@ -11,7 +11,7 @@ import torch
 
 from kvcanary import CanaryGroup, GroupKind
 from kvcanary.schema import Phase, Reason
-from test_reference_cases import (
+from reference_helpers import (
     A_SEQ,
     A_SLOTS,
     B_SEQ,

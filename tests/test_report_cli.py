@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from kvcanary import CanaryConfig, Mode, cli
 from kvcanary.adapters.transformers_cb import install
-from kvcanary.adapters.transformers_cb.faults import FaultInjector
-from kvcanary.demo import DemoOptions, build_model, build_prompts, quiet_engine_logs, run_engine
+from kvcanary.adapters.transformers_cb.selftest.hooks import attach_fault
+from kvcanary.demo import DemoOptions, build_model, build_prompts, generate_waves, quiet_engine_logs
 from kvcanary.events_report import read_summary
 
 FAULT_AFTER = 5
@@ -29,11 +29,11 @@ def engine_run(events: Path, fault: str | None, **install_options: Any) -> dict[
     with quiet_engine_logs():
         config = CanaryConfig(mode=Mode.LOG, events_path=str(events), stats_every=4)
         canary = install(model, config, **install_options)
-        injector = None if fault is None else FaultInjector(canary, fault, after_step=FAULT_AFTER).attach()
+        injector = None if fault is None else attach_fault(canary, fault, after_step=FAULT_AFTER)
         try:
-            run_engine(model, build_prompts(OPTIONS.requests), OPTIONS)
+            generate_waves(model, build_prompts(OPTIONS.requests), OPTIONS)
             canary.flush()
-            return {"stats": canary.stats(), "injected": None if injector is None else injector.injected}
+            return {"stats": canary.stats(), "injected": None if injector is None else injector.injection}
         finally:
             if injector is not None:
                 injector.detach()
@@ -43,7 +43,7 @@ def engine_run(events: Path, fault: str | None, **install_options: Any) -> dict[
 @pytest.fixture(scope="module")
 def faulted_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     path = tmp_path_factory.mktemp("events") / "faulted.jsonl"
-    run = engine_run(path, "read-swap")
+    run = engine_run(path, "slot-mapping-foreign")
     assert run["injected"] is not None and run["stats"]["violations"] > 0
     return path, run
 
@@ -69,8 +69,8 @@ def test_report_of_a_faulted_run(faulted_log: tuple[Path, dict[str, Any]], capsy
     assert rc == cli.EXIT_CHECK_FAILED and err == ""
     assert f"{run['stats']['violations']} violation row(s)" in out
     assert "by reason:" in out and "link_mismatch" in out and "by group:" in out and "full_attention" in out
-    assert f'"{injected.request_id}"' in out  # by request
-    assert "timeline (step: rows):" in out and "first " in out and f"request {injected.request_id!r}" in out
+    assert f'"{injected.requests[0]}"' in out  # by request
+    assert "timeline (step: rows):" in out and "first " in out and f"request {injected.requests[0]!r}" in out
     assert "last stats" in out
 
 
@@ -84,12 +84,12 @@ def test_json_report_matches_the_run(
     assert rc == cli.EXIT_CHECK_FAILED and doc["clean"] is False and doc["schema"] == 1
     assert doc["violation_rows"] == run["stats"]["violations"] == sum(t["rows"] for t in doc["timeline"])
     assert doc["by_group"] == {"full_attention": doc["violation_rows"]}
-    assert doc["by_request"] == {json.dumps(injected.request_id): doc["rows_kept"]}
+    assert doc["by_request"] == {json.dumps(injected.requests[0]): doc["rows_kept"]}
     assert doc["by_reason"]["link_mismatch"] > 0 and doc["rows_dropped"] == 0
     assert doc["timeline"][0]["step"] >= injected.step  # nothing reported before the injection
     assert len(doc["first_violations"]) == 2
     first = doc["first_violations"][0]
-    assert first["request_id"] == injected.request_id and first["group"] == "full_attention"
+    assert first["request_id"] == injected.requests[0] and first["group"] == "full_attention"
     assert doc["last_stats"]["violations"] <= doc["violation_rows"]
 
 

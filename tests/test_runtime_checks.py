@@ -10,21 +10,9 @@ import logging
 
 import pytest
 
-from kvcanary import Mode, StepBatch
+from kvcanary import Mode
 from kvcanary.runtime import CanaryHealthError, CanaryManager
-from test_runtime_manager import Workload, make_manager, run_step
-
-
-def _emulate_capture(mgr: CanaryManager) -> None:
-    mgr._graph_captured = True  # what a before/after pair inside torch.cuda.graph() would leave
-
-
-def _replay(mgr: CanaryManager, batch: StepBatch, before: bool = True, after: bool = True) -> None:
-    """What replaying a captured graph does on the device: only the captured work, no host bookkeeping."""
-    if before:
-        mgr._work.before([batch], False)
-    if after:
-        mgr._work.after()
+from runtime_helpers import Workload, emulate_capture, make_manager, replay, run_step
 
 
 def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -34,9 +22,9 @@ def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 def _replayed_run(mgr: CanaryManager, steps: int, before: bool, after: bool) -> None:
     wl = Workload()
     run_step(mgr, wl.batch([(1, 4), (2, 4)]), ["a", "b"])  # eager warm-up step
-    _emulate_capture(mgr)
+    emulate_capture(mgr)
     for _ in range(steps):
-        _replay(mgr, wl.batch([(1, 1), (2, 1)]), before, after)
+        replay(mgr, wl.batch([(1, 1), (2, 1)]), before, after)
         mgr.host_step(["a", "b"])
     mgr.flush()
 
@@ -65,7 +53,7 @@ def test_phase_check_raises_in_raise_mode() -> None:
     mgr = make_manager(Mode.RAISE, health_every=0)
     wl = Workload()
     run_step(mgr, wl.batch([(1, 4)]), ["a"])
-    _emulate_capture(mgr)
+    emulate_capture(mgr)
     mgr.host_step(["a"])  # step 1: a replay without the canary's work; step 0 decodes clean
     with pytest.raises(CanaryHealthError, match="phase: no canary device work"):
         mgr.flush()
@@ -142,3 +130,17 @@ def test_partial_verification_is_counted_and_warned_once(caplog: pytest.LogCaptu
     assert mgr.stats()["verified_slots"] == 18 and mgr.stats()["skipped_entries"] == 2 + 4 + 6
     warnings = [r.getMessage() for r in caplog.records if "verification was partial" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_phase_check_on_its_public_api() -> None:
+    """The rule itself, without a manager: both marks advance by the same amount between host steps."""
+    from kvcanary.runtime.checks import PhaseCheck
+
+    check = PhaseCheck()
+    assert check.advance(1, 1) is None  # one eager forward
+    assert check.advance(4, 4) is None  # three forwards (warm-ups) before one host step
+    missing = check.advance(4, 4)  # a replay that ran none of the canary's work
+    assert missing is not None and "no canary device work" in missing
+    half = check.advance(5, 4)  # a graph holding before_forward's work but not after_forward's
+    assert half is not None and "out of step" in half and "before_forward ran 1" in half
+    assert check.advance(6, 5) is None  # each step is judged by its own deltas: +1 and +1

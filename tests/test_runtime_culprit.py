@@ -10,7 +10,7 @@ import pytest
 
 from kvcanary import Mode
 from kvcanary.runtime import StepReport, Violation
-from test_runtime_manager import Workload, make_manager, run_step
+from runtime_helpers import Workload, make_manager, run_step
 
 
 def _aliased(position: int, caplog: pytest.LogCaptureFixture | None = None) -> StepReport:

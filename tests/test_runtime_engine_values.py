@@ -10,7 +10,7 @@ import torch
 
 from kvcanary import Mode, StepBatch
 from kvcanary.runtime import CanaryManager, CanaryViolation
-from test_runtime_manager import Workload, make_manager, run_step
+from runtime_helpers import Workload, make_manager, run_step
 
 
 def _corrupt(batch: StepBatch, **values: list[int]) -> StepBatch:
@@ -94,7 +94,7 @@ def test_corrupt_lengths_on_the_transformers_engine_are_violations_not_skipped_s
     from kvcanary import CanaryConfig
     from kvcanary.adapters.transformers_cb import install
     from kvcanary.demo import build_model
-    from test_adapter_transformers_engine import tiny_generate
+    from transformers_helpers import tiny_generate
 
     original = CanaryManager.before_forward
     steps = {"n": 0}

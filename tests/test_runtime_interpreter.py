@@ -13,7 +13,7 @@ import torch
 
 from kvcanary import Backend, CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, StepReport
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 pytestmark = [
     pytest.mark.interpreter,

@@ -11,7 +11,7 @@ import pytest
 
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, Violation
-from test_runtime_manager import CAPS, NUM_SLOTS, Workload, alias_first_slot, drive, make_manager, run_step
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot, drive, make_manager, run_step
 
 LINE = re.compile(
     r"kvcanary violation: step=(?P<step>\d+) group=(?P<group>\S+) phase=(?P<phase>plan|verify|stamp) "

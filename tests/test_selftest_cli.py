@@ -4,6 +4,7 @@ and argument errors."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -12,8 +13,9 @@ pytest.importorskip("transformers")
 
 from kvcanary import cli
 from kvcanary.adapters import UnsupportedEngineVersion
-from kvcanary.faults import FAULTS, Expect
-from kvcanary.faults.command import ProgressBar, fault_names
+from kvcanary.adapters.transformers_cb.selftest import FAULTS, TransformersDriver
+from kvcanary.selftest import Expect
+from kvcanary.selftest.command import ProgressBar, fault_names
 
 ROW_KEYS = {"fault", "engine", "trials", "detected", "expected", "check"}
 
@@ -72,7 +74,7 @@ def test_unknown_fault_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     [
         ["selftest", "--trials", "0"],
         ["selftest", "--trials", "many"],
-        ["selftest", "--engine", "vllm"],
+        ["selftest", "--engine", "no-such-engine"],
         ["selftest", "--seed", "x"],
         ["selftest", "--faults"],
     ],
@@ -95,15 +97,36 @@ def test_list_and_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_fault_names_parsing() -> None:
-    assert fault_names(None) is None and fault_names([]) is None
-    assert fault_names(["dropped-write", "kv-bit-flip,dropped-write"]) == [
+    assert fault_names(None, FAULTS) is None and fault_names([], FAULTS) is None
+    assert fault_names(["dropped-write", "kv-bit-flip,dropped-write"], FAULTS) == [
         "dropped-write",
         "kv-bit-flip",
     ]
     with pytest.raises(ValueError, match="nope"):
-        fault_names(["nope"])
+        fault_names(["nope"], FAULTS)
     with pytest.raises(ValueError, match="none given"):
-        fault_names([" , "])
+        fault_names([" , "], FAULTS)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_an_engine_whose_selftest_cannot_run_here_exits_3_naming_it(
+    engine: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    assert cli.main(["selftest", "--engine", engine, "--trials", "1", "--quiet"]) == cli.EXIT_ENVIRONMENT
+    assert f"--engine {engine}" in capsys.readouterr().err
+
+
+def test_the_registry_loads_a_driver_that_meets_the_protocol() -> None:
+    from kvcanary.selftest.registry import DEFAULT_ENGINE, load_driver
+
+    driver = load_driver(DEFAULT_ENGINE)
+    assert driver.name == DEFAULT_ENGINE and list(driver.faults) == list(FAULTS)
+    assert {cls.spec.model for cls in driver.faults.values()} <= set(driver.workloads)
+    with pytest.raises(ValueError, match="unknown engine"):
+        load_driver("no-such-engine")
 
 
 def test_progress_bar_on_a_log_prints_every_tenth() -> None:
@@ -119,10 +142,15 @@ def test_progress_bar_on_a_log_prints_every_tenth() -> None:
 
 
 def test_progress_counts_never_go_back() -> None:
-    from kvcanary.faults.runner import run_selftest
+    from kvcanary.selftest.runner import run_selftest
 
     calls: list[tuple[int, int]] = []
-    run_selftest(["dropped-write"], trials=2, progress=lambda done, total, label: calls.append((done, total)))
+    run_selftest(
+        TransformersDriver(),
+        ["dropped-write"],
+        trials=2,
+        progress=lambda done, total, label: calls.append((done, total)),
+    )
     dones, totals = [c[0] for c in calls], [c[1] for c in calls]
     assert dones == sorted(dones) and totals == sorted(totals), calls
     assert all(d <= t for d, t in calls) and calls[-1][0] == calls[-1][1] >= 4

@@ -14,8 +14,7 @@ import pytest
 
 from kvcanary import Mode
 from kvcanary.runtime.checks import RateLimiter
-from test_runtime_checks import _emulate_capture, _replay
-from test_runtime_manager import Workload, alias_first_slot, make_manager, run_step
+from runtime_helpers import Workload, alias_first_slot, emulate_capture, make_manager, replay, run_step
 
 
 def test_the_limiter_lets_one_event_through_per_interval_and_counts_the_rest() -> None:
@@ -67,10 +66,10 @@ def test_health_failures_are_rate_limited_with_a_count_too(caplog: pytest.LogCap
     wl = Workload()
     with caplog.at_level(logging.WARNING, logger="kvcanary"):
         run_step(mgr, wl.batch([(1, 4)]), ["a"])
-        _emulate_capture(mgr)
+        emulate_capture(mgr)
         for k in range(10):
             now[0] = 0.3 * k
-            _replay(mgr, wl.batch([(1, 1)]), before=False, after=False)  # a graph without the canary's work
+            replay(mgr, wl.batch([(1, 1)]), before=False, after=False)  # a graph without the canary's work
             mgr.host_step(["a"])
         mgr.flush()
     messages = _messages(caplog)

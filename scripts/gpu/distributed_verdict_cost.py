@@ -9,7 +9,8 @@ and then times what :class:`~kvcanary.runtime.distributed.DistributedCanary` add
 ``host_step`` on top of the rank's manager:
 
 - ``exchange``: finish the exchange started at the previous step, start this step's (the collective);
-- ``wrapper``: the same through the wrapper's own bookkeeping (its finish/start/act of a clean step).
+- ``wrapper``: the same through the wrapper's own bookkeeping (its finish/start/act of a clean step), with
+  ``--exchange-every N`` one exchange per N steps (the median is then per step, amortized in the mean).
 
 Reports median/p90/p99/mean in microseconds per rank; goal on 2 H200s with NCCL: median < 10 us.
 """
@@ -74,8 +75,10 @@ def time_wrapper(canary: DistributedCanary, args: argparse.Namespace, cuda: bool
         simulate_forward(cuda, args.forward_us)
         t0 = time.perf_counter_ns()
         # What host_step adds to the manager's own host step on a clean step (private on purpose).
-        canary._act(canary._finish())
-        canary._start(None)
+        canary._collect(None)
+        if canary._window_calls >= canary.exchange_every:
+            canary._act(canary._finish() if canary.in_flight == canary.lag else None)
+            canary._start()
         if step >= args.warmup:
             out.append(time.perf_counter_ns() - t0)
     canary._finish()
@@ -99,7 +102,14 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     exchange_ns = time_exchange(ex, args, cuda)
     groups = [CanaryGroup(num_slots=1024, name="full")]
     caps = Capacities(max_batch=8, max_tokens=64, verify_entries=512, max_context=64)
-    canary = DistributedCanary.create(groups, caps, CanaryConfig(mode=Mode.LOG), group, device)  # type: ignore[arg-type]
+    canary = DistributedCanary.create(
+        groups,
+        caps,
+        CanaryConfig(mode=Mode.LOG),
+        group,
+        device,
+        exchange_every=args.exchange_every,  # type: ignore[arg-type]
+    )
     wrapper_ns = time_wrapper(canary, args, cuda)
     result: dict[str, Any] = {"rank": rank, "exchange": summary(exchange_ns), "wrapper": summary(wrapper_ns)}
     gathered: list[Any] = [None] * args.world
@@ -110,6 +120,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
             "world": args.world,
             "steps": args.steps,
             "forward_us": args.forward_us,
+            "exchange_every": args.exchange_every,
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
@@ -129,6 +140,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--forward-us", type=float, default=1000.0, help="simulated forward per step")
+    parser.add_argument("--exchange-every", type=int, default=1, help="host steps per exchange (the wrapper)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.backend == "nccl" and torch.cuda.device_count() < args.world:

@@ -88,42 +88,57 @@ class GroupCanary:
     def uses_kernels(self) -> bool:
         return uses_kernels(self.backend, self.device)
 
-    def plan(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
+    def plan(
+        self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
+    ) -> None:
+        """``validated``: the caller ran :meth:`validate` on this batch this step (the checks are not repeated)."""
         self._planned = None
-        self.validate(batch, check_values)
+        if not validated:
+            self.validate(batch, check_values)
         self._planned = _shape_key(batch)
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.plan(self.group, batch, self.records, self.workspace, log)
+            launchers.plan(self.group, batch, self.records, self.workspace, log, checked=True)
         else:
             ref.plan(self.group, batch, self.records, self.workspace, log)
 
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Check the entries of the last :meth:`plan` (same batch)."""
+        self._verify(batch, log, same_batch=False)
+
+    def _verify(self, batch: StepBatch, log: ViolationLog, *, same_batch: bool) -> None:
+        # same_batch: the very batch plan validated, so the launcher need not check it again.
         self._require_planned(batch, "verify")
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
+            launchers.verify(
+                self.group, batch, self.records, self.workspace, log, self.caps.verify_entries, checked=same_batch
+            )
         else:
             ref.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
 
     def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
         """Stamp the tokens written this step (same batch as the last :meth:`plan`)."""
+        self._stamp(batch, log, same_batch=False)
+
+    def _stamp(self, batch: StepBatch, log: ViolationLog, *, same_batch: bool) -> None:
         self._require_planned(batch, "stamp")
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.stamp(self.group, batch, self.records, self.workspace, log)
+            launchers.stamp(self.group, batch, self.records, self.workspace, log, checked=same_batch)
         else:
             ref.stamp(self.group, batch, self.records, self.workspace, log)
 
-    def step(self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None) -> None:
-        """plan, verify and stamp in one call."""
-        self.plan(batch, log, check_values=check_values)
-        self.verify(batch, log)
-        self.stamp(batch, log)
+    def step(
+        self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
+    ) -> None:
+        """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``)."""
+        self.plan(batch, log, check_values=check_values, validated=validated)
+        self._verify(batch, log, same_batch=True)
+        self._stamp(batch, log, same_batch=True)
 
 
 def _shape_key(batch: StepBatch) -> tuple[int, int]:

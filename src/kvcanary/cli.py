@@ -43,10 +43,10 @@ EXIT_CODES = """exit codes:
 
 def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
-    from kvcanary.adapters.transformers_cb.faults import FAULTS
+    from kvcanary.adapters.transformers_cb.selftest import FAULTS
     from kvcanary.cli_checks import add_device_options
-    from kvcanary.demo import DEFAULT_FAULT, MODEL_KINDS
-    from kvcanary.faults import command as selftest
+    from kvcanary.demo import DEFAULT_FAULTS, MODEL_KINDS
+    from kvcanary.selftest import command as selftest
     from kvcanary.soak_command import add_parser as add_soak_parser
 
     parser = argparse.ArgumentParser(
@@ -61,17 +61,19 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="run the canary on transformers continuous batching: a clean run, then one with an injected fault",
         description="Builds a tiny random-weight model (no download), runs 64+ requests through transformers' "
-        "generate_batch with the canary on, then reruns with one injected index fault.",
+        "generate_batch with the canary on, then reruns with one fault of the self-test's library injected.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--model", choices=MODEL_KINDS, default="dense", help="model kind (default: dense)")
-    demo.add_argument("--fault", choices=FAULTS, default=DEFAULT_FAULT, help=f"fault to inject ({DEFAULT_FAULT})")
     demo.add_argument(
-        "--fault-group",
-        choices=("full_attention", "sliding_attention"),
+        "--fault",
+        choices=list(FAULTS),
         default=None,
-        help="allocator group to corrupt (default: full attention when the model has it)",
+        metavar="FAULT",
+        help="fault to inject, one of `kvcanary selftest --list` (default by model: "
+        + ", ".join(f"{model} {fault}" for model, fault in DEFAULT_FAULTS.items())
+        + ")",
     )
     demo.add_argument("--requests", type=int, default=64, help="number of prompts (default: 64)")
     add_device_options(demo)
@@ -104,7 +106,6 @@ def _demo(args: argparse.Namespace) -> int:
         options = DemoOptions(
             model=args.model,
             fault=args.fault,
-            fault_group=args.fault_group,
             requests=args.requests,
             device=args.device,
             backend=Backend(args.backend),
@@ -157,7 +158,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "demo":
         return _demo(args)
     if args.command == "selftest":
-        from kvcanary.faults import command
+        from kvcanary.selftest import command
 
         return command.run(args, EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT)
     if args.command == "report":

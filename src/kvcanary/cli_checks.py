@@ -15,13 +15,6 @@ EXIT_ENVIRONMENT = 3
 # What every engine-running subcommand says when its engine is missing (the README's Install section).
 INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
 
-# The allocator groups each demo model has (transformers names them after the layer types).
-_DEMO_GROUPS = {
-    "dense": ("full_attention",),
-    "hybrid": ("sliding_attention", "full_attention"),
-    "sliding": ("sliding_attention",),
-}
-
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
     """``--device`` and ``--backend``, as every engine-running subcommand takes them."""
@@ -60,9 +53,4 @@ def demo_refusal(args: argparse.Namespace) -> tuple[int, str] | None:
                 "--backend triton on the CPU runs only under Triton's interpreter: set TRITON_INTERPRET=1, "
                 "or use --backend reference"
             )
-    groups = _DEMO_GROUPS.get(args.model, ())
-    if args.fault_group is not None and args.fault_group not in groups:
-        return EXIT_USAGE, (
-            f"--fault-group {args.fault_group}: the {args.model} model has no such group (it has: {', '.join(groups)})"
-        )
     return None

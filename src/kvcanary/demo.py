@@ -7,9 +7,9 @@ sampled sequences per prompt (forks copy blocks), a cache small enough that requ
 the CPU swap pool and restored, and, for the sliding-window models, sequences longer than the window
 (the ring wraps around).  A follow-up wave of 8 prompts then runs on the same engine, whose cache
 still holds the first wave's prefix blocks (reused from the ledger's cached blocks).  The clean run
-must raise no violation; the rerun injects one index corruption into what the engine hands to
-attention (:mod:`kvcanary.adapters.transformers_cb.faults`) and must be caught, with the affected
-request named.
+must raise no violation; the rerun injects one fault of the transformers fault library (the self-test's,
+:mod:`kvcanary.adapters.transformers_cb.selftest`; by default a read index pointed at another request's
+block) and must be caught, with the affected request named.
 
 Prefix sharing is impossible for the hybrid and sliding models: transformers turns it off whenever a
 sliding-window group exists, so their runs show no prefix hits, cached reuse or de-duplication.
@@ -17,26 +17,38 @@ sliding-window group exists, so their runs show no prefix hits, cached reuse or 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import random
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 import torch
 
+from kvcanary.adapters.transformers_cb.selftest.workload import (
+    DEMO_NUM_BLOCKS,
+    MODEL_KINDS,
+    PAGE_SIZE,
+    SLIDING_WINDOW,
+    build_model,
+    build_prompts,
+    engine_configs,
+    quiet_engine_logs,
+)
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
+from kvcanary.selftest.protocol import Injection
 
-MODEL_KINDS: tuple[str, ...] = ("dense", "hybrid", "sliding")
-DEFAULT_FAULT = "read-swap"
-SLIDING_WINDOW = 12  # smaller than most sequences, and not a multiple of the page size
-PAGE_SIZE = 8
-_NUM_BLOCKS = {"dense": 48, "hybrid": 48, "sliding": 20}  # tight enough to force offloading
+__all__ = ["MODEL_KINDS", "build_model", "build_prompts", "engine_configs", "quiet_engine_logs", "run_demo"]
+
+# The fault each model gets unless --fault names another: a read index pointed at another request's block,
+# or, on the model with sliding layers only, a ring read one slot off.
+DEFAULT_FAULTS = {
+    "dense": "slot-mapping-foreign",
+    "hybrid": "slot-mapping-foreign",
+    "sliding": "window-ring-off-by-one",
+}
+DEFAULT_FAULT = DEFAULT_FAULTS["dense"]
 _PROGRESS_EVERY = 100
 FOLLOW_UP = 8  # prompts of the follow-up wave (after the main wave of DemoOptions.requests prompts)
 WARM_UP = 8  # prompts of the canary's warm-up run before a timed comparison (--baseline)
@@ -45,8 +57,7 @@ WARM_UP = 8  # prompts of the canary's warm-up run before a timed comparison (--
 @dataclasses.dataclass(frozen=True)
 class DemoOptions:
     model: str = "dense"
-    fault: str = DEFAULT_FAULT
-    fault_group: str | None = None  # None: the full-attention group when there is one
+    fault: str | None = None  # a fault of the transformers fault library; None: the model's DEFAULT_FAULTS entry
     fault_after_step: int = 30
     requests: int = 64
     follow_up: int = FOLLOW_UP  # prompts of the second wave
@@ -60,10 +71,12 @@ class DemoOptions:
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
 
     def __post_init__(self) -> None:
-        from kvcanary.adapters.transformers_cb.faults import FAULTS
+        from kvcanary.adapters.transformers_cb.selftest import FAULTS
 
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {', '.join(MODEL_KINDS)}, got {self.model!r}")
+        if self.fault is None:
+            object.__setattr__(self, "fault", DEFAULT_FAULTS[self.model])
         if self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
         if self.requests < 1 or self.new_tokens < 2 or self.follow_up < 0:
@@ -83,18 +96,24 @@ class RunResult:
     outputs: int
     reports: list[StepReport]
     first_detection_step: int | None = None
-    injected: Any = None  # faults.InjectedFault | None
+    injected: Injection | None = None
 
     def first_report(self) -> StepReport | None:
-        """The first report naming the corrupted request, at or after the injection."""
-        if self.injected is None:
-            return None
+        """The first report naming a corrupted request, at or after the injection."""
         inj = self.injected
-        return next((r for r in self.reports if r.step >= inj.step and inj.request_id in r.affected_request_ids), None)
+        if inj is None:
+            return None
+        victims = set(inj.requests)
+        return next((r for r in self.reports if r.step >= inj.step and victims & set(r.affected_request_ids)), None)
+
+    @property
+    def injected_request(self) -> str | None:
+        """The first request the fault corrupted."""
+        return None if self.injected is None or not self.injected.requests else self.injected.requests[0]
 
     @property
     def detected(self) -> bool:
-        """The fault was injected and a report at or after its step names the corrupted request."""
+        """The fault was injected and a report at or after its step names a corrupted request."""
         return self.first_report() is not None
 
 
@@ -120,81 +139,13 @@ class DemoResult:
             "faulted": {
                 "fault": self.options.fault,
                 "injected_step": None if inj is None else inj.step,
-                "injected_request": None if inj is None else inj.request_id,
+                "injected_request": self.faulted.injected_request,
                 "detected": self.faulted.detected,
                 "first_detection_step": self.faulted.first_detection_step,
                 "violations": self.faulted.stats["violations"],
                 "first_report": None if first is None else {"step": first.step, "lines": first.lines()},
             },
         }
-
-
-# ---------------------------------------------------------------------------- model and workload
-
-
-def build_model(kind: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
-    """A 2-layer random-weight model: Llama (dense), Qwen2 sliding+full (hybrid) or Mistral (sliding)."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    common: dict[str, Any] = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=1000, max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model: torch.nn.Module
-    if kind == "dense":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif kind == "hybrid":
-        layer_types = ["sliding_attention", "full_attention"]
-        cfg = Qwen2Config(**common, layer_types=layer_types, sliding_window=SLIDING_WINDOW, use_sliding_window=True)
-        model = Qwen2ForCausalLM(cfg)
-    elif kind == "sliding":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=SLIDING_WINDOW))
-    else:
-        raise ValueError(f"model kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
-    model.config._attn_implementation = "sdpa"
-    moved: torch.nn.Module = cast(Any, model).to(device)
-    return moved.eval()
-
-
-def build_prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
-    """Mixed lengths (about 8 to 70 tokens); three in four prompts start with one of three shared prefixes."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(1, vocab) for _ in range(length)] for length in (16, 24, 40)]
-    prompts = []
-    for i in range(n):
-        tail = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 30))]
-        prompts.append(tail + tail[:6] if i % 4 == 3 else prefixes[i % 4] + tail)
-    return prompts
-
-
-def engine_configs(
-    kind: str, new_tokens: int, seed: int, async_batching: bool = False, cuda_graphs: bool = False
-) -> tuple[Any, Any]:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen = GenerationConfig(  # type: ignore[no-untyped-call]
-        max_new_tokens=new_tokens, do_sample=True, num_return_sequences=2, eos_token_id=-1
-    )
-    cb = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE,
-        num_blocks=_NUM_BLOCKS[kind],
-        max_batch_tokens=64,
-        max_requests_per_batch=16,
-        cpu_offload_space=0.01,  # GiB: a few sectors of CPU swap space, enough for every offload
-        use_async_batching=async_batching,
-        use_cuda_graph=True if cuda_graphs else None,  # None: transformers decides (off with sdpa's masks)
-        seed=seed,
-    )
-    return gen, cb
 
 
 # ---------------------------------------------------------------------------- runs
@@ -204,7 +155,7 @@ def generate_batch(model: Any, prompts: list[list[int]], gen: Any, cb: Any, **kw
     return dict(model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, **kwargs))
 
 
-def run_engine(model: Any, prompts: list[list[int]], options: DemoOptions) -> int:
+def generate_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> int:
     """The workload: the main wave, then a follow-up wave on the same (persistent) engine; returns the
     number of sequences generated.  The follow-up starts after every request of the main wave has
     finished, so the blocks of the shared prefixes wait in the ledger's cached blocks and are taken back
@@ -223,20 +174,6 @@ def run_engine(model: Any, prompts: list[list[int]], options: DemoOptions) -> in
     return n
 
 
-@contextlib.contextmanager
-def quiet_engine_logs() -> Iterator[None]:
-    """The demo prints its own report: silence transformers' and the canary's per-step log lines."""
-    names = ("transformers", "ContinuousBatchingLogger", "kvcanary")
-    levels = {n: logging.getLogger(n).level for n in names}
-    try:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        yield
-    finally:
-        for n, level in levels.items():
-            logging.getLogger(n).setLevel(level)
-
-
 def run_workload(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -248,7 +185,7 @@ def run_workload(
 ) -> RunResult:
     """One ``generate_batch`` over the workload with the canary installed (and a fault, if named)."""
     from kvcanary.adapters.transformers_cb import install
-    from kvcanary.adapters.transformers_cb.faults import FaultInjector
+    from kvcanary.adapters.transformers_cb.selftest.hooks import FaultHooks, attach_fault
 
     def on_step(step: int, _: object) -> None:
         if progress is not None and step % _PROGRESS_EVERY == 0:
@@ -261,13 +198,12 @@ def run_workload(
 
     digest = None if options.digest_budget is None else DigestConfig(options.digest_budget)
     canary = install(model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step)
-    injector = None
+    injector: FaultHooks | None = None
     try:
         if fault is not None:
-            injector = FaultInjector(canary, fault, group=options.fault_group, after_step=options.fault_after_step)
-            injector.attach()
+            injector = attach_fault(canary, fault, after_step=options.fault_after_step, seed=options.seed)
         start = time.perf_counter()
-        outputs = run_engine(model, prompts, options)
+        outputs = generate_waves(model, prompts, options)
         seconds = time.perf_counter() - start
         canary.flush()
         canary.check_effective()
@@ -278,7 +214,7 @@ def run_workload(
             outputs=outputs,
             reports=canary.reports,
             first_detection_step=canary.first_report_step,
-            injected=None if injector is None else injector.injected,
+            injected=None if injector is None else injector.injection,
         )
     finally:
         if injector is not None:
@@ -293,7 +229,7 @@ def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: Dem
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
         start = time.perf_counter()
-        run_engine(model, prompts, options)
+        generate_waves(model, prompts, options)
         return time.perf_counter() - start
 
 
@@ -343,7 +279,7 @@ def summary(result: DemoResult) -> str:
         + (", CUDA graphs" if o.cuda_graphs else ""),
         f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "
         "engine, x 2 sampled sequences, "
-        f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {_NUM_BLOCKS[o.model]} blocks, CPU offload on",
+        f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {DEMO_NUM_BLOCKS[o.model]} blocks, CPU offload on",
         "",
         f"clean run: {c.stats['steps']:,} steps, {c.stats['verified_slots']:,} slots verified, "
         f"{c.stats['stamped']:,} stamped, {c.stats['violations']} violations "
@@ -363,7 +299,7 @@ def summary(result: DemoResult) -> str:
     if inj is None:
         lines.append(f"faulted run ({o.fault}): no step was eligible for the fault; nothing was injected")
     else:
-        lines.append(f"faulted run ({o.fault}): at step {inj.step}, request {inj.request_id!r}: {inj.detail}")
+        lines.append(f"faulted run ({o.fault}): at step {inj.step}, request {x.injected_request!r}: {inj.detail}")
         if x.detected:
             lines.append(
                 f"  caught at step {x.first_detection_step} ({x.stats['violations']} violation rows over the run); "

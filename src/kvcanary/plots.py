@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvcanary.events_report import EventSummary
-    from kvcanary.faults.runner import SelftestResult
+    from kvcanary.selftest.runner import SelftestResult
 
 PLOTS_HINT = "pip install 'matplotlib>=3.8' (or the plots extra: pip install -e '.[plots]')"
 

@@ -36,6 +36,7 @@ ADAPTERS: Mapping[str, str] = types.MappingProxyType(
     {
         "sglang": "kvcanary.adapters.sglang:install_canary",
         "transformers-cb": "kvcanary.adapters.transformers_cb:install",
+        "vllm": "kvcanary.adapters.vllm:install",
     },
 )
 

@@ -1,7 +1,8 @@
 """Launchers of the Triton kernels: same signatures and results as :mod:`kvcanary.ops.reference`.
 
 Each launcher checks metadata on the host (types, shapes, devices, capacities) and raises before
-anything runs; it never reads device values, synchronises or allocates device memory, so a whole
+anything runs (``checked=True``: the caller already did, for this batch, this step); it never reads
+device values, synchronises or allocates device memory, so a whole
 plan -> verify -> stamp sequence can be captured in a CUDA graph and replayed with inputs refilled in
 place.  Grids come from the workspace's capacities, not from the batch's values: programs walk the
 work items they find on the device and idle programs finish at once.
@@ -131,6 +132,21 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
     return dev
 
 
+def _checked_device(
+    group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog, checked: bool
+) -> torch.device:
+    """The device of the canary's state, after the host checks (``checked``: the caller -- a
+    :class:`~kvcanary.canary.GroupCanary`, which allocated the state -- validated this batch this step)."""
+    if not checked:
+        dev = _check_state(group, records, ws, log)
+        _check_batch(group, batch, ws, dev)
+        return dev
+    dev = records.links.device
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the kernels got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels")
+    return dev
+
+
 def _check_batch(group: CanaryGroup, batch: StepBatch, ws: PlanWorkspace, dev: torch.device) -> None:
     if not isinstance(batch, StepBatch):
         raise TypeError(f"batch must be a StepBatch, got {type(batch).__name__}")
@@ -190,10 +206,10 @@ def plan(
     log: ViolationLog,
     *,
     tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
 ) -> None:
     """reference.plan on device (one program; the batch is small next to its verify work)."""
-    dev = _check_state(group, records, ws, log)
-    _check_batch(group, batch, ws, dev)
+    _checked_device(group, batch, records, ws, log, checked)
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
@@ -220,10 +236,10 @@ def verify(
     capacity: int,
     *,
     tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
 ) -> None:
     """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
-    dev = _check_state(group, records, ws, log)
-    _check_batch(group, batch, ws, dev)
+    dev = _checked_device(group, batch, records, ws, log, checked)
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
     block = verify_block(group, tuning)
@@ -262,6 +278,7 @@ def stamp(
     log: ViolationLog,
     *,
     tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
 ) -> None:
     """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds.
 
@@ -269,8 +286,7 @@ def stamp(
     survives is unspecified, and here each of the three fields holds one of the writes (they are stored
     separately, so the record may mix them; the next verify reports a mixed record too).
     """
-    dev = _check_state(group, records, ws, log)
-    _check_batch(group, batch, ws, dev)
+    dev = _checked_device(group, batch, records, ws, log, checked)
     max_b = int(ws.row_state.shape[0])
     max_tokens = int(ws.mult_powers.shape[0]) - 1
     max_items = -(-max_tokens // tuning.stamp_block) + max_b

@@ -85,11 +85,12 @@ class StepWork:
         self._phase_before = phase[PHASE_BEFORE : PHASE_BEFORE + 1]
         self._phase_after = phase[PHASE_AFTER : PHASE_AFTER + 1]
 
-    def before(self, batches: Sequence[StepBatch], check_values: bool | None) -> None:
-        """Batches in group order, already validated by the caller."""
+    def before(self, batches: Sequence[StepBatch]) -> None:
+        """Batches in group order, already validated by the caller: each group's batch is validated once a
+        step, the canary and its launchers do not repeat the checks."""
         self._phase_before.add_(1)
         for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
-            canary.step(batch, log, check_values=check_values)
+            canary.step(batch, log, validated=True)
             if digest is not None:
                 digest.verify(batch, log)
         self._batches = batches

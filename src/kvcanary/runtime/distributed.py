@@ -17,8 +17,11 @@ suits tensor parallelism; with pipeline parallelism a lag of the number of stage
 exchange complete while the later stages catch up.
 
 All ranks must use the same mode and call ``host_step``/``flush`` the same number of times (checked:
-ranks out of step raise :class:`CanaryPeerError`).  Health-check failures stay per rank (logged or
-raised by the rank's own manager in log mode: logged).
+ranks out of step raise :class:`CanaryPeerError`).  Failed health checks (kernels that did not run, a
+graph without the canary's work) travel in the same exchange, as counts per check: every rank's
+verdict names the failing ranks, and in ``raise`` mode every rank raises :class:`RankedHealthError`
+at the same call (a violation wins over a failed check, as for one rank).  A health failure names no
+request, so ``fail-request`` only logs it, on every rank.
 """
 
 from __future__ import annotations
@@ -38,60 +41,39 @@ from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend
 from kvcanary.runtime.checks import RateLimiter
-from kvcanary.runtime.exchange import CanaryPeerError, VerdictExchange
+from kvcanary.runtime.exchange import HEALTH_CHECKS, CanaryPeerError, VerdictExchange
 from kvcanary.runtime.manager import CanaryManager
-from kvcanary.runtime.report import CanaryViolation, StepReport, affected
+from kvcanary.runtime.report import StepReport, affected
+from kvcanary.runtime.verdict import (
+    DistributedFailRequestCallback,
+    RankedHealthError,
+    RankedViolation,
+    RankVerdict,
+    merge_reports,
+    portable_bytes,
+)
 from kvcanary.workspace import Capacities
 
 logger = logging.getLogger("kvcanary")
 
-__all__ = ["CanaryPeerError", "DistributedCanary", "RankVerdict", "RankedViolation"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RankVerdict:
-    """What the ranks found at one host step, identical on every rank.
-
-    ``reports`` maps the group rank of each rank that found violations to its own report; the
-    affected request ids are their union, in rank order.
-    """
-
-    step: int  # the host step the violations happened at
-    reported_at: int  # the host step call (or flush) that acted on them, on every rank
-    reports: Mapping[int, StepReport]
-    affected_request_ids: tuple[object, ...]
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(self.reports))
-
-    def block(self) -> str:
-        ids = ", ".join(repr(r) for r in self.affected_request_ids) or "unknown"
-        head = (
-            f"kvcanary: violation(s) at step {self.step} found on rank(s) {list(self.ranks)} "
-            f"(acted on at step {self.reported_at} on every rank); requests: {ids}"
-        )
-        per_rank = [f"  rank {r}: {self.reports[r].total} row(s), counts {self.reports[r].counts}" for r in self.ranks]
-        return "\n".join([head, *per_rank])
-
-
-class RankedViolation(CanaryViolation):
-    """Raised on every rank in ``raise`` mode; ``report`` is the lowest finding rank's, ``verdict`` all of them."""
-
-    def __init__(self, verdict: RankVerdict) -> None:
-        super().__init__(verdict.reports[verdict.ranks[0]])
-        self.args = (verdict.block(),)
-        self.verdict = verdict
-
-
-DistributedFailRequestCallback = Callable[[list[object], RankVerdict], None]
+__all__ = [
+    "CanaryPeerError",
+    "DistributedCanary",
+    "DistributedFailRequestCallback",
+    "RankVerdict",
+    "RankedHealthError",
+    "RankedViolation",
+]
 
 
 class DistributedCanary:
     """One rank's canary that reports, and acts, in agreement with every rank of ``process_group``.
 
     ``manager`` is this rank's :class:`CanaryManager`, configured in ``log`` mode (or ``off``); the
-    mode to act by is ``mode``.  ``timeout_s`` bounds every wait on a peer.
+    mode to act by is ``mode``.  ``timeout_s`` bounds every wait on a peer.  ``exchange_every`` > 1
+    exchanges once per that many host steps, for the findings of all of them (one verdict per window,
+    each rank's reports merged): the clean path's cost is divided by it, a finding is acted on up to
+    ``exchange_every - 1`` steps later.
     """
 
     def __init__(
@@ -103,6 +85,7 @@ class DistributedCanary:
         *,
         timeout_s: float = 60.0,
         lag: int = 1,
+        exchange_every: int = 1,
         device: torch.device | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -124,6 +107,8 @@ class DistributedCanary:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if not isinstance(lag, int) or lag < 1:
             raise ValueError(f"lag must be a positive int (exchanges in flight), got {lag!r}")
+        if not isinstance(exchange_every, int) or exchange_every < 1:
+            raise ValueError(f"exchange_every must be a positive int (host steps per exchange), got {exchange_every!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: pass the engine's own process group")
         if not isinstance(process_group, dist.ProcessGroup):
@@ -138,7 +123,14 @@ class DistributedCanary:
         self.on_fail_request = on_fail_request
         self._enabled = mode is not Mode.OFF
         self._calls = 0  # host_step/flush calls so far: the exchange's step marker
+        self._health_seen = self._health_counts()
         self.lag = lag
+        self.exchange_every = exchange_every
+        # The window of host steps not exchanged yet: this rank's reports and failed checks in it.
+        self._window: list[StepReport] = []
+        self._window_health: tuple[int, ...] = ()
+        self._window_calls = 0
+        self._started = 0  # exchanges started so far
         # Exchanges started and not yet finished, oldest first, with this rank's finding of each.
         self._in_flight: collections.deque[tuple[VerdictExchange, StepReport | None]] = collections.deque()
         self._limiter = RateLimiter(manager.config.log_rate_limit_per_s, clock)
@@ -160,11 +152,15 @@ class DistributedCanary:
         *,
         timeout_s: float = 60.0,
         lag: int = 1,
+        exchange_every: int = 1,
     ) -> DistributedCanary:
         """This rank's manager (built in log mode) wrapped to act by ``config.mode`` with every rank."""
         inner = config if config.mode is Mode.OFF else dataclasses.replace(config, mode=Mode.LOG)
         manager = CanaryManager(groups, caps, inner, device, backend)
-        return cls(manager, process_group, config.mode, on_fail_request, timeout_s=timeout_s, lag=lag)
+        return cls(
+            manager, process_group, config.mode, on_fail_request,
+            timeout_s=timeout_s, lag=lag, exchange_every=exchange_every,
+        )  # fmt: skip
 
     @property
     def rank(self) -> int:
@@ -192,33 +188,61 @@ class DistributedCanary:
         """This rank's manager step, then the lagged exchange; returns (or raises) the common verdict."""
         if not self._enabled:
             return None
-        local = self.manager.host_step(request_ids)
+        self._collect(self.manager.host_step(request_ids))
+        if self._window_calls < self.exchange_every:
+            return None
         verdict = self._finish() if len(self._in_flight) == self.lag else None
-        self._start(local)
+        self._start()
         return self._act(verdict)
 
     def flush(self) -> list[RankVerdict]:
         """End of a run: act on the exchanges in flight, then on the manager's last step (synchronously)."""
         if not self._enabled:
             return []
-        local = self.manager.flush()
+        self._collect(self.manager.flush())
         out = []
         while self._in_flight:
             out.append(self._act(self._finish()))
-        self._start(local)
+        self._start()
         out.append(self._act(self._finish()))
         return [v for v in out if v is not None]
 
     def close(self) -> None:
         self.manager.close()
 
-    def _start(self, local: StepReport | None) -> None:
-        rows = 0 if local is None else max(local.total, 1)
-        # Free by construction: the ones in flight started at the previous lag - 1 calls.
-        exchange = self._exchanges[self._calls % self.lag]
-        exchange.start(self._calls, rows)
-        self._in_flight.append((exchange, local))
+    def _health_counts(self) -> tuple[int, ...]:
+        counts = self.manager.health_failure_counts()
+        return tuple(counts[check] for check in HEALTH_CHECKS)
+
+    def _health_delta(self) -> tuple[int, ...]:
+        """This call's failed checks, per check (empty when none: the clean path writes nothing)."""
+        now = self._health_counts()
+        if now == self._health_seen:
+            return ()
+        delta, self._health_seen = tuple(a - b for a, b in zip(now, self._health_seen, strict=True)), now
+        return delta
+
+    def _collect(self, local: StepReport | None) -> None:
+        """Add one host step's findings to the window (the clean path: a counter and one comparison)."""
         self._calls += 1
+        self._window_calls += 1
+        if local is not None:
+            self._window.append(local)
+        health = self._health_delta()
+        if health:
+            prior = self._window_health or (0,) * len(health)
+            self._window_health = tuple(a + b for a, b in zip(prior, health, strict=True))
+
+    def _start(self) -> None:
+        """Exchange the window's findings (marker: this call's index) and open a new window."""
+        local = merge_reports(self._window) if self._window else None
+        rows = 0 if local is None else max(local.total, 1)
+        # Free by construction: the ones in flight started at the previous lag - 1 exchanges.
+        exchange = self._exchanges[self._started % self.lag]
+        exchange.start(self._calls - 1, rows, self._window_health)
+        self._in_flight.append((exchange, local))
+        self._started += 1
+        self._window, self._window_health, self._window_calls = [], (), 0
 
     def _finish(self) -> RankVerdict | None:
         if not self._in_flight:
@@ -227,39 +251,32 @@ class DistributedCanary:
         found = exchange.finish()
         if not found:  # the clean path ends here
             return None
-        mine = local if self.rank in found else None
-        payloads = exchange.gather_bytes(_portable_bytes(mine), f"the report exchange of rank(s) {found}")
-        # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
-        reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in found}
+        reports: dict[int, StepReport] = {}
+        if found.violation_ranks:
+            ranks = list(found.violation_ranks)
+            mine = local if self.rank in ranks else None
+            payloads = exchange.gather_bytes(portable_bytes(mine), f"the report exchange of rank(s) {ranks}")
+            # Peers' reports come pickled from the same job; this rank keeps its own (unpickled ids intact).
+            reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in ranks}
         violations = [v for r in sorted(reports) for v in reports[r].violations]
         return RankVerdict(
-            step=min(rep.step for rep in reports.values()),
-            reported_at=self._calls,
+            # the manager's host step k (or flush) decodes step k - 1, and exchanges under marker k
+            step=min((rep.step for rep in reports.values()), default=exchange.step - 1),
+            reported_at=self._calls - 1,
             reports=reports,
             affected_request_ids=affected(violations),
+            health=found.health,
         )
 
     def _act(self, verdict: RankVerdict | None) -> RankVerdict | None:
         if verdict is None:
             return None
         if self.mode is Mode.RAISE:
-            raise RankedViolation(verdict)
+            raise RankedViolation(verdict) if verdict.reports else RankedHealthError(verdict)
         if self._limiter.allow():
-            logger.warning(verdict.block())
-        if self.mode is Mode.FAIL_REQUEST and self.on_fail_request is not None:
+            note = self._limiter.suppressed_note("verdict(s)")
+            log = logger.warning if verdict.reports else logger.error
+            log(verdict.block() + (f"\n  {note}" if note else ""))
+        if self.mode is Mode.FAIL_REQUEST and self.on_fail_request is not None and verdict.reports:
             self.on_fail_request(list(verdict.affected_request_ids), verdict)
         return verdict
-
-
-def _portable_bytes(report: StepReport | None) -> bytes:
-    """The report pickled for the peers; request ids that do not pickle travel as their ``repr``."""
-    try:
-        return pickle.dumps(report)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        assert report is not None
-        violations = tuple(
-            dataclasses.replace(v, request_id=None if v.request_id is None else repr(v.request_id))
-            for v in report.violations
-        )
-        portable = dataclasses.replace(report, violations=violations, affected_request_ids=affected(violations))
-        return pickle.dumps(portable)

@@ -30,6 +30,7 @@ Readers must ignore keys they do not know; new keys may be added without a schem
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -37,6 +38,8 @@ from typing import Any
 from kvcanary.runtime.report import StepReport, Violation
 
 SCHEMA_VERSION = 1
+
+logger = logging.getLogger("kvcanary")
 
 
 def json_id(rid: object) -> object:
@@ -97,7 +100,9 @@ class EventLog:
     The constructor opens the file once, so a bad path fails at install time.  Bounded: a write that
     would take the file past ``max_bytes`` first renames it to ``<path>.1`` (replacing the previous
     one), so a violation storm holds at most about twice ``max_bytes`` on disk; whole events only, so
-    both files stay valid JSON lines.  ``max_bytes`` 0: unbounded.
+    both files stay valid JSON lines.  ``max_bytes`` 0: unbounded.  A step writes at most one report's
+    events (2 K rows a group, then the step event).  A write that fails (full disk, removed directory)
+    drops its events, counts them in :attr:`dropped` and logs once: the engine's step goes on.
     """
 
     def __init__(self, path: str, max_bytes: int = 0) -> None:
@@ -106,6 +111,7 @@ class EventLog:
         self.path = path
         self.max_bytes = max_bytes
         self.rotations = 0
+        self.dropped = 0  # events lost to write errors (logged once)
         self._closed = False
         with open(path, "a", encoding="utf-8"):
             pass
@@ -115,12 +121,20 @@ class EventLog:
         if self._closed or not events:
             return
         payload = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events).encode()
-        if self.max_bytes and self._size and self._size + len(payload) > self.max_bytes:
-            os.replace(self.path, self.path + ".1")
-            self.rotations += 1
-            self._size = 0
-        with open(self.path, "ab") as f:
-            f.write(payload)
+        try:
+            if self.max_bytes and self._size and self._size + len(payload) > self.max_bytes:
+                os.replace(self.path, self.path + ".1")
+                self.rotations += 1
+                self._size = 0
+            with open(self.path, "ab") as f:
+                f.write(payload)
+        except OSError as exc:  # a full disk or a removed directory must not stop the engine's step
+            self.dropped += len(events)
+            if self.dropped == len(events):
+                logger.error(
+                    "kvcanary: could not write the event log %s (%s); events are dropped and counted", self.path, exc
+                )
+            return
         self._size += len(payload)
 
     def report(self, report: StepReport) -> None:

@@ -1,10 +1,12 @@
 """The verdict exchange between ranks: one small fixed-size all_reduce per host step, awaited a step later.
 
-Every rank writes one row ``(host step, violation rows)`` into a zeroed ``[world, 2]`` int64 tensor
-and all-reduces it (sum) asynchronously.  The row of a clean rank is ``(step, 0)``, so after the
-reduce every rank holds every rank's row: a clean step is one collective that completed while the
-engine ran its next step, and one check of a small array.  Only when some row is non-zero do the
-ranks exchange their reports (:meth:`VerdictExchange.gather_bytes`, a synchronous slow path).
+Every rank writes one row ``(host step, violation rows, failed checks of each kind in
+HEALTH_CHECKS)`` into a zeroed ``[world, 2 + len(HEALTH_CHECKS)]`` int64 tensor and all-reduces it
+(sum) asynchronously.  The row of a clean rank is ``(step, 0, 0, ...)``, so after the reduce every
+rank holds every rank's row: a clean step is one collective that completed while the engine ran its
+next step, and one check of a small array.  Health failures travel as counts in the row itself;
+only when some rank found violations do the ranks exchange their reports
+(:meth:`VerdictExchange.gather_bytes`, a synchronous slow path).
 
 The collective is started with the process group's own ``allreduce`` (sum is its default).  Waits
 are bounded: gloo's ``Work.wait(timeout)`` on CPU; on CUDA the collective's completion is
@@ -14,8 +16,10 @@ only orders streams).  A dead or stuck peer becomes :class:`CanaryPeerError`, ne
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -23,10 +27,26 @@ import torch
 import torch.distributed as dist
 
 _POLL_S = 20e-6  # how long a CUDA wait sleeps between event queries (the event is normally done already)
+HEALTH_CHECKS: tuple[str, ...] = ("kernels_ran", "phase")  # the manager's checks, in the row's order
+_WIDTH = 2 + len(HEALTH_CHECKS)
 
 
 class CanaryPeerError(RuntimeError):
     """A peer rank did not take part in the verdict exchange in time (dead or stuck), or is out of step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+    """What the ranks found at one exchange: the ranks with violations, and each failing rank's checks."""
+
+    violation_ranks: tuple[int, ...] = ()
+    health: Mapping[int, Mapping[str, int]] = dataclasses.field(default_factory=dict)  # rank -> check -> count
+
+    def __bool__(self) -> bool:
+        return bool(self.violation_ranks or self.health)
+
+
+CLEAN = Findings()
 
 
 class VerdictExchange:
@@ -41,9 +61,11 @@ class VerdictExchange:
         self._cuda = device.type == "cuda"
         self._device = device
         # Host staging of this rank's row; on CUDA pinned, so the copies in and out are asynchronous.
-        self._stage = torch.zeros(self.world, 2, dtype=torch.int64, pin_memory=self._cuda)
+        self._stage = torch.zeros(self.world, _WIDTH, dtype=torch.int64, pin_memory=self._cuda)
         self._stage_np: npt.NDArray[np.int64] = self._stage.numpy()
-        self._flags = self._stage if not self._cuda else torch.zeros(self.world, 2, dtype=torch.int64, device=device)
+        self._flags = (
+            self._stage if not self._cuda else torch.zeros(self.world, _WIDTH, dtype=torch.int64, device=device)
+        )
         self._result = self._stage if not self._cuda else torch.zeros_like(self._stage).pin_memory()
         self._result_np: npt.NDArray[np.int64] = self._result.numpy()
         self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
@@ -51,16 +73,25 @@ class VerdictExchange:
         self._step = -1
 
     @property
+    def step(self) -> int:
+        """The step marker of the exchange started last."""
+        return self._step
+
+    @property
     def pending(self) -> bool:
         return self._work is not None
 
-    def start(self, step: int, rows: int) -> None:
-        """All-reduce this rank's ``(step, rows)`` asynchronously (the previous exchange must be finished)."""
+    def start(self, step: int, rows: int, health: Sequence[int] = ()) -> None:
+        """All-reduce this rank's ``(step, rows, *health)`` asynchronously (the previous exchange must be finished).
+
+        ``health``: this step's failed checks, one count per :data:`HEALTH_CHECKS` entry (empty: none)."""
         if self._work is not None:
             raise RuntimeError("VerdictExchange.start: the previous exchange was not finished")
         self._stage_np.fill(0)
         self._stage_np[self.rank, 0] = step
         self._stage_np[self.rank, 1] = rows
+        if health:
+            self._stage_np[self.rank, 2:] = health
         if self._cuda:
             self._flags.copy_(self._stage, non_blocking=True)
         # The group's own method: dist.all_reduce's Python checks cost more than the collective's start.
@@ -73,20 +104,27 @@ class VerdictExchange:
         self._work = work
         self._step = step
 
-    def finish(self) -> list[int]:
-        """The ranks that found violations in the pending exchange (empty on a clean step)."""
+    def finish(self) -> Findings:
+        """What the ranks found in the pending exchange (:data:`CLEAN`, falsy, on a clean step)."""
         work, self._work = self._work, None
         if work is None:
             raise RuntimeError("VerdictExchange.finish: no exchange is pending")
         self._await(work, self._event, f"the verdict exchange of host step {self._step}")
         rows = self._result_np.tolist()  # a few Python ints: cheaper than numpy reductions at this size
-        if any(step != self._step for step, _ in rows):
-            at = ", ".join(f"rank {r}: {step}" for r, (step, _) in enumerate(rows))
+        if any(row[0] != self._step for row in rows):
+            at = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
             raise CanaryPeerError(
                 f"kvcanary: ranks are out of step at the verdict exchange (host step per rank: {at}); every "
                 "rank must call host_step/flush the same number of times with the same canary mode"
             )
-        return [r for r, (_, found) in enumerate(rows) if found]
+        if not any(any(row[1:]) for row in rows):
+            return CLEAN
+        health = {
+            r: {check: n for check, n in zip(HEALTH_CHECKS, row[2:], strict=True) if n}
+            for r, row in enumerate(rows)
+            if any(row[2:])
+        }
+        return Findings(tuple(r for r, row in enumerate(rows) if row[1]), health)
 
     def gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
         """Every rank's ``payload`` in rank order (the slow path: synchronous, still time-limited)."""

@@ -155,7 +155,7 @@ class CanaryManager:
             )
         check_values = False if capturing else self.config.check_values  # None: the canary's device default
         validate_step(list(self.canaries.values()), ordered, check_values)
-        self._work.before(ordered, False)  # validated above
+        self._work.before(ordered)  # validated above
         self._open = True
         self._open_capturing = capturing
 
@@ -233,6 +233,10 @@ class CanaryManager:
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""
         return self._decoder.stats() if self._enabled else dict(EMPTY_STATS)
+
+    def health_failure_counts(self) -> dict[str, int]:
+        """Failed health checks so far, by check (``kernels_ran``, ``phase``), as of the last decoded step."""
+        return dict(self._decoder.health_failures) if self._enabled else {"kernels_ran": 0, "phase": 0}
 
     def close(self) -> None:
         """Close the event log (the manager keeps working without it)."""

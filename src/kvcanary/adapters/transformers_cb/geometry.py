@@ -105,8 +105,7 @@ class GroupGeometry:
             window=self.canary_window,
             page_size=1,  # the adapter's table is a token table filled from the read indices
             reserved_slots=tuple(sorted({self.read_trash_slot, self.write_trash_slot, self.sentinel_slot})),
-            padding_row=0,
-            checks_new_reads=False,  # the table is filled over the verify span only (see translate.py)
+            padding_row=0,  # checks_new_reads: the table holds the step's own tokens' read entries too
         )
 
     def to_slots(self, index: torch.Tensor) -> torch.Tensor:

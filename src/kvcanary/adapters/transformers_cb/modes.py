@@ -29,6 +29,8 @@ from kvcanary.runtime.report import CanaryViolation
 
 logger = logging.getLogger("kvcanary")
 
+REPORTED_MEMORY_STEPS = 8  # steps a reported request id is remembered (de-duplication of lagged reports)
+
 
 class ModeActions:
     """The adapter's raise / fail-request state for one install (reset for each new engine cache)."""
@@ -37,7 +39,7 @@ class ModeActions:
         self._mode = mode
         self._user_callback = on_fail_request
         self._raised: BaseException | None = None
-        self._reported: set[object] = set()  # requests already handed to the callback
+        self._reported: dict[object, int] = {}  # requests handed to the callback -> step of that report
         self._to_fail: dict[object, StepReport] = {}  # reported, not yet failed in the engine
 
     @property
@@ -60,10 +62,15 @@ class ModeActions:
         return exc
 
     def _on_report(self, request_ids: list[object], report: StepReport) -> None:
+        # A failed request leaves the batch before the next step is scheduled, so only the few reports of
+        # steps already run can name it again: forgetting it later keeps this bounded by the batch size.
+        horizon = report.step - REPORTED_MEMORY_STEPS
+        for rid in [rid for rid, step in self._reported.items() if step < horizon]:
+            del self._reported[rid]
         new = [rid for rid in dict.fromkeys(request_ids) if rid not in self._reported]
         if not new:
             return
-        self._reported.update(new)
+        self._reported.update(dict.fromkeys(new, report.step))
         for rid in new:
             self._to_fail[rid] = report
         if self._user_callback is not None:
@@ -80,6 +87,10 @@ class ModeActions:
             state.generated_tokens = []  # computed from corrupt KV: none is returned
             processor.output_router.fail_and_deliver(state, CanaryViolation(report))
             scheduler.set_request_cancellation(rid)  # dropped and freed before the next batch is scheduled
+            # As for a finished request: its blocks come back, so waiting requests may be admitted again.  The
+            # engine clears this flag (set when it offloads) only when a request finishes, never on a
+            # cancellation: with every active request failed after an offload, serving would stop for good.
+            scheduler.block_new_requests = False
             logger.warning("kvcanary: request %r failed (fail-request mode)", rid)
 
     def wrap_update_batch(self, owns: Callable[[Any], bool]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -76,12 +76,15 @@ def truth_table(host: HostBatch, rows: RowPlan, width: int) -> tuple[npt.NDArray
 
 @dataclasses.dataclass(frozen=True)
 class GroupEntries:
-    """The table cells one group verifies this step, in batch-row then position order.
+    """The table cells one group fills this step, in batch-row then position order: each row's verify span,
+    then the cells of the step's own tokens (what attention reads for them, checked by the stamp against
+    the slots they write).
 
     ``row``/``offset``: the batch row and the offset in its read segment each cell is filled from;
     ``position``: the token position the cell stands for; ``cells``: flat index into the
     ``(max_batch + 1, width)`` table; ``edges``: cells just before a sliding window, set to the read
-    trash; ``expected_seg``: per batch row, the read-segment length the scheduler expects.
+    trash; ``expected_seg``: per batch row, the read-segment length the scheduler expects; ``new``: which
+    cells are the step's own tokens.
     """
 
     row: I64
@@ -90,6 +93,7 @@ class GroupEntries:
     cells: I64
     edges: I64
     expected_seg: I64
+    new: npt.NDArray[np.bool_]
 
     @property
     def count(self) -> int:
@@ -97,12 +101,13 @@ class GroupEntries:
 
 
 def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
-    """Full group: positions ``0..past-1``; sliding group: the last ``W - 1`` of them (see :mod:`.translate`)."""
+    """Full group: positions ``0..past+query-1``; sliding group: the last ``W - 1`` past ones and the query's
+    (see :mod:`.translate`).  The read segment holds exactly these, in this order."""
     past = rows.past
     starts = np.maximum(past - g.canary_window, 0) if g.is_sliding else np.zeros_like(past)
-    counts = np.where(rows.live, past - starts, 0)
+    counts = np.where(rows.live, past - starts + rows.query, 0)
     if int(counts.sum()) >= MAX_ENTRIES:
-        raise ValueError(f"group {g.name!r}: {int(counts.sum())} verify entries in one step, more than {MAX_ENTRIES}")
+        raise ValueError(f"group {g.name!r}: {int(counts.sum())} table cells in one step, more than {MAX_ENTRIES}")
     row = np.repeat(np.arange(rows.size, dtype=np.int64), counts)
     offset = _offsets_within(counts)
     position = starts[row] + offset
@@ -112,7 +117,8 @@ def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
         edges = (has_edge + 1) * width + starts[has_edge] - 1
     else:
         edges = np.zeros(0, dtype=np.int64)
-    return GroupEntries(row, offset, position, cells, edges, past - starts + rows.query)
+    new = position >= past[row]
+    return GroupEntries(row, offset, position, cells, edges, past - starts + rows.query, new)
 
 
 def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool_] | None:

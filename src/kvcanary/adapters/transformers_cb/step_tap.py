@@ -117,15 +117,17 @@ class StepTap:
         if self._mode is Mode.OFF:
             return
         # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
-        # asynchronous batching) and before the next step rewrites the static buffers.
+        # asynchronous batching) and before the next step rewrites the static buffers.  The host step too:
+        # its copy of the step's counters must queue behind the canary's work, not race it on another
+        # stream (the engine's streams do not synchronise with the default one).
         with stream_context(getattr(runner.inputs_and_outputs, "compute_stream", None)):
             tr = self._verify_step(runner, batch_data, pending)
-        binding = self._bindings.current  # bound by _verify_step
-        if tr is None or binding is None:
-            self.timer.discard()
-            return
-        start = time.perf_counter_ns()
-        report = binding.manager.host_step(list(tr.request_ids))
+            binding = self._bindings.current  # bound by _verify_step
+            if tr is None or binding is None:
+                self.timer.discard()
+                return
+            start = time.perf_counter_ns()
+            report = binding.manager.host_step(list(tr.request_ids))
         binding.steps += 1
         self.timer.add("host_step", time.perf_counter_ns() - start)
         self.timer.commit()

@@ -1,11 +1,12 @@
 """Per step: the forward kwargs attention received + the host's view of the batch -> one StepBatch per group.
 
 The table is adapter-owned: row ``r + 1`` belongs to batch row ``r`` for this step only (row 0 is the
-padding row) and is filled, over the span the canary verifies, from the request's segment of
-``read_index[g]`` as delimited by ``cu_seq_lens_k`` -- exactly what the attention layers gather.  A
-wrong read index therefore shows up as a wrong slot.  A segment whose length differs from what the
-scheduler expects (``past + query`` for full attention, ``min(past, W - 1) + query`` for a window of W)
-fills the span with an out-of-range slot, so a mis-delimited batch is reported instead of trusted.
+padding row) and is filled, over the span the canary verifies and the step's own tokens, from the
+request's segment of ``read_index[g]`` as delimited by ``cu_seq_lens_k`` -- exactly what the attention
+layers gather.  A wrong read index therefore shows up as a wrong slot.  A segment whose length differs
+from what the scheduler expects (``past + query`` for full attention, ``min(past, W - 1) + query`` for a
+window of W) fills the row with an out-of-range slot, so a mis-delimited batch is reported instead of
+trusted.
 
 Sliding groups: the canary window is ``W - 1`` (the past tokens attention reads); the entry just before
 the window is set to the read-trash slot, a reserved slot, so the first read token's link is not checked
@@ -15,13 +16,11 @@ longer than the window go to the write trash by design; those map to ``NOT_STORE
 The decode fast path (flash ``block_table``, GPU only) is translated from the block table instead.
 
 The step's own tokens: the core checks their writes in the same step (a write into a slot read live
-this step, a slot written twice).  It can also check their read entries in the same step (each must
-resolve to the slot its token writes, a reserved sentinel exempt: ``CanaryGroup.checks_new_reads``),
-but this adapter fills the table over the verify span only, so its groups opt out: a read index that
-sends one of the new tokens elsewhere goes unnoticed for that step, and from the next step on those
-tokens are prefix and their read entries are verified.  Filling their cells from the read index (a
-full group reads them back right after writing them; a sliding group marks them with sentinel
-entries) would close this.
+this step, a slot written twice) and their read entries (``CanaryGroup.checks_new_reads``): each cell of
+a new token must resolve to the slot the token writes.  A full group reads the new tokens back from the
+slots it just wrote; a sliding group reads them through the sentinel, a reserved slot, which is exempt.
+A read index that sends one of the new tokens elsewhere is therefore reported at its own step
+(``new_read_mismatch``).
 
 Cost: whatever follows from the scheduler's host-side lengths is computed with numpy
 (:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`); the device work is a fixed
@@ -195,6 +194,10 @@ class StepTranslator:
             arrays.update(
                 row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
             )
+            if int(kwargs["read_index"][g.index].numel()) == 0 and bool(entries.new.any()):
+                # No row reads the cache (a batch of first chunks): attention takes the new tokens' K/V
+                # directly, so their cells hold the sentinel (reserved: nothing read from the pool to check).
+                arrays["new_cells"] = pack.add(entries.cells[entries.new])
         trash = step_plan.trash_writes(g, rows, n_write)
         if trash is not None:
             arrays["trash"] = pack.add(trash)
@@ -215,17 +218,21 @@ class StepTranslator:
             n_read = int(read.shape[0])
             if int(cu_k.shape[0]) < b + 1 or n_read == 0:
                 cells.index_fill_(0, dev[a["cells"]], g.invalid_slot)
+                if "new_cells" in a:
+                    cells.index_fill_(0, dev[a["new_cells"]], g.sentinel_slot)
             else:
                 cu = cu_k[: b + 1]
                 seg_ok = (cu[1:] - cu[:-1]) == dev[a["expected"]]
                 seg_start = torch.where(seg_ok, cu[:-1], _REJECTED_SEGMENT)
-                src = seg_start[dev[a["row"]]] + dev[a["offset"]]
+                # index_select / index_copy_: the plain-tensor forms of these gathers, without the Python
+                # indexing machinery (each costs host time per step on a GPU).
+                src = torch.index_select(seg_start, 0, dev[a["row"]]) + dev[a["offset"]]
                 src_in = src.clamp(0, n_read - 1)
-                gathered = torch.where(src_in == src, read[src_in], -1)  # -1 maps to the invalid slot
+                gathered = torch.where(src_in == src, torch.index_select(read, 0, src_in), -1)  # -1: the invalid slot
         # Writes first: out_cache_loc is then the start of the mapped tensor (aligned for the kernels).
         slots = g.to_slots(write if gathered is None else torch.cat([write, gathered]))
         if gathered is not None:
-            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         out = slots[: w.n_write]
@@ -247,7 +254,7 @@ class StepTranslator:
             phys = torch.full(ok.shape, -1, dtype=torch.int64, device=self.device)
         slots = g.to_slots(phys)
         if w.entries.count:
-            cells.index_put_((dev[a["cells"]],), slots[w.n_write :].to(torch.int32))
+            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         return _pad_writes(slots[: w.n_write], n_tok)

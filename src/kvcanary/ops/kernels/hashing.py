@@ -7,14 +7,15 @@ import triton
 import triton.language as tl
 
 from kvcanary import hashing
+from kvcanary.ops.kernels.const import const
 
-LINK_MULT = tl.constexpr(hashing.LINK_MULT)
-LINK_ANCHOR = tl.constexpr(hashing.to_signed64(hashing.LINK_ANCHOR))
-MIX_SALT = tl.constexpr(hashing.MIX_SALT)
-FMIX_C1 = tl.constexpr(hashing.FMIX_C1)
-FMIX_C2 = tl.constexpr(hashing.FMIX_C2)
-LOW32 = tl.constexpr(hashing.MASK32)
-EVEN = tl.constexpr(hashing.MASK64 - 1)
+LINK_MULT = const(hashing.LINK_MULT)
+LINK_ANCHOR = const(hashing.to_signed64(hashing.LINK_ANCHOR))
+MIX_SALT = const(hashing.MIX_SALT)
+FMIX_C1 = const(hashing.FMIX_C1)
+FMIX_C2 = const(hashing.FMIX_C2)
+LOW32 = const(hashing.MASK32)
+EVEN = const(hashing.MASK64 - 1)
 
 
 @triton.jit

@@ -6,9 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.schema import UNKNOWN_TOKEN
 
-UNKNOWN = tl.constexpr(UNKNOWN_TOKEN)
+UNKNOWN = const(UNKNOWN_TOKEN)
 
 
 @triton.jit

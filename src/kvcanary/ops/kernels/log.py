@@ -13,39 +13,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.schema import NUM_COUNTERS, NUM_REASONS, ROW_WIDTH, Counter, Field
 
-N_REASONS = tl.constexpr(NUM_REASONS)
-N_COUNTERS = tl.constexpr(NUM_COUNTERS)
-WIDTH = tl.constexpr(ROW_WIDTH)
-VIOLATIONS = tl.constexpr(int(Counter.VIOLATIONS))
-VERIFIED = tl.constexpr(int(Counter.VERIFIED))
-SKIPPED = tl.constexpr(int(Counter.SKIPPED))
-STAMPED = tl.constexpr(int(Counter.STAMPED))
-CALLS = tl.constexpr(int(Counter.CALLS))
-F_REASONS = tl.constexpr(int(Field.REASONS))
-F_PHASE = tl.constexpr(int(Field.PHASE))
-F_GROUP = tl.constexpr(int(Field.GROUP))
-F_BATCH_ROW = tl.constexpr(int(Field.BATCH_ROW))
-F_TABLE_ROW = tl.constexpr(int(Field.TABLE_ROW))
-F_SLOT = tl.constexpr(int(Field.SLOT))
-F_PRED = tl.constexpr(int(Field.PRED))
-F_EXPECTED_POSITION = tl.constexpr(int(Field.EXPECTED_POSITION))
-F_STORED_POSITION = tl.constexpr(int(Field.STORED_POSITION))
-F_EXPECTED_TOKEN = tl.constexpr(int(Field.EXPECTED_TOKEN))
-F_STORED_TOKEN = tl.constexpr(int(Field.STORED_TOKEN))
-F_EXPECTED_LINK = tl.constexpr(int(Field.EXPECTED_LINK))
-F_STORED_LINK = tl.constexpr(int(Field.STORED_LINK))
-F_BAD_INDEX = tl.constexpr(int(Field.BAD_INDEX))
+N_REASONS = const(NUM_REASONS)
+N_COUNTERS = const(NUM_COUNTERS)
+WIDTH = const(ROW_WIDTH)
+VIOLATIONS = const(int(Counter.VIOLATIONS))
+VERIFIED = const(int(Counter.VERIFIED))
+SKIPPED = const(int(Counter.SKIPPED))
+STAMPED = const(int(Counter.STAMPED))
+CALLS = const(int(Counter.CALLS))
+F_REASONS = const(int(Field.REASONS))
+F_PHASE = const(int(Field.PHASE))
+F_GROUP = const(int(Field.GROUP))
+F_BATCH_ROW = const(int(Field.BATCH_ROW))
+F_TABLE_ROW = const(int(Field.TABLE_ROW))
+F_SLOT = const(int(Field.SLOT))
+F_PRED = const(int(Field.PRED))
+F_EXPECTED_POSITION = const(int(Field.EXPECTED_POSITION))
+F_STORED_POSITION = const(int(Field.STORED_POSITION))
+F_EXPECTED_TOKEN = const(int(Field.EXPECTED_TOKEN))
+F_STORED_TOKEN = const(int(Field.STORED_TOKEN))
+F_EXPECTED_LINK = const(int(Field.EXPECTED_LINK))
+F_STORED_LINK = const(int(Field.STORED_LINK))
+F_BAD_INDEX = const(int(Field.BAD_INDEX))
 
 # Per-phase words of the workspace's sync scratch: violations pending (summed by all programs), finished
 # programs (the ticket), and (stamp) the call's epoch.  Pending and ticket are back to 0 when a call ends.
-PENDING = tl.constexpr(0)
-TICKET = tl.constexpr(1)
-EPOCH = tl.constexpr(2)
-SCAN = tl.constexpr(1024)  # items the finalize scans per step
-NO_ITEM = tl.constexpr(2**62)
-COUNTER_LANES = tl.constexpr(32)  # >= NUM_COUNTERS
+PENDING = const(0)
+TICKET = const(1)
+EPOCH = const(2)
+SCAN = const(1024)  # items the finalize scans per step
+NO_ITEM = const(2**62)
+COUNTER_LANES = const(32)  # >= NUM_COUNTERS
 
 
 @triton.jit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import CALLS, COUNTER_LANES, VIOLATIONS, add_counters, lane, reason_counts, store_rows
@@ -13,15 +14,15 @@ from kvcanary.ops.reference import MAX_EXTEND
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
 
-MAX_EXT = tl.constexpr(MAX_EXTEND)
-ROW_OOR = tl.constexpr(int(Reason.ROW_OUT_OF_RANGE))
-LENGTH_OOR = tl.constexpr(int(Reason.LENGTH_OUT_OF_RANGE))
-LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
-SEED_OOR = tl.constexpr(int(Reason.SEED_OUT_OF_RANGE))
-PHASE = tl.constexpr(int(Phase.PLAN))
-ACTIVE = tl.constexpr(PlanWorkspace.ROW_ACTIVE)
-PADDING = tl.constexpr(PlanWorkspace.ROW_PADDING)
-BAD = tl.constexpr(PlanWorkspace.ROW_BAD)
+MAX_EXT = const(MAX_EXTEND)
+ROW_OOR = const(int(Reason.ROW_OUT_OF_RANGE))
+LENGTH_OOR = const(int(Reason.LENGTH_OUT_OF_RANGE))
+LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
+SEED_OOR = const(int(Reason.SEED_OUT_OF_RANGE))
+PHASE = const(int(Phase.PLAN))
+ACTIVE = const(PlanWorkspace.ROW_ACTIVE)
+PADDING = const(PlanWorkspace.ROW_PADDING)
+BAD = const(PlanWorkspace.ROW_BAD)
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import mix
 from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import (
@@ -35,21 +36,21 @@ from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
 
-SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
-LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
-RESERVED = tl.constexpr(int(Reason.RESERVED_SLOT))
-WRITE_POSITION_BAD = tl.constexpr(int(Reason.WRITE_POSITION_MISMATCH))
-WRITE_TOKEN_BAD = tl.constexpr(int(Reason.WRITE_TOKEN_MISMATCH))
-INTO_LIVE = tl.constexpr(int(Reason.WRITE_INTO_LIVE_SLOT))
-DUPLICATE = tl.constexpr(int(Reason.DUPLICATE_WRITE))
-NEW_READ_BAD = tl.constexpr(int(Reason.NEW_READ_MISMATCH))
-MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
-READER_BITS = tl.constexpr(PlanWorkspace.READER_BITS)
-READER_LIMIT = tl.constexpr(PlanWorkspace.READER_LIMIT)
-PHASE = tl.constexpr(int(Phase.STAMP))
-NOT_STORED = tl.constexpr(_NOT_STORED)
-FINAL_LANES = tl.constexpr(128)  # tokens per sub-block when the finalize re-derives an item
-LOOK = tl.constexpr(64)  # earlier items of the row read per step of the carry look-back
+SLOT_OOR = const(int(Reason.SLOT_OUT_OF_RANGE))
+LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
+RESERVED = const(int(Reason.RESERVED_SLOT))
+WRITE_POSITION_BAD = const(int(Reason.WRITE_POSITION_MISMATCH))
+WRITE_TOKEN_BAD = const(int(Reason.WRITE_TOKEN_MISMATCH))
+INTO_LIVE = const(int(Reason.WRITE_INTO_LIVE_SLOT))
+DUPLICATE = const(int(Reason.DUPLICATE_WRITE))
+NEW_READ_BAD = const(int(Reason.NEW_READ_MISMATCH))
+MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
+READER_BITS = const(PlanWorkspace.READER_BITS)
+READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
+PHASE = const(int(Phase.STAMP))
+NOT_STORED = const(_NOT_STORED)
+FINAL_LANES = const(128)  # tokens per sub-block when the finalize re-derives an item
+LOOK = const(64)  # earlier items of the row read per step of the carry look-back
 
 
 @triton.jit

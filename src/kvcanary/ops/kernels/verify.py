@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR, link_step
 from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import (
@@ -34,20 +35,20 @@ from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
 
-LINK_BAD = tl.constexpr(int(Reason.LINK_MISMATCH))
-POSITION_BAD = tl.constexpr(int(Reason.POSITION_MISMATCH))
-TOKEN_BAD = tl.constexpr(int(Reason.TOKEN_MISMATCH))
-NEVER_WRITTEN = tl.constexpr(int(Reason.NEVER_WRITTEN))
-RESERVED = tl.constexpr(int(Reason.RESERVED_SLOT))
-SLOT_OOR = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
-PRED_OOR = tl.constexpr(int(Reason.PREDECESSOR_OUT_OF_RANGE))
-LOOKUP_OOR = tl.constexpr(int(Reason.LOOKUP_OUT_OF_RANGE))
-PHASE = tl.constexpr(int(Phase.VERIFY))
-FINAL_LANES = tl.constexpr(128)  # entries per sub-block when the finalize re-derives an item
-NOT_STORED = tl.constexpr(_NOT_STORED)
-MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
-READER_BITS = tl.constexpr(PlanWorkspace.READER_BITS)
-READER_LIMIT = tl.constexpr(PlanWorkspace.READER_LIMIT)
+LINK_BAD = const(int(Reason.LINK_MISMATCH))
+POSITION_BAD = const(int(Reason.POSITION_MISMATCH))
+TOKEN_BAD = const(int(Reason.TOKEN_MISMATCH))
+NEVER_WRITTEN = const(int(Reason.NEVER_WRITTEN))
+RESERVED = const(int(Reason.RESERVED_SLOT))
+SLOT_OOR = const(int(Reason.SLOT_OUT_OF_RANGE))
+PRED_OOR = const(int(Reason.PREDECESSOR_OUT_OF_RANGE))
+LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
+PHASE = const(int(Phase.VERIFY))
+FINAL_LANES = const(128)  # entries per sub-block when the finalize re-derives an item
+NOT_STORED = const(_NOT_STORED)
+MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
+READER_BITS = const(PlanWorkspace.READER_BITS)
+READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
 
 
 @triton.jit

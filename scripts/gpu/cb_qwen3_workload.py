@@ -1,0 +1,180 @@
+"""Issue 14's workload: a Qwen3-0.6B-shaped model through transformers' ``generate_batch`` with the canary.
+
+Random bf16 weights (hidden 1024, intermediate 3072, 28 layers, 16 heads, 8 KV heads, head dim 128, vocab
+151936, ``sdpa``); ``ContinuousBatchingConfig(page_size=16, num_blocks=4096, max_batch_tokens=2048,
+max_requests_per_batch=64)``, asynchronous batching on; 1 and 32 prompts of 512 random tokens, 64 greedy
+new tokens; CUDA graphs on and off; canary in ``log`` mode.
+
+Acceptance per run: zero health failures, zero violations, zero adapter errors, and the canary's verified
+slots equal to what attention read: the sum of every verified step's past lengths, taken from the
+scheduler's own view of each batch (warm-up batches excluded, they are never verified).  The kvcanary log
+lines of each run are kept.  Writes ``<out>/cb_qwen3.json`` (every finished run, rewritten after each) and
+prints one line per run; exit 1 if a run fails its acceptance.
+
+Usage: PYTHONPATH=src python scripts/gpu/cb_qwen3_workload.py [--out DIR] [--runs b1_graphs,...] [--toy]
+(``--toy``: a 2-layer model on the CPU, 2 new tokens, graphs off: checks the script only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcanary.adapters.transformers_cb import install
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.config import CanaryConfig, Mode
+
+QWEN3_06B = dict(
+    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
+)  # fmt: skip
+TOY = QWEN3_06B | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=1000)  # fmt: skip
+RUNS = {  # name: (prompts, CUDA graphs)
+    "b1_graphs": (1, True),
+    "b32_graphs": (32, True),
+    "b1_eager": (1, False),
+    "b32_eager": (32, False),
+}
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+class ReadCount:
+    """Sums the past lengths of every batch the scheduler prepares (what attention reads), by wrapping the
+    adapter's capture of the host batch."""
+
+    def __init__(self) -> None:
+        self.read = 0
+        self.batches = 0
+        self._original = HostBatch.from_future_states
+
+    def __enter__(self) -> ReadCount:
+        original = self._original
+
+        def capture(states: Any) -> HostBatch:
+            host = original(states)
+            if not host.is_warmup:
+                self.read += sum(host.past_lens)
+                self.batches += 1
+            return host
+
+        HostBatch.from_future_states = staticmethod(capture)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        HostBatch.from_future_states = self._original  # type: ignore[method-assign]
+
+
+def build_model(toy: bool, dev: str) -> Any:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**(TOY if toy else QWEN3_06B))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+    return model.eval()
+
+
+def run_one(model: Any, prompts: int, graphs: bool, toy: bool) -> dict[str, Any]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(max_new_tokens=2 if toy else 64, do_sample=False, eos_token_id=-1)  # type: ignore[no-untyped-call]
+    cb = ContinuousBatchingConfig(
+        page_size=16, num_blocks=4096, max_batch_tokens=2048, max_requests_per_batch=64,
+        use_cuda_graph=graphs, use_async_batching=not toy,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(prompts)
+    vocab = model.config.vocab_size
+    inputs = [torch.randint(1, vocab, (512,), generator=g).tolist() for _ in range(prompts)]
+    collect = Collect()
+    log = logging.getLogger("kvcanary")
+    log.addHandler(collect)
+    canary = install(model, CanaryConfig(mode=Mode.LOG))
+    try:
+        with ReadCount() as reads:
+            start = time.perf_counter()
+            out = model.generate_batch(inputs, generation_config=gen, continuous_batching_config=cb)
+            seconds = time.perf_counter() - start
+        canary.flush()
+        stats, features = canary.stats(), canary.features()
+    finally:
+        canary.uninstall()
+        log.removeHandler(collect)
+    generated = sum(len(o.generated_tokens) for o in dict(out).values())
+    ok = (
+        stats["health_failures"] == 0 and stats["violations"] == 0 and stats["adapter_errors"] == 0
+        and stats["verified_slots"] == reads.read and generated == prompts * gen.max_new_tokens
+    )  # fmt: skip
+    return {
+        "prompts": prompts, "cuda_graphs": graphs, "async_batching": not toy, "seconds": round(seconds, 2),
+        "generated_tokens": generated, "read_by_attention": reads.read, "prepared_batches": reads.batches,
+        "stats": stats, "features": features, "log": collect.lines[:40], "passed": ok,
+    }  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/cb-qwen3"))
+    p.add_argument("--name", default="cb_qwen3", help="the JSON file's name, without .json")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--toy", action="store_true")
+    args = p.parse_args()
+    dev = "cpu" if args.toy else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --toy)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(args.toy, dev)
+    failed = 0
+    done: dict[str, Any] = {"torch": torch.__version__, "transformers": _transformers_version(), "runs": {}}
+    for name in args.runs.split(","):
+        prompts, graphs = RUNS[name]
+        if args.toy:
+            graphs = False
+        try:
+            rec = run_one(model, prompts, graphs, args.toy)
+        except Exception as exc:  # keep going: the other runs still tell something
+            rec = {"error": f"{type(exc).__name__}: {exc}", "passed": False}
+        done["runs"][name] = rec
+        (out / f"{args.name}.json").write_text(json.dumps(done, indent=1) + "\n")
+        failed += not rec["passed"]
+        s = rec.get("stats", {})
+        print(
+            f"{name:12} passed={rec['passed']} steps={s.get('steps')} verified={s.get('verified_slots')} "
+            f"read={rec.get('read_by_attention')} health_failures={s.get('health_failures')} "
+            f"violations={s.get('violations')} adapter_errors={s.get('adapter_errors')} "
+            f"tap_median_us={s.get('tap_median_us')} {rec.get('error', '')}",
+            flush=True,
+        )
+        for line in rec.get("log", [])[:6]:
+            print(f"    {line}", flush=True)
+    return 1 if failed else 0
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One device call for issues 14 and 18 (not run by CI).  Stages (STAGES, default "e2e cb demo profile"):
+#   e2e       benchmarks/bench_e2e.py (the canary inside a graphed Qwen3-0.6B-shaped step)
+#   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs)
+#   old       the same workload against another source tree OLD_SRC (to compare)
+#   demo      kvcanary demo --baseline on the three models (host time per step by phase)
+#   profile   scripts/gpu/host_profile.py (where the tap's host time goes)
+#   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
+#   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
+#   gputests  the GPU-marked tests no other script runs (translation never waits on the device)
+# Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
+# finished.  Needs the transformers 5.24.0 wheel in .whl (see demo_gpu.sh) and COMMIT=<sha>.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvcanary-e2e-host}
+mkdir -p "$OUT"
+if compgen -G ".whl/transformers-5.24.0-*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/transformers-5.24.0-*.whl || exit 3
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+BASE_PATH=${PYTHONPATH:-}
+export PYTHONPATH=$PWD/src:$PWD/tests${BASE_PATH:+:$BASE_PATH}
+export PYTHONUNBUFFERED=1
+COMMIT=${COMMIT:-unknown}
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
+} 2>&1 | tee -a "$OUT/run.log"
+stage() { echo "=== $1 ($(date -u +%T))" | tee -a "$OUT/run.log" >&2; }
+for s in ${STAGES:-e2e cb demo profile}; do
+  stage "$s"
+  case $s in
+    e2e) timeout "${T_E2E:-170}" python3 benchmarks/bench_e2e.py --commit "$COMMIT" --out "$OUT" \
+           ${E2E_POINTS:+--points $E2E_POINTS} >>"$OUT/run.log" 2>&1 ;;
+    cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" >>"$OUT/run.log" 2>&1 ;;
+    old) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_OLD:-90}" python3 \
+           scripts/gpu/cb_qwen3_workload.py --out "$OUT" --name cb_qwen3_old --runs b32_graphs,b1_graphs,b32_eager \
+           >>"$OUT/run.log" 2>&1 ;;
+    demo) for model in dense hybrid sliding; do
+            timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --quiet \
+              >>"$OUT/demo.txt" 2>&1
+          done ;;
+    profile) timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model dense >"$OUT/profile.txt" 2>&1 ;;
+    hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
+                --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
+    kernels) timeout "${T_KERNELS:-150}" python3 -m pytest -q -x -p no:cacheprovider -W ignore::UserWarning \
+               tests/test_kernels_cases.py tests/test_kernels_same_step.py tests/test_kernels_graph.py >"$OUT/kernels.log" 2>&1
+             PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck \
+               --error-exitcode 99 --print-limit 20 python3 scripts/gpu/sanitize_kernels.py "${SANITIZE_CASES:-6}" \
+               >>"$OUT/kernels.log" 2>&1
+             echo "sanitizer exit $?" >>"$OUT/kernels.log" ;;
+    gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+                tests/test_adapter_transformers_cost.py >>"$OUT/kernels.log" 2>&1 ;;
+    *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
+  esac
+  echo "[$s exit $?]" | tee -a "$OUT/run.log" >&2
+done
+stage done

@@ -1,0 +1,65 @@
+"""Where the canary's host time goes on the GPU demo: cProfile around the adapter's step tap.
+
+Runs the demo's clean workload (``kvcanary demo``'s model and prompts, no fault) on CUDA with a profiler
+enabled only inside ``StepTap._tap`` (the engine thread), and prints the tap timer's
+per-phase means and the top functions by own time and by cumulative time.  The profiler inflates the
+absolute numbers (each Python call costs more under it); the split is what this is for.
+
+Usage: PYTHONPATH=src python scripts/gpu/host_profile.py [--model dense|hybrid|sliding] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from typing import Any
+
+from kvcanary import demo
+from kvcanary.adapters.transformers_cb.step_tap import StepTap
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
+    prof = cProfile.Profile()
+    original = StepTap._tap
+
+    def tap(self: Any, *a: Any, **k: Any) -> None:
+        prof.enable()
+        try:
+            original(self, *a, **k)
+        finally:
+            prof.disable()
+
+    opts = demo.DemoOptions(model=args.model, device=args.device)
+    model = demo.build_model(opts.model, opts.seed, opts.device)
+    prompts = demo.build_prompts(opts.requests + 8, opts.seed)
+    with demo.quiet_engine_logs():
+        demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators
+        StepTap._tap = tap  # type: ignore[method-assign]
+        try:
+            result = demo.run_workload(model, prompts, opts, label="profiled")
+        finally:
+            StepTap._tap = original  # type: ignore[method-assign]
+    s = result.stats
+    steps = max(s["steps"], 1)
+    phases = {
+        k[4:-3] or "total": round(v / steps, 1) for k, v in s.items() if k.startswith("tap_") and k.endswith("_us")
+    }
+    phases.pop("median", None)
+    print(f"model {args.model}: {s['steps']} steps, host us per step under the profiler: {phases}")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(args.top)
+        print(f"--- by {key}\n" + "\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

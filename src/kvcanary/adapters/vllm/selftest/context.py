@@ -1,0 +1,153 @@
+"""What the vLLM faults act through: the engine's own objects for one run, and the read oracle's tap.
+
+``step`` is the engine step the next (or current) forward gets: the canary's count of checked forwards.
+Engine objects: the model runner (worker side: persistent batch, block tables, ``_update_states``,
+``_prepare_inputs``), the scheduler and its block pool (engine-core side; the same process here).
+
+The oracle tap wraps ``CPUAttentionBackendImpl.forward`` for the run: each layer hands the read oracle the
+fresh K/V of the step's tokens and the K/V it receives from the paged cache, gathered through the step's
+block table from vLLM's own cache tensor (V token-major, K transposed per block: ``[heads, head_size,
+block_size]``).  It shares no code with the canary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcanary.adapters.patching import PatchSet
+from kvcanary.selftest.protocol import InjectMode, Injector
+from kvcanary.selftest.read_oracle import ReadOracle
+
+
+@dataclasses.dataclass(frozen=True)
+class HostView:
+    request_ids: Sequence[str]
+    past_lens: Sequence[int]
+    query_lens: Sequence[int]
+    truth: Sequence[Sequence[int]]
+
+
+class VllmInjector(Injector):
+    def __init__(
+        self, mode: InjectMode, *, rng: random.Random, target: tuple[str, int] | None, llm: Any, canary: Any
+    ) -> None:
+        super().__init__(mode, rng=rng, target=target)
+        core = llm.llm_engine.engine_core.engine_core
+        self.llm = llm
+        self.canary = canary
+        self.runner = canary.runner
+        self.scheduler = core.scheduler
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.block_size = int(canary.groups[0].block_size)
+        self.cow_filters: list[Any] = []  # (ctx, request id, (src, dst)) -> keep the copy?
+        self.relocations = 0
+        self.oracle: ReadOracle | None = None
+
+    def injected(self, detail: str, requests: Sequence[str] = ()) -> None:
+        super().injected(detail, requests)
+        if self.oracle is not None:
+            self.oracle.check_from = self.step  # reads from this step's forward on are checked
+
+    @property
+    def step(self) -> int:
+        return int(self.canary.features_.counts["steps"])
+
+    def request_blocks(self, request_id: str) -> list[Any]:
+        """The scheduler's block list of a request (full-attention group)."""
+        manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        blocks: list[Any] = manager.req_to_blocks[request_id]
+        return blocks
+
+
+class OracleTap:
+    """Feeds the read oracle from every attention layer of the checked forwards."""
+
+    def __init__(self, ctx: VllmInjector, oracle: ReadOracle) -> None:
+        self.ctx = ctx
+        self.oracle = oracle
+        self.patches = PatchSet(exclusive=False)
+        self.active_step: int | None = None
+        self._view: tuple[int, HostView] | None = None
+
+    def attach(self) -> None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        self.patches.wrap(CPUAttentionBackendImpl, "forward", self._wrap_attention)
+        self.ctx.wrap(self.ctx.runner, "_model_forward", self._wrap_forward)
+
+    def detach(self) -> None:
+        self.patches.restore()
+
+    def _wrap_forward(self, original: Any) -> Any:
+        def _model_forward(*args: Any, **kwargs: Any) -> Any:
+            self.active_step = self.ctx.step if self.ctx.canary._in_step else None
+            self._view = None  # one host view per forward (metadata objects' ids are reused across steps)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.active_step = None
+
+        return _model_forward
+
+    def _wrap_attention(self, original: Any) -> Any:
+        tap = self
+
+        def forward(impl: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, md: Any, *a: Any, **k: Any):  # type: ignore[no-untyped-def]
+            if tap.active_step is not None and md is not None and key is not None:
+                tap.ctx.guard(tap._observe)(layer, key, value, kv_cache, md)
+            return original(impl, layer, query, key, value, kv_cache, md, *a, **k)
+
+        return forward
+
+    def _host(self, md: Any) -> HostView:
+        if self._view is not None:
+            return self._view[1]
+        r = self.ctx.runner
+        n = int(r.input_batch.num_reqs)
+        ids = list(r.input_batch.req_ids[:n])
+        qsl = md.query_start_loc[: n + 1].tolist()
+        seq = md.seq_lens[:n].tolist()
+        q = [b - a for a, b in itertools.pairwise(qsl)]
+        hist = [list(r.requests[i].prompt_token_ids or ()) + list(r.requests[i].output_token_ids) for i in ids]
+        view = HostView(ids, [s - x for s, x in zip(seq, q, strict=True)], q, hist)
+        self._view = (id(md), view)
+        return view
+
+    def _observe(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, md: Any) -> None:
+        host = self._host(md)
+        oracle, step = self.oracle, self.active_step
+        assert step is not None
+        checking = oracle.first is None and oracle.check_from is not None and step >= oracle.check_from
+        if not oracle.recording and not checking:
+            oracle.observe(step, host, 0, 0, key[:0], value[:0], True, key[:0], value[:0])  # later reads only
+            return
+        _nb, heads, _bs, two_hd = kv_cache.shape
+        hd = two_hd // 2
+        t = sum(host.query_lens)
+        new_k = key[:t].reshape(t, heads, hd)
+        new_v = value[:t].reshape(t, heads, hd)
+        out_k, out_v = (new_k[:0], new_v[:0]) if oracle.recording else _gather(kv_cache, md.block_table, host)
+        index = int(str(layer.layer_name).split(".layers.")[1].split(".")[0])
+        oracle.observe(step, host, index, 0, new_k, new_v, True, out_k, out_v)
+
+
+def _gather(kv_cache: torch.Tensor, table: torch.Tensor, host: HostView) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V attention receives: every row's positions [0, past + query), through its block table row."""
+    nb, heads, bs, two_hd = kv_cache.shape
+    paged = kv_cache.view(nb, heads, 2 * bs, two_hd // 2)
+    k_cache = paged[:, :, :bs].reshape(nb, heads, two_hd // 2, bs)  # K is stored transposed per block
+    v_cache = paged[:, :, bs:]
+    blocks, offs = [], []
+    for r, (past, q) in enumerate(zip(host.past_lens, host.query_lens, strict=True)):
+        pos = torch.arange(past + q)
+        blocks.append(table[r, pos // bs].long())
+        offs.append(pos % bs)
+    b = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.long)
+    o = torch.cat(offs) if offs else torch.zeros(0, dtype=torch.long)
+    return k_cache[b, :, :, o], v_cache[b, :, o]

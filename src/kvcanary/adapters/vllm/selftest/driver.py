@@ -1,0 +1,171 @@
+"""``kvcanary selftest --engine vllm``: one real in-process vLLM engine, reused by every run.
+
+Each run resets the prefix cache, installs the canary (log mode) and the faults on the live engine, adds
+the seeded workload (:mod:`kvcanary.adapters.vllm.workload`) and steps the engine to completion (a faulted
+run stops a few steps after its verdict is settled, by aborting what is left through vLLM's abort path),
+then restores everything.  Engine start costs about a minute on 2 cores; a run a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from kvcanary.adapters.vllm.selftest.context import OracleTap, VllmInjector
+from kvcanary.adapters.vllm.selftest.cow import install_relocations
+from kvcanary.adapters.vllm.selftest.faults import FAULTS
+from kvcanary.adapters.vllm.workload import make_workload
+from kvcanary.config import CanaryConfig, Mode
+from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
+from kvcanary.selftest.read_oracle import ReadOracle
+
+GRACE_STEPS = 3
+NUM_REQUESTS = 20
+NUM_LAYERS = 2
+
+
+class VllmDriver:
+    name = "vllm"
+    faults = FAULTS
+    workloads = ("dense",)
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+
+    def check(self) -> str:
+        try:
+            from kvcanary.adapters.vllm.version import check_version
+        except ImportError as exc:  # pragma: no cover - the package itself is always there
+            raise EngineUnavailable(str(exc)) from exc
+        try:
+            return check_version()
+        except ImportError as exc:
+            raise EngineUnavailable(f"vLLM is not installed ({exc}); see docs/vllm.md") from exc
+
+    def describe(self, version: str) -> str:
+        return f"vLLM {version} V1 engine (CPU model runner)"
+
+    @contextlib.contextmanager
+    def session(self, kinds: Sequence[str]) -> Iterator[None]:
+        from kvcanary.adapters.vllm import tiny
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        with tempfile.TemporaryDirectory(prefix="kvcanary-vllm-") as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quiet = logging.getLogger("kvcanary")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # every faulted run logs its violations: the matrix says it all
+            try:
+                self.llm = tiny.start_engine(tiny.build_model(tmp))
+                yield
+            finally:
+                quiet.setLevel(level)
+                self.llm = None
+
+    def run(
+        self,
+        kind: str,
+        seed: int,
+        faults: Sequence[Fault[Any]],
+        *,
+        mode: InjectMode,
+        target: tuple[str, int] | None = None,
+        store: object = None,
+    ) -> RunOutcome:
+        if self.llm is None:
+            raise RuntimeError("VllmDriver.run outside session()")
+        if store is not None and not isinstance(store, dict):
+            raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
+        return run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+
+
+def run_engine(
+    llm: Any,
+    seed: int,
+    faults: Sequence[Fault[Any]],
+    *,
+    mode: InjectMode,
+    target: tuple[str, int] | None = None,
+    store: dict[Any, Any] | None = None,
+    num_requests: int = NUM_REQUESTS,
+) -> RunOutcome:
+    from kvcanary.adapters.vllm.attach import install
+
+    llm.reset_prefix_cache()
+    canary = install(llm, CanaryConfig(mode=Mode.LOG))
+    assert canary is not None
+    oracle = ReadOracle(store, NUM_LAYERS)
+    ctx = VllmInjector(mode, rng=random.Random(f"{seed}:{target}"), target=target, llm=llm, canary=canary)
+    ctx.oracle = oracle
+    tap = OracleTap(ctx, oracle)
+    errors: list[str] = []
+    start = time.perf_counter()
+    stopped = False
+    try:
+        install_relocations(ctx)
+        for fault in faults:
+            fault.install(ctx)
+        tap.attach()
+        stopped = _drive(llm, make_workload(seed, num_requests=num_requests), seed, ctx, oracle, canary, errors)
+        canary.flush()
+    except Exception as exc:  # an engine failure is a trial error, not a crash of the whole matrix
+        errors.append(f"engine: {type(exc).__name__}: {exc}")
+    finally:
+        tap.detach()
+        ctx.patches.restore()
+        canary.uninstall()
+    reports = [dataclasses.replace(r, step=canary.engine_step_of[r.step]) for r in canary.reports]
+    return RunOutcome(
+        stats=canary.stats(),
+        features={**canary.features(), "cow_relocations": ctx.relocations},
+        reports=reports,
+        seconds=time.perf_counter() - start,
+        opportunities=ctx.opportunities,
+        injection=ctx.injection,
+        affected=oracle.first,
+        later_reads=oracle.later_reads,
+        store=oracle.store,
+        errors=errors + [f"harness: {type(e).__name__}: {e}" for e in ctx.errors],
+        stopped_early=stopped,
+    )
+
+
+def _drive(
+    llm: Any, workload: Any, seed: int, ctx: VllmInjector, oracle: ReadOracle, canary: Any, errors: list[str]
+) -> bool:
+    engine = llm.llm_engine
+    ids = [f"s{seed}-r{i}" for i in range(len(workload.prompts))]
+    for rid, prompt, params in zip(ids, workload.requests(), workload.sampling(), strict=True):
+        engine.add_request(rid, prompt, params)
+    stopped = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not stopped and _settled(ctx, oracle, canary):
+            stopped = True
+            engine.abort_request(ids)
+    return stopped
+
+
+def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
+    """A faulted run's verdict cannot change any more (see the runner's rules)."""
+    inj = ctx.injection
+    if inj is None or ctx.mode is not InjectMode.INJECT:
+        return False
+    done = ctx.step - 1
+    steps = (int(canary.engine_step_of[r.step]) for r in canary.reports)
+    detected: int | None = next((s for s in steps if s >= inj.step), None)
+    if detected is not None and oracle.first is not None:
+        return True
+    if detected is not None:
+        return bool(done >= detected + GRACE_STEPS)
+    if oracle.first is not None:
+        return sum(s < done for s in oracle.later_reads) >= GRACE_STEPS
+    return False

@@ -1,0 +1,242 @@
+"""The vLLM fault library: each corrupts vLLM's own state the way a real bug did, never the canary's.
+
+Worker side (model runner): a block-table row pointing into another request's block, a ``slot_mapping``
+entry off by one, a wrong input token id, a preempted request resumed onto its stale blocks.  Engine-core
+side (scheduler, block pool): a prefix-cache hash kept after its block was evicted and reused, and a
+copy-on-write block copy that never happens (the relocation itself is vLLM's CoW path, :mod:`.cow`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from kvcanary.adapters.vllm.selftest.context import VllmInjector
+from kvcanary.adapters.vllm.tiny import VOCAB
+from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+
+_READ_CHECKS = frozenset(
+    {("verify", "link_mismatch"), ("verify", "token_mismatch"), ("verify", "position_mismatch"),
+     ("verify", "never_written"), ("stamp", "write_into_live_slot")}
+)  # fmt: skip
+
+
+def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
+    """(row, request) of rows that decode one token this step and hold at least one full block."""
+    r = ctx.runner
+    ids = list(r.input_batch.req_ids[: r.input_batch.num_reqs])
+    out = []
+    for row, rid in enumerate(ids):
+        state = r.requests.get(rid)
+        if state is None or so.num_scheduled_tokens.get(rid) != 1:
+            continue
+        if state.num_computed_tokens >= ctx.block_size and state.num_computed_tokens >= len(state.prompt_token_ids):
+            out.append((row, rid))
+    return out
+
+
+class BlockTableCrossRequest(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="block_table_cross_request",
+        bug_class="block table row points into another request's block",
+        catalogue="vLLM #53912 (prefix caching + MTP corrupts hybrid models); TensorRT-LLM #15018",
+        mechanism="after _update_states, one full block of a decoding request's persistent block-table row is "
+        "replaced by a block of another running request",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: link/token/position mismatch",
+        checks=_READ_CHECKS,
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        def make(original: Any) -> Any:
+            def _update_states(so: Any, *a: Any, **k: Any) -> Any:
+                out = original(so, *a, **k)
+                ctx.guard(self._corrupt)(ctx, so)
+                return out
+
+            return _update_states
+
+        ctx.wrap(ctx.runner, "_update_states", make)
+
+    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
+        rows = _decode_rows(ctx, so)
+        if len(rows) < 2 or not ctx.take(self.name):
+            return
+        (victim, vid), (donor, did) = ctx.rng.sample(rows, 2)
+        table = ctx.runner.input_batch.block_table.block_tables[0].block_table.np
+        state = ctx.runner.requests[vid]
+        j = ctx.rng.randrange(state.num_computed_tokens // ctx.block_size)
+        table[victim, j] = table[donor, 0]
+        ctx.injected(f"row {victim} ({vid}) block {j} -> block {table[donor, 0]} of {did}", [vid, did])
+
+
+class SlotMappingOffByOne(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="slot_mapping_off_by_one",
+        bug_class="slot mapping off by one",
+        catalogue="vLLM #54498 (EAGLE/MTP drafter writes the wrong slots); sglang #25015",
+        mechanism="after compute_slot_mapping, the last token's slot_mapping entry is moved one slot on",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: new_read_mismatch",
+        checks=frozenset({("stamp", "new_read_mismatch"), ("stamp", "write_into_live_slot"), *_READ_CHECKS}),
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        table = ctx.runner.input_batch.block_table.block_tables[0]
+
+        def make(original: Any) -> Any:
+            def compute_slot_mapping(num_reqs: int, query_start_loc: Any, positions: Any) -> Any:
+                out = original(num_reqs, query_start_loc, positions)
+                ctx.guard(self._corrupt)(ctx, table, num_reqs, int(positions.shape[0]))
+                return out
+
+            return compute_slot_mapping
+
+        ctx.wrap(table, "compute_slot_mapping", make)
+
+    def _corrupt(self, ctx: VllmInjector, table: Any, num_reqs: int, num_tokens: int) -> None:
+        if num_tokens == 0 or not ctx.canary._in_step or not ctx.take(self.name):
+            return
+        rid = ctx.runner.input_batch.req_ids[num_reqs - 1]
+        table.slot_mapping.gpu[num_tokens - 1] += 1
+        ctx.injected(f"token {num_tokens - 1} of {rid} writes slot +1", [rid])
+
+
+class WrongTokenId(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="wrong_token_id",
+        bug_class="wrong token id fed to the forward",
+        catalogue="vLLM #47466 (prompt tail token overwritten); sglang #26329",
+        mechanism="before _prepare_inputs, a decoding request's input token in input_batch.token_ids_cpu "
+        "is replaced (the request's own token list keeps the sampled one)",
+        model="dense",
+        expected=Expect.DETECT,
+        check="stamp: write_token_mismatch",
+        checks=frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        def make(original: Any) -> Any:
+            def _prepare_inputs(so: Any, *a: Any, **k: Any) -> Any:
+                ctx.guard(self._corrupt)(ctx, so)
+                return original(so, *a, **k)
+
+            return _prepare_inputs
+
+        ctx.wrap(ctx.runner, "_prepare_inputs", make)
+
+    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
+        rows = _decode_rows(ctx, so)
+        if not rows or not ctx.take(self.name):
+            return
+        row, rid = ctx.rng.choice(rows)
+        pos = ctx.runner.requests[rid].num_computed_tokens
+        ids = ctx.runner.input_batch.token_ids_cpu
+        ids[row, pos] = 3 + (int(ids[row, pos]) - 2) % (VOCAB - 3)
+        ctx.injected(f"{rid} position {pos}: token id changed", [rid])
+
+
+class ResumeOntoStaleBlocks(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="resume_onto_stale_blocks",
+        bug_class="preempted request resumed onto stale blocks",
+        catalogue="sglang #28254 (retract/resume indexes the wrong sequence); TensorRT-LLM #15018",
+        mechanism="a request resumed after preemption is not flagged as resumed to the worker, which appends its "
+        "new blocks to the block list it had before preemption (freed blocks, since reused)",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: link/token mismatch, stamp: write_into_live_slot",
+        checks=_READ_CHECKS,
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        def make(original: Any) -> Any:
+            def _update_states(so: Any, *a: Any, **k: Any) -> Any:
+                ctx.guard(self._corrupt)(ctx, so)
+                return original(so, *a, **k)
+
+            return _update_states
+
+        ctx.wrap(ctx.runner, "_update_states", make)
+
+    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        stale = sorted(rid for rid in resumed if rid in ctx.runner.requests and ctx.runner.requests[rid].block_ids[0])
+        if not stale or not ctx.take(self.name):
+            return
+        rid = ctx.rng.choice(stale)
+        resumed.discard(rid)
+        ctx.injected(f"{rid} resumed onto its {len(ctx.runner.requests[rid].block_ids[0])} old blocks", [rid])
+
+
+class StalePrefixHash(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="stale_prefix_hash",
+        bug_class="prefix-cache hash kept after its block was evicted and reused",
+        catalogue="sglang #22819 (radix cache corrupts KV); vLLM #53912; TensorRT-LLM #15018",
+        mechanism="when the block pool evicts a cached block, its hash entry is put back: a later request "
+        "with that prefix hits the block, which now holds another request's KV",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: link/token mismatch",
+        checks=_READ_CHECKS,
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        pool = ctx.block_pool
+
+        def make(original: Any) -> Any:
+            def _remove_cached_block_hashes(block: Any) -> Any:
+                removed = original(block)
+                if removed:
+                    ctx.guard(self._keep)(ctx, block, removed)
+                return removed
+
+            return _remove_cached_block_hashes
+
+        ctx.wrap(pool, "_remove_cached_block_hashes", make)
+
+    def _keep(self, ctx: VllmInjector, block: Any, removed: list[Any]) -> None:
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        # Eligible: a waiting request will look this hash up (otherwise nothing would ever read the stale entry).
+        hashes = {get_block_hash(k) for k in removed}
+        if not any(hashes.intersection(r.block_hashes) for r in ctx.scheduler.waiting) or not ctx.take(self.name):
+            return
+        for key in removed:
+            ctx.block_pool.cached_block_hash_to_block.insert(key, block)
+        ctx.injected(f"block {block.block_id} evicted, its hash kept", [])
+
+
+class CowCopyDropped(Fault[VllmInjector]):
+    spec: ClassVar[FaultSpec] = FaultSpec(
+        name="cow_copy_dropped",
+        bug_class="copy-on-write copy that never happens",
+        catalogue="vLLM #45704 (restored KV without the copy having landed); LMCache #4463",
+        mechanism="a prefix-hit block relocated by vLLM's copy-on-write path is given to the request, but the "
+        "(src, dst) pair is dropped from kv_cache_block_copies: the destination keeps its old bytes",
+        model="dense",
+        expected=Expect.DETECT,
+        check="verify: link/token mismatch or never_written",
+        checks=_READ_CHECKS,
+    )
+
+    def install(self, ctx: VllmInjector) -> None:
+        ctx.cow_filters.append(self._drop)
+
+    def _drop(self, ctx: VllmInjector, rid: str, pair: tuple[int, int]) -> bool:
+        """True keeps the copy; False drops it (once, at the target)."""
+        if not ctx.take(self.name):
+            return True
+        ctx.injected(f"copy {pair[0]} -> {pair[1]} of {rid} dropped", [rid])
+        return False
+
+
+FAULTS: dict[str, type[Fault[Any]]] = {
+    f.spec.name: f
+    for f in (
+        BlockTableCrossRequest, SlotMappingOffByOne, StalePrefixHash, CowCopyDropped, ResumeOntoStaleBlocks,
+        WrongTokenId,
+    )
+}  # fmt: skip

@@ -1,0 +1,130 @@
+"""The manager's per-step host work on the kernel path, pinned: one validation per group, three kernel
+launches per group, a fixed handful of torch ops, nothing read back.
+
+On a GPU every torch op is a launch and every validation a few dozen Python checks; issue 14 measured
+``validate_batch`` running five times per group per step (manager, canary, three launchers).  The kernels
+are replaced by counting stand-ins here, so the test needs neither a GPU nor the interpreter.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+import torch
+
+from kvcanary import batch as batch_module
+from kvcanary import canary as canary_module
+from kvcanary.config import CanaryConfig, Mode
+from kvcanary.layout import CanaryGroup
+from kvcanary.ops import Backend, launchers
+from kvcanary.runtime import CanaryManager
+from runtime_helpers import CAPS, NUM_SLOTS, Workload
+from test_adapter_transformers_cost import _NO_KERNEL, _SYNCING, OpCounter
+
+AFTER_OPS = 4  # snapshot copy, totals add, live clear, phase mark
+BEFORE_OPS = 1  # phase mark
+
+
+class CountingKernel:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` only counts the launch."""
+
+    def __init__(self, name: str, launches: collections.Counter[str]) -> None:
+        self.name = name
+        self.launches = launches
+
+    def __getitem__(self, grid: object) -> Any:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.launches[self.name] += 1
+
+        return launch
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Counts of validate_batch calls, launcher state checks and kernel launches."""
+    counts: collections.Counter[str] = collections.Counter()
+    real_validate = batch_module.validate_batch
+    real_state = launchers._check_state
+
+    def validate(*args: Any, **kwargs: Any) -> None:
+        counts["validate_batch"] += 1
+        real_validate(*args, **kwargs)
+
+    def check_state(*args: Any, **kwargs: Any) -> torch.device:
+        counts["check_state"] += 1
+        return real_state(*args, **kwargs)
+
+    for module in (canary_module, launchers):
+        monkeypatch.setattr(module, "validate_batch", validate)
+    monkeypatch.setattr(launchers, "_check_state", check_state)
+    for name in ("plan_kernel", "verify_kernel", "stamp_kernel"):
+        monkeypatch.setattr(launchers, name, CountingKernel(name, counts))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors on the kernel path (the stand-ins run nothing)
+    return counts
+
+
+def two_group_manager(backend: Backend, check_values: bool | None = None) -> CanaryManager:
+    """``check_values=False`` is the GPU path's default (values are never read on the host there)."""
+    groups = [CanaryGroup(num_slots=NUM_SLOTS, group_id=i, name=n) for i, n in enumerate(("a", "b"))]
+    return CanaryManager(groups, CAPS, CanaryConfig(mode=Mode.LOG, check_values=check_values), backend=backend)
+
+
+def test_kernel_path_validates_each_groups_batch_once_and_launches_three_kernels(
+    counted: collections.Counter[str],
+) -> None:
+    mgr = two_group_manager(Backend.TRITON, check_values=False)
+    wl = Workload()
+    for plan in ([(1, 4), (2, 3)], [(1, 1), (2, 1)], [(1, 1), (2, 1), (3, 5)]):
+        batch = wl.batch(plan, truth=True)
+        counted.clear()
+        with OpCounter() as ops:
+            mgr.before_forward({"a": batch, "b": batch})
+            mgr.after_forward()
+        assert counted == {"validate_batch": 2, "plan_kernel": 2, "verify_kernel": 2, "stamp_kernel": 2}
+        kernels = {op: n for op, n in ops.ops.items() if op not in _NO_KERNEL}
+        assert sum(kernels.values()) == BEFORE_OPS + AFTER_OPS, kernels
+        assert not _SYNCING & set(ops.ops), ops.ops
+        mgr.host_step(["x"] * batch.batch_size)
+
+
+def test_the_value_checks_still_run_once_on_cpu_and_raise_before_any_launch(
+    counted: collections.Counter[str],
+) -> None:
+    mgr = two_group_manager(Backend.TRITON)
+    batch = Workload().batch([(1, 4)], truth=True)
+    assert batch.truth_lens is not None
+    batch.truth_lens[0] = 10_000  # the adapter's own claim: API misuse, raised by the one validation
+    with pytest.raises(ValueError, match="group 'a': truth_lens exceeds"):
+        mgr.before_forward({"a": batch, "b": batch})
+    assert counted == {"validate_batch": 1}
+
+
+def test_the_public_launchers_and_canary_calls_keep_their_own_checks(counted: collections.Counter[str]) -> None:
+    group = CanaryGroup(num_slots=NUM_SLOTS, name="a")
+    can = canary_module.GroupCanary(group, CAPS, backend=Backend.TRITON)
+    log = can.new_log()
+    batch = Workload().batch([(1, 4)])
+    can.step(batch, log)
+    assert counted["validate_batch"] == 1 and counted["check_state"] == 0
+    counted.clear()
+    can.plan(batch, log)
+    can.verify(batch, log)
+    can.stamp(batch, log)
+    assert counted["validate_batch"] == 3 and counted["check_state"] == 2  # verify and stamp check again
+    counted.clear()
+    launchers.plan(group, batch, can.records, can.workspace, log)
+    assert counted["validate_batch"] == 1 and counted["check_state"] == 1
+    bad = Workload().batch([(1, 4)])
+    bad.positions = bad.positions.float()
+    with pytest.raises(TypeError, match="positions must be int32 or int64"):
+        launchers.verify(group, bad, can.records, can.workspace, log, CAPS.verify_entries)
+
+
+def test_reference_path_validates_each_groups_batch_once(counted: collections.Counter[str]) -> None:
+    mgr = two_group_manager(Backend.REFERENCE)
+    batch = Workload().batch([(1, 4), (2, 3)], truth=True)
+    mgr.before_forward({"a": batch, "b": batch})
+    mgr.after_forward()
+    assert counted == {"validate_batch": 2}
