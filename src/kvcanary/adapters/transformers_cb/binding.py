@@ -46,10 +46,6 @@ class Binding:
         cache = self._cache()
         return [] if cache is None else list(cache.cache_allocators.values())
 
-    def allocator(self, name: str) -> Any:
-        """The allocator of group ``name`` (its layer type), or None once the cache is gone."""
-        return next((a for a in self._allocators() if str(a.layer_type) == name), None)
-
     def owns_allocator(self, allocator: Any) -> bool:
         return any(a is allocator for a in self._allocators())
 
