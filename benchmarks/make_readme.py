@@ -39,6 +39,10 @@ and writes `extend` tokens per request.  Slots come in 64-slot runs in shuffled 
 allocator); the window scenarios translate through a full->window lookup table that is a random
 permutation, so their record gathers have no locality at all (a worst case).  `--sweep` times a few
 scenarios under several kernel tunings; its tables are kept beside the results (`*-sweep.txt`).
+
+Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped model step, below),
+`bench_host_step.py` (host time of `host_step` and of an eager `before_forward` + `after_forward`) and
+`bench_translate.py` (host time of the transformers adapter's translation per step, by batch shape).
 """
 
 TARGETS = (

@@ -102,4 +102,8 @@ fi
 say "installed: $("$VENV/bin/python" -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "sglang", m.version("sglang"))')"
 say "pytest tests/engines/sglang"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engines/sglang "$@"
+# The self-test's detection matrix on sglang's own scheduler loop: every fault in N randomized trials plus
+# clean controls; exit status 0 only when every fault is caught within one step and no control reports.
+say "kvcanary selftest --engine sglang --trials ${SGLANG_SELFTEST_TRIALS:-5}"
+"$VENV/bin/python" -m kvcanary selftest --engine sglang --trials "${SGLANG_SELFTEST_TRIALS:-5}"
 say "done"

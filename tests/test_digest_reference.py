@@ -193,6 +193,12 @@ def test_verify_reports_only_changed_slots_with_their_position() -> None:
     assert row[Field.REASONS] == Reason.DIGEST_MISMATCH and row[Field.PHASE] == Phase.DIGEST_VERIFY
     assert (row[Field.SLOT], row[Field.EXPECTED_POSITION], row[Field.BATCH_ROW]) == (victim, 7, 0)
     assert row[Field.EXPECTED_LINK] == digests[victim] and row[Field.STORED_LINK] != digests[victim]
+    # A slot this step also writes (a ring reused in the step) is left to the stamp.
+    log.clear()
+    plan_ws.write_marks[victim] = 2 * (1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD)
+    dref.verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=1)
+    assert log.total() == 0
+    plan_ws.write_marks[victim] = 0
     # Never-stamped slots are not compared; the list call reports out-of-range indices when asked.
     log.clear()
     digests[victim] = 0

@@ -7,7 +7,8 @@
 * :func:`verify_planned`: a budgeted, rotating share of the entries the last plan verifies: positions
   ``p`` of each active row's verify span with ``(p // group_tokens) % period == (epoch + table row) %
   period``, in tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
-  rest are counted as skipped tiles); the digest epoch then advances.
+  rest are counted as skipped tiles); slots the step also writes (its write marks) are left to the
+  stamp; the digest epoch then advances.
 
 A stored digest of 0 (never stamped) is never compared.  Violation rows are appended in entry order.
 """
@@ -161,6 +162,16 @@ def selected_tiles(
     return first, tiles, start, end
 
 
+def written_this_step(plan_ws: PlanWorkspace, slot: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Slots this step also writes (the link verify's write marks): their bytes may already be the new
+    token's (a window ring reused in the step, read before the write; an engine verified after its
+    forward), and the stamp digests them anew."""
+    mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
+    marks = torch.zeros_like(slot)
+    marks[valid] = plan_ws.write_marks[slot[valid]].long()
+    return valid & ((marks >> 1) == mark)
+
+
 def verify_planned(
     group: CanaryGroup, layout: DigestLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
@@ -186,6 +197,7 @@ def verify_planned(
         full[inside] = table_slots(group, batch.table, trow[inside], pos[inside])
     res = resolve(group, batch.lookup, full, min(group.num_slots, layout.num_slots))
     usable = inside & res.in_pool & ~res.reserved
+    usable &= ~written_this_step(plan_ws, res.slot, usable)
     stored, computed, mismatch = _check(group, layout, digests, res.slot, usable)
     ws.stats[DigestWorkspace.STAT_VERIFIED] += int(usable.sum())
     ws.stats[DigestWorkspace.STAT_SKIPPED_TILES] += total - kept

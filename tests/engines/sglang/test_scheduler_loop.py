@@ -28,6 +28,7 @@ FEATURES = (
 def test_clean_workload_through_sglangs_scheduler_is_silent_and_does_everything(loop, seed: int) -> None:
     canary = loop.install("raise")
     forwards = run_workload(loop, standard_workload(seed))
+    canary.flush()  # the last forward's report
     f = loop.features
     missing = [name for name in FEATURES if f[name] < 1]
     assert not missing, (missing, dict(f))

@@ -13,22 +13,25 @@ Usage inside sglang's ``ModelRunner.initialize`` (after ``init_memory_pool``, be
         self.kv_canary.mark_init_finished()
 """
 
+from kvcanary.adapters.sglang.host_pool import SUPPORTED_HOST_POOLS, HostRecordMirror, attach_host_pool
 from kvcanary.adapters.sglang.install import SglangCanary, install_canary
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, add_cli_args, options_from_args
 from kvcanary.adapters.sglang.pools import SUPPORTED_POOLS
 from kvcanary.adapters.sglang.translate import SUPPORTED_MODES
-
-SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+from kvcanary.adapters.sglang.version import SUPPORTED_SGLANG_VERSIONS
 
 install = install_canary
 
 __all__ = [
+    "SUPPORTED_HOST_POOLS",
     "SUPPORTED_MODES",
     "SUPPORTED_POOLS",
     "SUPPORTED_SGLANG_VERSIONS",
+    "HostRecordMirror",
     "SglangCanary",
     "SglangCanaryOptions",
     "add_cli_args",
+    "attach_host_pool",
     "install",
     "install_canary",
     "options_from_args",

@@ -30,6 +30,7 @@ from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
 from kvcanary.adapters.sglang.translate import EXTEND_MODES, ForwardTranslator, mode_name
+from kvcanary.adapters.sglang.version import check_version
 from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, FailRequestCallback, StepReport
 from kvcanary.runtime.capture import is_capturing
 
@@ -243,6 +244,11 @@ class SglangCanary:
             self.recent_reports.append(report)
         return report
 
+    @property
+    def in_forward(self) -> bool:
+        """Inside the bracketed model forward (between before_forward and after_forward)."""
+        return self._depth > 0
+
     def mark_init_finished(self) -> None:
         """Warm-up and graph capture are done: check every forward from now on."""
         self.init_finished = True
@@ -279,12 +285,18 @@ def install_canary(
     server_args: object | None = None,
     *,
     on_fail_request: FailRequestCallback | None = None,
+    allow_untested_version: bool = False,
 ) -> SglangCanary | None:
-    """Install the canary on ``model_runner`` per its ``--kv-canary*`` options; None when off."""
+    """Install the canary on ``model_runner`` per its ``--kv-canary*`` options; None when off.
+
+    Refuses (:class:`~kvcanary.adapters.base.UnsupportedEngineVersion`, nothing patched) an sglang release
+    other than ``SUPPORTED_SGLANG_VERSIONS`` unless ``allow_untested_version``.
+    """
     args = server_args if server_args is not None else getattr(model_runner, "server_args", None)
     options = options_from_args(args)
     if not options.enabled:
         return None
+    check_version(allow_untested=allow_untested_version)
     canary = SglangCanary(model_runner, options, on_fail_request=on_fail_request)
     try:
         canary.patch()

@@ -11,7 +11,56 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from kvcanary.schema import UNKNOWN_TOKEN
+
 WARMUP_PREFIX = "__warmup_"  # request ids of transformers' warm-up batches (fake requests, never-written KV)
+
+
+class History(Sequence[int]):
+    """A request's token history (prompt, then generated tokens) as the scheduler held it at capture, read
+    without copying it: copying every request's history each step cost time in proportion to the whole
+    context (issue 14).  Its length is fixed at capture; the newest :data:`TAIL` tokens are copied then, so
+    a rewind or rewrite of the newest tokens after capture does not change what this step claims.  Older
+    positions are read from the engine's lists when asked (they only ever grow at the end); a position the
+    engine no longer holds reads as the unknown token (not checked).
+    """
+
+    TAIL = 32
+
+    __slots__ = ("_generated", "_initial", "_n", "_tail", "_tail_start")
+
+    def __init__(self, initial: Sequence[int], generated: Sequence[int]) -> None:
+        self._initial, self._generated = initial, generated
+        self._n = len(initial) + len(generated)
+        self._tail_start = start = max(0, self._n - self.TAIL)
+        k = len(initial)
+        self._tail = list(initial[start:]) + list(generated) if start < k else list(generated[start - k :])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` (clamped to the history)."""
+        start, stop = max(0, start), min(stop, self._n)
+        if start >= stop:
+            return []
+        if start >= self._tail_start:
+            return self._tail[start - self._tail_start : stop - self._tail_start]
+        k = len(self._initial)
+        old = self._tail_start if stop > self._tail_start else stop
+        head = list(self._initial[start : min(old, k)])
+        if old > k:
+            head += self._generated[max(start, k) - k : old - k]
+        head += [UNKNOWN_TOKEN] * (old - start - len(head))  # the engine dropped some: unknown
+        return head + self._tail[: max(0, stop - self._tail_start)]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return self.tokens(0, self._n)[index]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError(f"history index {index} out of range for length {self._n}")
+        return self.tokens(i, i + 1)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +78,7 @@ class HostBatch:
             ids.append(str(state.request_id))
             past.append(int(state.position_offset))
             query.append(int(fs.query_length))
-            truth.append(list(state.initial_tokens) + list(state.generated_tokens))
+            truth.append(History(state.initial_tokens, state.generated_tokens))
         return cls(tuple(ids), tuple(past), tuple(query), tuple(truth))
 
     @property

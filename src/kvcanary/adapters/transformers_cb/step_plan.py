@@ -16,7 +16,6 @@ import numpy.typing as npt
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.schema import UNKNOWN_TOKEN
 
 I64 = npt.NDArray[np.int64]
 MAX_ENTRIES = 1 << 30  # per group and step; keeps a rejected segment's offsets (-2^30 + offset) negative
@@ -57,21 +56,6 @@ def _offsets_within(counts: I64) -> I64:
     """``0..c-1`` for each count c, concatenated."""
     total = int(counts.sum())
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def truth_table(host: HostBatch, rows: RowPlan, width: int) -> tuple[npt.NDArray[np.int32], I64]:
-    """Ground truth ``(b + 1, L)`` (row r + 1 for batch row r, row 0 unused) and its valid length per row.
-
-    ``L`` is the longest valid length (at least 1: a zero-size truth would be passed to the kernels as a
-    stand-in of another dtype).  Cells past a row's length are never read.
-    """
-    lengths = np.fromiter((len(t) for t in host.truth), dtype=np.int64, count=rows.size)
-    lens = np.where(rows.live, np.minimum(lengths, width), 0)
-    out = np.full((rows.size + 1, max(1, int(lens.max(initial=0)))), UNKNOWN_TOKEN, dtype=np.int32)
-    for r, (tokens, n) in enumerate(zip(host.truth, lens.tolist(), strict=True)):
-        if n:
-            out[r + 1, :n] = tokens if n == len(tokens) else tokens[:n]
-    return out, lens
 
 
 @dataclasses.dataclass(frozen=True)

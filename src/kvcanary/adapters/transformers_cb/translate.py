@@ -23,9 +23,10 @@ A read index that sends one of the new tokens elsewhere is therefore reported at
 (``new_read_mismatch``).
 
 Cost: whatever follows from the scheduler's host-side lengths is computed with numpy
-(:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`); the device work is a fixed
-number of vectorised ops per group (a gather from the read index, the slot mapping, one scatter into
-the table), whatever the batch, and nothing reads a device value back.
+(:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`), with only the newest tokens of
+each request's ground truth (:mod:`.truth_store` keeps the rest on the device); the device work is a
+fixed number of vectorised ops per group (a gather from the read index, the slot mapping, one scatter
+into the table) plus two for the truth, whatever the batch, and nothing reads a device value back.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvcanary.adapters.transformers_cb import step_plan
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
 
@@ -102,6 +104,7 @@ class StepTranslator:
         self.tables = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in self.geometries}
         self._cells = {name: t.view(-1) for name, t in self.tables.items()}  # the scatter target
         self._staging = Staging(self.device)
+        self._truth = TruthStore(max_batch, max_context, self.device)  # each request's truth, kept between steps
 
     # ------------------------------------------------------------------ entry point
 
@@ -123,16 +126,21 @@ class StepTranslator:
 
         rows = step_plan.RowPlan.of(host, self.width)
         pack = _Pack()
-        truth, truth_lens = step_plan.truth_table(host, rows, self.width)
+        truth = self._truth.plan(host, rows.live)
         common = {
             "rows": pack.add(rows.table_rows()),
             "prefix": pack.add(rows.past),
             "extend": pack.add(rows.query),
-            "truth": pack.add(truth),
-            "truth_lens": pack.add(truth_lens),
+            "truth_gather": pack.add(truth.gather),
+            "truth_cells": pack.add(truth.cells),
+            "truth_tokens": pack.add(truth.tokens),
+            "truth_lens": pack.add(truth.lens),
         }
         work = [self._plan_group(g, rows, kwargs, pack, n_tok, host.num_tokens) for g in self.geometries]
         dev = self._staging.send(pack.arrays)
+        truth_table = self._truth.apply(
+            truth, dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]]
+        )
 
         batches: dict[str, StepBatch] = {}
         for w in work:
@@ -148,7 +156,7 @@ class StepTranslator:
                 input_ids=input_ids,
                 positions=positions,
                 out_cache_loc=out_loc,
-                truth=dev[common["truth"]],
+                truth=truth_table,
                 truth_lens=dev[common["truth_lens"]],
             )
         wraps = sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.vllm import failing
-from kvcanary.adapters.vllm.install import VllmCanary
+from kvcanary.adapters.vllm.hooks import VllmCanary
 from kvcanary.adapters.vllm.options import VllmCanaryOptions, options_from_env
 from kvcanary.adapters.vllm.version import check_version
 from kvcanary.config import CanaryConfig, Mode

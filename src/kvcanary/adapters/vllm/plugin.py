@@ -48,7 +48,7 @@ def _installing(options: VllmCanaryOptions) -> Callable[[Callable[..., Any]], Ca
             out = original(runner, kv_cache_config, *args, **kwargs)
             profiling = kwargs.get("is_profiling", args[0] if args else False)
             if not profiling and getattr(runner, "kvcanary", None) is None:
-                from kvcanary.adapters.vllm.install import VllmCanary
+                from kvcanary.adapters.vllm.hooks import VllmCanary
 
                 canary = VllmCanary(runner, options)
                 canary.patch()

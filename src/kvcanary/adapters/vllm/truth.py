@@ -38,7 +38,9 @@ class TruthTable:
         n = len(req_ids)
         if self._device.type == "cpu":
             return self.truth, self.lens
-        return torch.from_numpy(self._host).to(self._device), torch.from_numpy(self._lens[:n]).to(self._device)
+        width = max(int(self._lens[:n].max()), 1) if n else 1  # only the step's rows and known positions travel
+        host = np.ascontiguousarray(self._host[: max(n, 1), :width])
+        return torch.from_numpy(host).to(self._device), torch.from_numpy(self._lens[:n].copy()).to(self._device)
 
     def _fill_row(self, row: int, state: Any) -> None:
         prompt = state.prompt_token_ids

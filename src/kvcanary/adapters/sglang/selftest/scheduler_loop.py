@@ -116,12 +116,12 @@ def build_scheduler(model_dir: str, config: LoopConfig) -> Any:
 
 
 def canary_args(mode: str, **extra: object) -> Any:
-    """The ``--kv-canary*`` options for :func:`install_canary` (sglang's own ``kv_canary`` stays none)."""
+    """Our ``--kv-canary*`` options for :func:`install_canary`.  sglang 0.5.23's own ``ServerArgs.kv_canary``
+    (its built-in canary, CUDA kernels) stays ``none``; the engine limits still come from the runner's
+    real ``server_args``."""
     import types
 
-    return types.SimpleNamespace(
-        kv_canary=mode, chunked_prefill_size=None, max_prefill_tokens=None, kv_canary_health_every=0, **extra
-    )
+    return types.SimpleNamespace(kv_canary=mode, **extra)
 
 
 class SchedulerLoop:
@@ -144,6 +144,9 @@ class SchedulerLoop:
         self.requests: dict[str, Any] = {}  # rid -> sglang Req, as seen in batches
         self._extended: set[tuple[str, int]] = set()
         self._slots_seen: set[int] = set()
+        self.forwards_started = 0  # forwards begun since the last reset: the canary's step label of the next
+        self.in_forward = False  # between a batch's scheduling and its result (hooks and forward)
+        self.pending_arrivals = 0  # requests a workload has yet to submit (set by workload.run_workload)
 
     def _collect(self, output: Any, recv: Any = None) -> None:
         self.outputs.append(output)
@@ -216,10 +219,15 @@ class SchedulerLoop:
         s.cur_batch_for_debug = batch
         if batch:
             self._observe(batch)
-            if before_forward is not None:
-                before_forward(batch)
-            result = s.run_batch(batch)
-            s.process_batch_result(batch, result)
+            self.forwards_started += 1
+            self.in_forward = True
+            try:
+                if before_forward is not None:
+                    before_forward(batch)
+                result = s.run_batch(batch)
+                s.process_batch_result(batch, result)
+            finally:
+                self.in_forward = False
             self.features["retractions"] = sum(r.retraction_count for r in self.requests.values())
         s.last_batch = batch
         return batch if batch else None
@@ -260,6 +268,8 @@ class SchedulerLoop:
         self.requests.clear()
         self._extended.clear()
         self._slots_seen.clear()
+        self.forwards_started = 0
+        self.in_forward = False
 
     # ------------------------------------------------------------------ what the loop did
 

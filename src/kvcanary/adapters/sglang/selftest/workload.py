@@ -56,9 +56,11 @@ def run_workload(
     *,
     before_forward: BatchHook | None = None,
     after_step: StepHook | None = None,
+    stop: Callable[[], bool] | None = None,
     max_steps: int = 300,
 ) -> int:
-    """Submit, step and abort as the requests say until the loop is idle; returns the forwards run."""
+    """Submit, step and abort as the requests say until the loop is idle (or ``stop()`` says so after an
+    iteration); returns the forwards run.  ``loop.pending_arrivals`` counts the requests not yet submitted."""
     pending = sorted(requests, key=lambda r: r.arrive_at)
     first_run: dict[str, int] = {}
     aborts = {r.rid: r.abort_after for r in requests if r.abort_after is not None}
@@ -67,16 +69,16 @@ def run_workload(
         while pending and pending[0].arrive_at <= it:
             r = pending.pop(0)
             loop.submit(r.rid, list(r.input_ids), r.max_new_tokens)
+        loop.pending_arrivals = len(pending)
         batch = loop.step(before_forward)
         if batch is not None:
             forwards += 1
             _abort_due(loop, batch, it, first_run, aborts)
         if after_step is not None:
             after_step(loop, it)
-        if batch is None and not pending and loop.idle:
+        if (batch is None and not pending and loop.idle) or (stop is not None and stop()):
             break
-    if loop.canary is not None:
-        loop.canary.flush()
+    loop.pending_arrivals = 0
     return forwards
 
 

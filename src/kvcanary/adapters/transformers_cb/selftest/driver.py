@@ -30,7 +30,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     engine_configs,
     quiet_engine_logs,
 )
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
 
@@ -130,7 +130,8 @@ def run_engine(
     cfg: Any = getattr(model, "config", None)
     oracle = ReadOracle(_store(store), int(cfg.num_hidden_layers))
     oracle.check_from = check_from  # normally set by the injection; tests force it to validate the oracle
-    adapter = install(model, CanaryConfig(mode=Mode.LOG), max_kept_reports=8)
+    # The KV digest at budget 1.0: every read slot's bytes are checked each step (the byte faults, design.md §12).
+    adapter = install(model, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=1.0)), max_kept_reports=8)
     ctx = FaultContext(adapter, mode, rng=random.Random(f"{seed}:{target}"), target=target, page_size=PAGE_SIZE)
     hooks = FaultHooks(ctx, faults, oracle)
     try:

@@ -1,0 +1,103 @@
+"""Host time of the transformers adapter's per-step translation (forward kwargs -> StepBatch), by batch shape.
+
+A full-attention group, ``batch`` requests decoding one token each after ``past`` tokens, their blocks
+shuffled over the cache as a paged allocator hands them out; the index lists are built the way
+transformers builds them (``read_index`` per request: every past token then the new one).  Each timed step
+advances every request by one token (new histories, new write slots), so whatever the translator keeps
+between steps is exercised as in serving.  The time is the host's: ``translate`` issues its device work
+asynchronously (CUDA) and nothing waits for it.
+
+Usage: PYTHONPATH=src python benchmarks/bench_translate.py [--device cuda] [--shapes 32x576,256x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+
+PAGE, LAYERS = 16, 28
+
+
+class Requests:
+    """``batch`` requests of ``past`` tokens; block tables drawn from a shuffled pool."""
+
+    def __init__(self, batch: int, past: int, steps: int, device: str) -> None:
+        self.stride = 2 * PAGE * LAYERS
+        pages = -(-(past + steps + 1) // PAGE)
+        rng = np.random.default_rng(0)
+        self.blocks = (2 + rng.permutation(batch * pages)).reshape(batch, pages)  # blocks 0, 1: trash sectors
+        self.geometry = GroupGeometry(
+            "full_attention", 0, 0, PAGE, self.stride, int(self.blocks.max()) + 1, 0, 1, self.stride
+        )
+        self.ids = [f"req{i}" for i in range(batch)]
+        self.prompts = [rng.integers(1, 150_000, past).tolist() for _ in range(batch)]
+        self.generated: list[list[int]] = [[] for _ in range(batch)]
+        self.past = past
+        self.device = device
+
+    def phys(self, r: int, pos: np.ndarray) -> np.ndarray:
+        return self.blocks[r, pos // PAGE] * self.stride + pos % PAGE
+
+    def step(self) -> tuple[dict[str, Any], HostBatch]:
+        b, p = len(self.ids), self.past
+        read = np.concatenate([self.phys(r, np.arange(p + 1)) for r in range(b)])
+        write = np.concatenate([self.phys(r, np.array([p])) for r in range(b)])
+        toks = [(self.prompts[r] + self.generated[r])[p] if p < len(self.prompts[r]) else 7 for r in range(b)]
+        dev = self.device
+        kwargs = {
+            "input_ids": torch.tensor([toks], device=dev),
+            "position_ids": torch.full((1, b), p, device=dev),
+            "cu_seq_lens_q": torch.arange(b + 1, dtype=torch.int32, device=dev),
+            "cu_seq_lens_k": {"full_attention": torch.arange(b + 1, dtype=torch.int32, device=dev) * (p + 1)},
+            "read_index": [torch.from_numpy(read).to(dev)],
+            "write_index": [torch.from_numpy(write).to(dev)],
+        }
+        host = HostBatch(
+            tuple(self.ids), (p,) * b, (1,) * b, tuple(self.prompts[r] + self.generated[r] for r in range(b))
+        )
+        for g in self.generated:
+            g.append(7)
+        self.past += 1
+        return kwargs, host
+
+
+def measure(batch: int, past: int, steps: int, device: str) -> dict[str, Any]:
+    reqs = Requests(batch, past, steps + 2, device)
+    tr = StepTranslator([reqs.geometry], max_batch=batch, max_context=past + steps + 8, device=device)
+    times = []
+    for i in range(steps + 2):
+        kwargs, host = reqs.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        tr.translate(kwargs, host)
+        if i >= 2:
+            times.append((time.perf_counter_ns() - t0) / 1000.0)
+    return {"batch": batch, "past": past, "device": device, "median_us": round(statistics.median(times), 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--shapes", default="1x512,32x576,64x2048,256x4096")
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    for shape in args.shapes.split(","):
+        b, past = (int(x) for x in shape.split("x"))
+        print(json.dumps(measure(b, past, args.steps, args.device)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""sglang's fault library: corruptions of sglang's own scheduler state, the way real bugs corrupted it.
+
+Each fault acts on the live ``Scheduler`` through :class:`~.context.SglangInjector`'s two hook points and
+never touches the canary.  Probe runs only record where each fault *could* strike (its eligible steps).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, ClassVar
+
+from kvcanary.adapters.sglang.selftest.context import SglangInjector
+from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+
+WORKLOAD = "llama"
+_VERIFY_READ = frozenset({("verify", "link_mismatch"), ("verify", "token_mismatch"), ("verify", "position_mismatch")})
+
+
+def _spec(
+    name: str, bug_class: str, catalogue: str, mechanism: str, check: str, checks: frozenset[tuple[str, str]]
+) -> FaultSpec:
+    return FaultSpec(name, bug_class, catalogue, mechanism, WORKLOAD, Expect.DETECT, check, checks)
+
+
+def _rows(batch: Any) -> list[int]:
+    return [int(r) for r in batch.req_pool_indices.tolist()]
+
+
+def _prefix_lens(batch: Any) -> list[int]:
+    """Tokens each row already holds in the pool before this forward (what attention reads besides the new)."""
+    if batch.forward_mode.is_extend():
+        lens = list(batch.prefix_lens)
+        return lens + [int(s) - 1 for s in batch.seq_lens_cpu.tolist()[len(lens) :]]
+    return [int(s) - 1 for s in batch.seq_lens_cpu.tolist()]
+
+
+class ReqToTokenForeign(Fault[SglangInjector]):
+    """One ``req_to_token`` entry of a request points into another request's slot (sglang#25015-style index
+    bug: the row of a neighbour in the batch)."""
+
+    spec: ClassVar[FaultSpec] = _spec(
+        "req-to-token-foreign",
+        "req_to_token entry points into another request's slot",
+        "sglang KV index bugs (req_to_token rows written from the wrong request); vllm-project/vllm#54296",
+        "before a forward, one cached position of a batch request's req_to_token row is set to the slot "
+        "another request of the batch holds at a different position",
+        "verify: token/position/link mismatch",
+        _VERIFY_READ,
+    )
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
+
+    def _strike(self, ctx: SglangInjector, batch: Any) -> None:
+        rows, prefix = _rows(batch), _prefix_lens(batch)
+        if len(rows) < 2 or min(prefix[:2]) < 4 or not ctx.take(self.name):
+            return
+        pos = ctx.rng.randrange(1, prefix[0])
+        other = ctx.rng.randrange(0, prefix[1])
+        victim = int(ctx.table[rows[0], pos])
+        foreign = int(ctx.table[rows[1], other])
+        if foreign == victim:
+            return
+        ctx.table[rows[0], pos] = foreign
+        ctx.injected(f"req_to_token[{rows[0]}, {pos}]: slot {victim} -> {foreign}", [batch.reqs[0].rid])
+
+
+class RadixNodeStale(Fault[SglangInjector]):
+    """A radix-cache node keeps its slots after they were freed and handed out again (sglang#38319-style:
+    the tree still serves a prefix whose KV was released)."""
+
+    spec: ClassVar[FaultSpec] = _spec(
+        "radix-node-stale",
+        "radix node kept after its slots were freed and reused",
+        "sgl-project/sglang#38319; vllm-project/vllm#4761 (evicted block still tracked as cached)",
+        "after a step, the slots of a cached prefix the radix tree holds go back to the allocator while the "
+        "tree keeps them; later allocations overwrite them and later prefix hits read them",
+        "verify: token/position/link mismatch, or stamp: write_into_live_slot",
+        _VERIFY_READ | {("stamp", "write_into_live_slot"), ("verify", "never_written")},
+    )
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.after_step_hooks.append(lambda: self._strike(ctx))
+
+    def _strike(self, ctx: SglangInjector) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        if ctx.loop.pending_arrivals == 0 and not ctx.scheduler.waiting_queue:
+            return  # nobody left to hit the prefix: the corruption could not reach a read
+        tree = ctx.scheduler.tree_cache
+        seen = sorted(ctx.loop.requests.values(), key=lambda r: r.rid)
+        for req in seen:
+            match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids))))
+            n = match.device_prefix_len
+            if n >= 8:
+                break
+        else:
+            return
+        if not ctx.take(self.name):
+            return
+        slots = tree.path_device_indices(match.last_device_node)[:n]
+        start = ctx.rng.randrange(0, n - 4)
+        freed = slots[start : start + 4].clone()
+        ctx.scheduler.token_to_kv_pool_allocator.free(freed)
+        ctx.injected(f"radix prefix of {req.rid}: slots {freed.tolist()} freed, still in the tree", [req.rid])
+
+
+class OutCacheLocOffByOne(Fault[SglangInjector]):
+    """The write locations of a forward are off by one from the ``req_to_token`` entries (the KV of position p
+    lands in the slot after the one the table gives it; sglang#26329 / #28254-style output-region bugs)."""
+
+    spec: ClassVar[FaultSpec] = _spec(
+        "out-cache-loc-off-by-one",
+        "out_cache_loc off by one from req_to_token",
+        "sgl-project/sglang EAGLE chunked-prefill region bugs (#26329, #28254); vllm-project/vllm#54296",
+        "before a forward, every entry of the batch's out_cache_loc is incremented by one; req_to_token keeps "
+        "the slots the allocator gave",
+        "stamp: new_read_mismatch, or verify: mismatch at the next forward",
+        _VERIFY_READ | {("stamp", "new_read_mismatch"), ("stamp", "write_into_live_slot"), ("verify", "never_written")},
+    )
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
+
+    def _strike(self, ctx: SglangInjector, batch: Any) -> None:
+        loc = batch.out_cache_loc
+        slots = int(ctx.loop.runner.token_to_kv_pool.size)  # the last usable slot is `size`
+        if loc is None or loc.numel() == 0 or int(loc.max()) >= slots or not ctx.take(self.name):
+            return
+        loc.add_(1)
+        ctx.injected(f"out_cache_loc +1 for {loc.numel()} tokens", [r.rid for r in batch.reqs])
+
+
+class ResumeOntoStaleSlots(Fault[SglangInjector]):
+    """A request retracted under memory pressure resumes with its ``req_to_token`` row pointing at the slots it
+    held before the retraction, which were freed and handed to others (sglang#28254-style resume bug)."""
+
+    spec: ClassVar[FaultSpec] = _spec(
+        "resume-onto-stale-slots",
+        "retracted request resumed onto stale slots",
+        "sgl-project/sglang#28254 (chunked prefill after retract/resume lands in the wrong region)",
+        "when a retracted request's first prefill after resuming is scheduled, its req_to_token row is set back "
+        "to the slots it held before the retraction (some since reused by other requests)",
+        "verify: token/position/link mismatch (this forward's prefix or the next forward)",
+        _VERIFY_READ | {("stamp", "new_read_mismatch"), ("verify", "never_written")},
+    )
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
+
+    def _strike(self, ctx: SglangInjector, batch: Any) -> None:
+        rows = _rows(batch)
+        seq = [int(s) for s in batch.seq_lens_cpu.tolist()]
+        extending = batch.forward_mode.is_extend()
+        for i, req in enumerate(batch.reqs):
+            if extending and req.retraction_count > 0 and req.rid in self.held and i < len(batch.extend_lens):
+                self._resume(ctx, req, rows[i], seq[i])
+                continue
+            self.held[req.rid] = ctx.table[rows[i], : seq[i]].tolist()
+
+    def _resume(self, ctx: SglangInjector, req: Any, row: int, seq: int) -> None:
+        stale = self.held.pop(req.rid)
+        n = min(len(stale), seq)
+        alloc = ctx.scheduler.token_to_kv_pool_allocator
+        free = set(alloc.free_pages.tolist()) | set(alloc.release_pages.tolist())
+        current = set(ctx.table[row, :n].tolist())
+        reused = [s for s in stale[:n] if s not in free and s not in current]
+        if not reused or not ctx.take(self.name):
+            return
+        ctx.table[row, :n] = ctx.table.new_tensor(stale[:n])
+        ctx.injected(f"resumed {req.rid} onto its {n} pre-retraction slots ({len(reused)} reused)", [req.rid])
+
+
+class WrongTokenInIds(Fault[SglangInjector]):
+    """A request's token ids disagree with what was computed: the latest sampled token in ``output_ids`` is
+    replaced after its KV-producing token was scheduled (upstream's next-token swap perturbation)."""
+
+    spec: ClassVar[FaultSpec] = _spec(
+        "wrong-token-in-ids",
+        "wrong token in the request's ids",
+        "sglang KV canary next_token_swap perturbation; detokenizer/sampler id mix-ups",
+        "after a step, a running request's last output id is replaced by another token; the next forward "
+        "writes the KV of the token the sampler really produced",
+        "stamp: write_token_mismatch, or verify: token_mismatch",
+        frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
+    )
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.after_step_hooks.append(lambda: self._strike(ctx))
+
+    def _strike(self, ctx: SglangInjector) -> None:
+        running = [r for r in ctx.scheduler.running_batch.reqs if len(r.output_ids) > 0 and not r.finished()]
+        if not running or not ctx.take(self.name):
+            return
+        req = ctx.rng.choice(running)
+        old = req.output_ids[-1]
+        req.output_ids[-1] = (old - 3 + 1 + ctx.rng.randrange(100)) % 120 + 3  # never old: 1..100 away mod 120
+        ctx.injected(f"{req.rid} output_ids[-1]: {old} -> {req.output_ids[-1]}", [req.rid])
+
+
+FAULTS: dict[str, type[Fault[Any]]] = {
+    f.spec.name: f
+    for f in (ReqToTokenForeign, RadixNodeStale, OutCacheLocOffByOne, ResumeOntoStaleSlots, WrongTokenInIds)
+}

@@ -1,0 +1,107 @@
+"""The ground truth of the requests being served, kept on the device between steps.
+
+Each step needs, per batch row, the tokens the scheduler believes sit at positions ``0 .. n - 1`` of its
+request (the canary checks every verified entry and every written token against them).  Rebuilding and
+sending that whole table every step cost host time in proportion to the whole context (about 90 ms a step
+at 256 requests of 4k tokens).  Here each request keeps a row of a persistent device table; a step sends
+only each request's newest tokens -- the ones it has not sent yet, plus the last :attr:`History.TAIL`
+again, so a rewind or rewrite of recent history (a rolled-back token) still reaches the device -- and the
+step's truth is gathered from the persistent rows on the device.
+
+Rows are reused least recently used first; a request that comes back after losing its row is sent whole.
+The table has ``max_batch`` rows (every request of a batch holds one) plus row 0, never written: the
+padding row's and the rows-left-out truth.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
+from kvcanary.schema import UNKNOWN_TOKEN
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthUpdate:
+    """One step's host side: where each batch row's truth lives, its valid length, and the cells to write."""
+
+    gather: I64  # store row of table row t (t = 0: row 0), shape (b + 1,)
+    lens: I64  # valid truth length per batch row (0 for rows left out)
+    width: int  # columns the step's truth needs (at least 1)
+    cells: I64  # flat cells of the store to write
+    tokens: npt.NDArray[np.int32]  # their tokens
+
+
+class TruthStore:
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        if rows <= 0 or width <= 0:
+            raise ValueError(f"rows and width must be positive, got {rows} and {width}")
+        self.width = width
+        self.table = torch.full((rows + 1, width), UNKNOWN_TOKEN, dtype=torch.int32, device=device)
+        self._flat = self.table.view(-1)
+        self._sent: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # id -> [row, sent]
+        self._free = list(range(rows, 0, -1))
+
+    def plan(self, host: HostBatch, live: npt.NDArray[np.bool_]) -> TruthUpdate:
+        """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
+        b = host.batch_size
+        gather = np.zeros(b + 1, dtype=np.int64)
+        lens = np.zeros(b, dtype=np.int64)
+        starts: list[int] = []
+        tokens: list[int] = []
+        in_batch = set(host.request_ids)
+        for r, (rid, hist) in enumerate(zip(host.request_ids, host.truth, strict=True)):
+            if not live[r]:
+                continue
+            entry = self._sent.get(rid)
+            if entry is None:
+                entry = self._sent[rid] = [self._take_row(in_batch), 0]
+            else:
+                self._sent.move_to_end(rid)
+            n = min(len(hist), self.width)
+            start = max(0, min(entry[1], n) - History.TAIL)
+            tokens += _tokens(hist, start, n)
+            starts.append(start)
+            entry[1] = n
+            gather[r + 1], lens[r] = entry[0], n
+        sent = np.flatnonzero(gather[1:])  # the live rows, in order
+        first = np.array(starts, dtype=np.int64)
+        counts = lens[sent] - first
+        base = gather[1:][sent] * self.width + first - (np.cumsum(counts) - counts)
+        return TruthUpdate(
+            gather=gather,
+            lens=lens,
+            width=max(1, int(lens.max(initial=0))),
+            cells=np.repeat(base, counts) + np.arange(int(counts.sum()), dtype=np.int64),
+            tokens=np.array(tokens, dtype=np.int64).astype(np.int32),  # low 32 bits, as the records keep them
+        )
+
+    def apply(
+        self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor, gather: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the update (its arrays on the device) and return the step's truth, ``(b + 1, width)``."""
+        if update.cells.shape[0]:
+            self._flat.index_copy_(0, cells, tokens)
+        return torch.index_select(self.table[:, : update.width], 0, gather)
+
+    def _take_row(self, in_batch: set[str]) -> int:
+        if self._free:
+            return self._free.pop()
+        for rid in self._sent:  # least recently used first
+            if rid not in in_batch:
+                return self._sent.pop(rid)[0]
+        raise RuntimeError("the truth store has fewer rows than the batch has requests")
+
+
+def _tokens(hist: Sequence[int], start: int, stop: int) -> list[int]:
+    if isinstance(hist, History):
+        return hist.tokens(start, stop)
+    return [int(t) for t in hist[start:stop]]

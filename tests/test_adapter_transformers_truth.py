@@ -1,0 +1,82 @@
+"""The transformers adapter's ground truth: histories read without copying, kept on the device between steps.
+
+The step's truth gathered from the store must equal the table built from scratch (every request's whole
+history) on any sequence of steps: requests growing, rewinding, rewriting their newest tokens, leaving,
+coming back after their row was reused.  And a step must send only what changed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore
+from kvcanary.schema import UNKNOWN_TOKEN
+
+
+def test_history_reads_prompt_then_generated_and_freezes_its_length_and_tail() -> None:
+    prompt, gen = list(range(100, 150)), [7, 8, 9]
+    h = History(prompt, gen)
+    assert len(h) == 53 and h[0] == 100 and h[49] == 149 and h[50] == 7 and h[-1] == 9
+    assert h.tokens(48, 53) == [148, 149, 7, 8, 9] and list(h[:3]) == [100, 101, 102]
+    assert h.tokens(0, 53) == prompt + gen and h.tokens(60, 70) == []
+    gen.append(10)  # grows after capture: not part of this step's claim
+    gen[-2] = 99  # rewritten after capture inside the tail: the capture's value stands
+    assert len(h) == 53 and h[-1] == 9
+    del prompt[5:]  # the engine dropped old tokens (never done; read as unknown, not as garbage)
+    assert h[10] == UNKNOWN_TOKEN
+
+
+def naive(histories: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = np.array([min(len(h), width) for h in histories], dtype=np.int64)
+    out = np.full((len(histories) + 1, max(1, int(lens.max(initial=0)))), UNKNOWN_TOKEN, dtype=np.int32)
+    for r, (h, n) in enumerate(zip(histories, lens, strict=True)):
+        out[r + 1, :n] = h[:n]
+    return out, lens
+
+
+def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_are_sent() -> None:
+    rng = random.Random(1)
+    width, rows = 200, 4
+    store = TruthStore(rows, width, torch.device("cpu"))
+    reqs: dict[str, tuple[list[int], list[int]]] = {}
+    sent_total = 0
+    for step in range(120):
+        if len(reqs) < 7 and rng.random() < 0.3:
+            rid = f"r{step}"
+            reqs[rid] = ([rng.randrange(1000) for _ in range(rng.randrange(1, 150))], [])
+        ids = rng.sample(sorted(reqs), min(rows, len(reqs)))  # any 4 of up to 7 live requests: rows get reused
+        for rid in ids:
+            gen = reqs[rid][1]
+            if gen and rng.random() < 0.1:
+                gen[-1 - rng.randrange(min(len(gen), 3))] = rng.randrange(1000)  # rewrite a recent token
+            if gen and rng.random() < 0.05:
+                gen.pop()  # rewind
+            gen.append(rng.randrange(1000))
+        host = HostBatch(
+            request_ids=tuple(ids),
+            past_lens=(0,) * len(ids),
+            query_lens=(1,) * len(ids),
+            truth=tuple(History(*reqs[rid]) for rid in ids),
+        )
+        live = np.array([True] * len(ids))
+        up = store.plan(host, live)
+        sent_total += up.cells.shape[0]
+        got = store.apply(up, torch.from_numpy(up.cells), torch.from_numpy(up.tokens), torch.from_numpy(up.gather))
+        want, lens = naive([reqs[rid][0] + reqs[rid][1] for rid in ids], width)
+        assert np.array_equal(up.lens, lens)
+        for r in range(len(ids)):
+            n = int(lens[r])
+            assert got[r + 1, :n].tolist() == want[r + 1, :n].tolist(), (step, ids[r])
+    full = 120 * rows * 150  # what resending every history every step would have cost, roughly
+    assert sent_total < full / 3, sent_total
+
+
+def test_rows_left_out_get_row_zero_and_no_truth() -> None:
+    store = TruthStore(2, 8, torch.device("cpu"))
+    host = HostBatch(("a", "b"), (0, 0), (1, 1), (History([1, 2, 3], []), History(list(range(20)), [])))
+    up = store.plan(host, np.array([True, False]))
+    assert up.gather.tolist()[2] == 0 and up.lens.tolist() == [3, 0] and up.width == 3
