@@ -5,8 +5,8 @@
   whose bytes were moved); ``-1`` entries are skipped, reserved slots too, and an index outside the
   lookup or the pool is skipped or, with ``report_range``, reported as ``slot_out_of_range``.
 * :func:`verify_planned`: a budgeted, rotating share of the entries the last plan verifies: positions
-  ``p`` of each active row's verify span with ``(p // group_tokens) % period == (epoch + table row) %
-  period``, in tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
+  ``p`` of each active row's verify span with ``(p // group_tokens) % period == epoch % period``, in
+  tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
   rest are counted as skipped tiles); slots the step also writes (its write marks) are left to the
   stamp; the digest epoch then advances.
 
@@ -141,8 +141,8 @@ def selected_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per active row: (first selected group, selected tiles, span start, span end), by the plan's spans.
 
-    Row r selects the runs ``g`` with ``g % period == (epoch + table_rows[r]) % period``: the table row
-    staggers requests, so a step's share is spread over the batch instead of landing on one epoch.
+    Every row selects the runs ``g`` with ``g % period == epoch % period``: a position read on ``period``
+    consecutive steps is verified within them, whatever table row its request has on each step.
     """
     b = int(table_rows.shape[0])
     active = plan_ws.row_state[:b] == PlanWorkspace.ROW_ACTIVE
@@ -152,7 +152,7 @@ def selected_tiles(
     g = group_tokens
     lo = start // g
     hi = torch.where(end > start, (end + g - 1) // g, lo)
-    phase = (epoch + table_rows.long()) % period
+    phase = torch.full_like(table_rows.long(), epoch % period)
 
     def below(x: torch.Tensor) -> torch.Tensor:  # groups in [0, x) congruent to phase mod period
         return ((x - phase + period - 1) // period).clamp(min=0)

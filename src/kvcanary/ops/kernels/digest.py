@@ -55,7 +55,7 @@ def fmix64(x):
 
 
 @triton.jit
-def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
+def _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
     """Per row (BLOCK_B lanes): first selected group, selected tiles, and the tiles' exclusive prefix."""
     rb = tl.arange(0, BLOCK_B)
     rm = rb < b
@@ -65,8 +65,7 @@ def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOC
     end = tl.where(active & rm, start + count, start)
     lo = start // G
     hi = tl.where(end > start, (end + G - 1) // G, lo)
-    trow = tl.load(rows_ptr + rb, mask=rm, other=0).to(tl.int64)
-    ph = ((epoch + trow) % period + period) % period
+    ph = epoch % period
     tiles = tl.maximum((hi - ph + period - 1) // period, 0) - tl.maximum((lo - ph + period - 1) // period, 0)
     first = lo + ((ph - lo) % period + period) % period
     incl = tl.cumsum(tiles, 0)
@@ -292,9 +291,7 @@ def digest_kernel(
     if FROM_PLAN:
         mark = (1 + tl.load(pepoch_ptr) % MARK_PERIOD).to(tl.int32)
         epoch = tl.load(epoch_ptr)
-        first, tiles, excl, starts, ends = _row_spans(
-            rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G
-        )
+        first, tiles, excl, starts, ends = _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G)
         total_tiles = tl.sum(tiles)
         n_tiles = tl.minimum(total_tiles, max_tiles)
         incl = excl + tiles
