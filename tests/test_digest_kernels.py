@@ -156,7 +156,8 @@ def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) 
     for step in range(6):
         period = [1, 2, 3, 5][step % 4]
         plan_ws.write_marks.zero_()  # some slots written this step (a ring reused in the step): left to the stamp
-        plan_ws.write_marks[torch.randperm(num_slots)[: num_slots // 3].to(DEVICE)] = 2 * mark + step % 2
+        written = torch.randperm(num_slots, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        plan_ws.write_marks[written[: num_slots // 3].to(DEVICE)] = 2 * mark + step % 2
         comp = pool.layout.components[step % 2]
         for _ in range(rng.randint(0, 4)):
             dc.flip_bit(comp, rng.randrange(1, num_slots), rng.randrange(2), rng.randrange(5), rng.randrange(16))
