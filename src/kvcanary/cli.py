@@ -44,8 +44,9 @@ EXIT_CODES = """exit codes:
 def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.selftest import FAULTS
+    from kvcanary.adapters.transformers_cb.selftest.workload import MODEL_KINDS
     from kvcanary.cli_checks import add_device_options
-    from kvcanary.demo import DEFAULT_FAULTS, MODEL_KINDS
+    from kvcanary.demo import DEFAULT_FAULTS
     from kvcanary.selftest import command as selftest
     from kvcanary.soak_command import add_parser as add_soak_parser
 

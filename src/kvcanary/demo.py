@@ -39,8 +39,6 @@ from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
 
-__all__ = ["MODEL_KINDS", "build_model", "build_prompts", "engine_configs", "quiet_engine_logs", "run_demo"]
-
 # The fault each model gets unless --fault names another: a read index pointed at another request's block,
 # or, on the model with sliding layers only, a ring read one slot off.
 DEFAULT_FAULTS = {
