@@ -28,6 +28,7 @@ from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, Run
 from kvcanary.selftest.read_oracle import ReadOracle
 
 GRACE_STEPS = 3
+MAX_STEPS = 3000  # a clean run takes 100-300 steps; more means the engine stopped making progress
 NUM_REQUESTS = 20
 NUM_LAYERS = 2
 
@@ -146,12 +147,24 @@ def _drive(
     for rid, prompt, params in zip(ids, workload.requests(), workload.sampling(), strict=True):
         engine.add_request(rid, prompt, params)
     stopped = False
-    while engine.has_unfinished_requests():
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return stopped
         engine.step()
         if not stopped and _settled(ctx, oracle, canary):
             stopped = True
             engine.abort_request(ids)
-    return stopped
+    sched = ctx.scheduler
+    errors.append(
+        f"engine did not finish in {MAX_STEPS} steps: {len(sched.running)} running, {len(sched.waiting)} waiting, "
+        f"{ctx.block_pool.get_num_free_blocks()} free blocks"
+    )
+    engine.abort_request(ids)
+    for _ in range(8):  # let the aborts through, boundedly
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return True
 
 
 def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
