@@ -40,6 +40,7 @@ class VllmDriver:
 
     def __init__(self) -> None:
         self.llm: Any = None
+        self.broken: str | None = None
 
     def check(self) -> str:
         try:
@@ -85,7 +86,18 @@ class VllmDriver:
             raise RuntimeError("VllmDriver.run outside session()")
         if store is not None and not isinstance(store, dict):
             raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
-        return run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+        if self.broken is not None:  # an exception inside the engine left its state inconsistent
+            return _failed_run(f"engine unusable after an earlier run failed: {self.broken}")
+        out = run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+        self.broken = next((e for e in out.errors if e.startswith(("engine:", "engine did not finish"))), None)
+        return out
+
+
+def _failed_run(error: str) -> RunOutcome:
+    return RunOutcome(
+        stats={"violations": 0}, features={}, reports=[], seconds=0.0, opportunities={}, injection=None,
+        affected=None, later_reads=[], store=None, errors=[error],
+    )  # fmt: skip
 
 
 def run_engine(
