@@ -20,6 +20,7 @@ Usage: PYTHONPATH=src python benchmarks/bench_digest.py --commit <sha> [--out DI
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -59,7 +60,20 @@ def _median_us(record, replays: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(time_graph(record, STEPS_PER_GRAPH, replays))
 
 
-def list_throughput(pool: Pool, n: int, scattered: bool, stamp: bool, replays: int, dev: torch.device) -> dict:
+TUNINGS = [
+    dl.DEFAULT_TUNING,
+    dl.DigestTuning(comps_per_unit=2, block_words=64, warps=8, programs_per_sm=8),
+    dl.DigestTuning(comps_per_unit=8, block_words=32, warps=8, programs_per_sm=8),
+    dl.DigestTuning(comps_per_unit=4, block_words=128, warps=8, programs_per_sm=4),
+    dl.DigestTuning(comps_per_unit=4, block_words=64, warps=4, programs_per_sm=16),
+    dl.DigestTuning(comps_per_unit=1, block_words=128, warps=4, programs_per_sm=8),
+]
+
+
+def list_throughput(
+    pool: Pool, n: int, scattered: bool, stamp: bool, replays: int, dev: torch.device,
+    tuning: dl.DigestTuning = dl.DEFAULT_TUNING,
+) -> dict:  # fmt: skip
     group = CanaryGroup(num_slots=pool.slots, reserved_slots=())
     layout = dl.DeviceLayout.build(pool.layout)
     digests = torch.zeros(pool.slots, dtype=torch.int64, device=dev)
@@ -67,12 +81,12 @@ def list_throughput(pool: Pool, n: int, scattered: bool, stamp: bool, replays: i
     log = ViolationLog.allocate(4, dev)
     gen = torch.Generator(device="cpu").manual_seed(n)
     slots = (torch.randperm(pool.slots, generator=gen)[:n] if scattered else torch.arange(n)).to(dev)
-    dl.stamp_list(group, layout, digests, ws, log, slots)
+    dl.stamp_list(group, layout, digests, ws, log, slots, tuning=tuning)
     call = dl.stamp_list if stamp else dl.verify_list
 
     def record() -> None:
         for _ in range(STEPS_PER_GRAPH):
-            call(group, layout, digests, ws, log, slots)
+            call(group, layout, digests, ws, log, slots, tuning=tuning)
 
     us = _median_us(record, replays)
     if log.total():
@@ -103,9 +117,9 @@ def decode_step(pool: Pool, batch: int, prefix: int, extend: int, dev: torch.dev
 
 
 def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float, replays: int, dev: torch.device,
-              config: DigestConfig) -> dict:  # fmt: skip
+              config: DigestConfig, tuning: dl.DigestTuning) -> dict:  # fmt: skip
     canary, b = decode_step(pool, batch, prefix, extend, dev)
-    digest = GroupDigest(canary, pool.layout, config)
+    digest = GroupDigest(canary, pool.layout, config, tuning=tuning)
     log = canary.new_log()
     canary.plan(b, log)  # the plan the digest's verify selects from (the link canary's own cost, not timed)
     digest.stamp(b, log)
@@ -151,10 +165,16 @@ def main() -> int:
     print(f"copy {copy_gbps:.0f} GB/s (read + written); {pool.bytes_per_slot} bytes a slot", flush=True)
     records = []
     n = 32 if dry else 16384
+    sweep = {}
+    for t in TUNINGS[:2] if dry else TUNINGS:  # pick the tile shape on this GPU, then use it throughout
+        sweep[str(dataclasses.astuple(t))] = list_throughput(pool, n, True, True, args.replays, dev, t)["gbps"]
+        print(f"tuning {t}: {sweep[str(dataclasses.astuple(t))]} GB/s", flush=True)
+    best = max(TUNINGS[: len(sweep)], key=lambda t: sweep[str(dataclasses.astuple(t))])
+    print(f"best {best}", flush=True)
     for stamp in (True, False):
         for scattered in (False, True):
             name = f"digest_{'stamp' if stamp else 'verify'}_{'scattered' if scattered else 'runs'}_{n}"
-            rec = {"scenario": name} | list_throughput(pool, n, scattered, stamp, args.replays, dev)
+            rec = {"scenario": name} | list_throughput(pool, n, scattered, stamp, args.replays, dev, best)
             rec |= {"copy_gbps": round(copy_gbps, 1), "pct_of_copy": round(100 * rec["gbps"] / copy_gbps, 1)}
             records.append(rec)
             print(json.dumps(rec), flush=True)
@@ -168,11 +188,12 @@ def main() -> int:
             tag = f"b{batch}_p{prefix // 1024}k" if extend == 1 else f"prefill_{extend // 1024 or extend}k"
             name = f"digest_step_{tag}_budget{config.budget:g}"
             rec = {"scenario": name, "copy_gbps": round(copy_gbps, 1)}
-            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config)
+            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     m = meta(args.commit, dev) | {"copy_bandwidth_tb_s": round(copy_gbps / 1e3, 3), "pool_slots": pool.slots,
-                                  "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page": PAGE}  # fmt: skip
+                                  "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page": PAGE,
+                                  "tuning": dataclasses.asdict(best), "sweep_stamp_scattered_gbps": sweep}  # fmt: skip
     gpu = m["gpu"].replace(" ", "-").lower()
     out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from kvcanary import CanaryGroup
 from kvcanary import digest as D
 from kvcanary.ops import digest_launchers as dl
 from kvcanary.ops import digest_reference as dref
-from kvcanary.workspace import ViolationLog
+from kvcanary.workspace import PlanWorkspace, ViolationLog
 from test_digest_reference import planned_step
 from test_kernels_differential import DEVICE
 
@@ -32,8 +32,11 @@ pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpret
 class Twin:
     """The same calls on the reference and on the kernel, each with its own digests, workspace and log."""
 
-    def __init__(self, group: CanaryGroup, layout: D.DigestLayout, entries: int = 512, log_rows: int = 4) -> None:
-        self.group, self.layout = group, layout
+    def __init__(
+        self, group: CanaryGroup, layout: D.DigestLayout, entries: int = 512, log_rows: int = 4,
+        tuning: dl.DigestTuning = dl.DEFAULT_TUNING,
+    ) -> None:  # fmt: skip
+        self.group, self.layout, self.tuning = group, layout, tuning
         self.device_layout = dl.DeviceLayout.build(layout)
         self.sides = [
             (dref, layout, torch.zeros(group.num_slots, dtype=torch.int64, device=DEVICE),
@@ -45,7 +48,8 @@ class Twin:
 
     def call(self, name: str, *args: object, **kw: object) -> None:
         for mod, layout, digests, ws, log in self.sides:
-            getattr(mod, name)(self.group, layout, digests, ws, log, *args, **kw)
+            extra = {"tuning": self.tuning} if mod is dl else {}
+            getattr(mod, name)(self.group, layout, digests, ws, log, *args, **kw, **extra)
         self.calls += 1
         self.assert_equal()
 
@@ -114,7 +118,7 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     rng = random.Random(2)
     pool = _on_device(dc.random_pool(rng, kind="vllm_cpu", dtype=torch.float8_e4m3fn, layers=2, with_scales=True))
     group = CanaryGroup(num_slots=pool.num_slots, reserved_slots=())
-    twin = Twin(group, pool.layout, log_rows=64)
+    twin = Twin(group, pool.layout, log_rows=64, tuning=TUNINGS["narrow"])
     everything = torch.arange(pool.num_slots, device=DEVICE)
     twin.call("stamp_list", everything)
     caught = 0
@@ -130,9 +134,13 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     assert caught >= 12
 
 
+TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(comps_per_unit=2, block_words=8, warps=2)}
+
+
+@pytest.mark.parametrize("tuning", list(TUNINGS))
 @pytest.mark.parametrize("page", [1, 3, 16])
 @pytest.mark.parametrize("window", [0, 21])
-def test_budgeted_verify_matches_reference(page: int, window: int) -> None:
+def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) -> None:
     rng = random.Random(page * 100 + window)
     prefix = [0, 1, 16, 17, 45, rng.randint(2, 60)]
     num_slots = page * (sum(-(-(n + 1) // page) for n in prefix) + 2)
@@ -142,10 +150,14 @@ def test_budgeted_verify_matches_reference(page: int, window: int) -> None:
         dc.layer_components("paged" if bs > 1 else "token_major", num_slots // bs, bs, 2, 5, torch.bfloat16,
                             torch.Generator().manual_seed(page))
     )), num_slots))  # fmt: skip
-    twin = Twin(group, pool.layout, entries=256, log_rows=3)
+    twin = Twin(group, pool.layout, entries=256, log_rows=3, tuning=TUNINGS[tuning])
     twin.call("stamp_list", torch.arange(num_slots, device=DEVICE))
+    mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
     for step in range(6):
         period = [1, 2, 3, 5][step % 4]
+        plan_ws.write_marks.zero_()  # some slots written this step (a ring reused in the step): left to the stamp
+        written = torch.randperm(num_slots, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        plan_ws.write_marks[written[: num_slots // 3].to(DEVICE)] = 2 * mark + step % 2
         comp = pool.layout.components[step % 2]
         for _ in range(rng.randint(0, 4)):
             dc.flip_bit(comp, rng.randrange(1, num_slots), rng.randrange(2), rng.randrange(5), rng.randrange(16))

@@ -193,6 +193,12 @@ def test_verify_reports_only_changed_slots_with_their_position() -> None:
     assert row[Field.REASONS] == Reason.DIGEST_MISMATCH and row[Field.PHASE] == Phase.DIGEST_VERIFY
     assert (row[Field.SLOT], row[Field.EXPECTED_POSITION], row[Field.BATCH_ROW]) == (victim, 7, 0)
     assert row[Field.EXPECTED_LINK] == digests[victim] and row[Field.STORED_LINK] != digests[victim]
+    # A slot this step also writes (a ring reused in the step) is left to the stamp.
+    log.clear()
+    plan_ws.write_marks[victim] = 2 * (1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD)
+    dref.verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=1)
+    assert log.total() == 0
+    plan_ws.write_marks[victim] = 0
     # Never-stamped slots are not compared; the list call reports out-of-range indices when asked.
     log.clear()
     digests[victim] = 0
@@ -200,3 +206,14 @@ def test_verify_reports_only_changed_slots_with_their_position() -> None:
     rows = log.rows()
     assert rows[:, Field.REASONS].tolist() == [Reason.SLOT_OUT_OF_RANGE] * 2
     assert rows[:, Field.BAD_INDEX].tolist() == [64, -5]
+
+
+def test_pinned_vectors() -> None:
+    """The definition's pinned values (also in docs/design.md §12): a change of constants or packing fails here."""
+    assert digest_oracle.splitmix_finalize(D.DIGEST_SEED + D.DIGEST_GAMMA) == 0x5D1EB797172A6573  # key(0)
+    zeros = torch.zeros(1, 1, 2, dtype=torch.float32)  # one head row of two fp32 zeros: one word, 0
+    one = torch.tensor([[[1.0, 0.0]]])  # word 0x3f800000
+    for t, want in ((zeros, 0xC18C5D9838C562DD), (one, 0x5458A63D4B437BDB)):
+        layout = D.DigestLayout((D.token_major(t),))
+        assert digest_oracle.slot_digest(layout, 0) & digest_oracle.M64 == want
+        assert int(dref.slot_digests(layout, torch.tensor([0]))[0]) & digest_oracle.M64 == want

@@ -17,7 +17,7 @@ from kvcanary.selftest.protocol import InjectMode
 from kvcanary.selftest.runner import SelftestResult, Trial, judge
 
 REASONS = {str(r.name).lower() for r in Reason}
-PHASES = {"plan", "verify", "stamp"}
+PHASES = {"plan", "verify", "stamp", "digest_stamp", "digest_verify"}
 
 
 def test_catalogue_documents_every_fault() -> None:

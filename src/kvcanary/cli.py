@@ -44,8 +44,9 @@ EXIT_CODES = """exit codes:
 def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.selftest import FAULTS
+    from kvcanary.adapters.transformers_cb.selftest.workload import MODEL_KINDS
     from kvcanary.cli_checks import add_device_options
-    from kvcanary.demo import DEFAULT_FAULTS, MODEL_KINDS
+    from kvcanary.demo import DEFAULT_FAULTS
     from kvcanary.selftest import command as selftest
     from kvcanary.soak_command import add_parser as add_soak_parser
 
@@ -80,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--async-batching", action="store_true", help="the engine's asynchronous batching (CUDA)")
     demo.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (CUDA)")
     demo.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
+    demo.add_argument(
+        "--digest", type=float, default=None, metavar="BUDGET",
+        help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
+    )  # fmt: skip
     demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     selftest.add_parser(sub)
@@ -108,6 +113,7 @@ def _demo(args: argparse.Namespace) -> int:
             baseline=args.baseline,
             async_batching=args.async_batching,
             cuda_graphs=args.cuda_graphs,
+            digest_budget=args.digest,
         )
     except ValueError as exc:
         print(f"kvcanary demo: {exc}", file=sys.stderr)

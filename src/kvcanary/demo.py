@@ -34,12 +34,10 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     engine_configs,
     quiet_engine_logs,
 )
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
-
-__all__ = ["MODEL_KINDS", "build_model", "build_prompts", "engine_configs", "quiet_engine_logs", "run_demo"]
 
 # The fault each model gets unless --fault names another: a read index pointed at another request's block,
 # or, on the model with sliding layers only, a ring read one slot off.
@@ -68,6 +66,7 @@ class DemoOptions:
     baseline: bool = False  # also time the workload without the canary (the canary's share of step time)
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
+    digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.selftest import FAULTS
@@ -83,6 +82,8 @@ class DemoOptions:
                 f"need requests >= 1, follow_up >= 0 and new_tokens >= 2, got {self.requests}, {self.follow_up} "
                 f"and {self.new_tokens}"
             )
+        if self.digest_budget is not None:
+            DigestConfig(self.digest_budget)  # a budget outside (0, 1] is refused here, before any run
 
 
 @dataclasses.dataclass
@@ -193,7 +194,8 @@ def run_workload(
                 flush=True,
             )
 
-    canary = install(model, CanaryConfig(mode=Mode.LOG), backend=options.backend, on_step=on_step)
+    digest = None if options.digest_budget is None else DigestConfig(options.digest_budget)
+    canary = install(model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step)
     injector: FaultHooks | None = None
     try:
         if fault is not None:

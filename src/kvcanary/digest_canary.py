@@ -38,7 +38,9 @@ def workspace_entries(canary: GroupCanary, period: int) -> int:
 class GroupDigest:
     """The digest state of one group (digests in its records, a workspace) and its per-step calls."""
 
-    def __init__(self, canary: GroupCanary, layout: DigestLayout, config: DigestConfig) -> None:
+    def __init__(
+        self, canary: GroupCanary, layout: DigestLayout, config: DigestConfig, *, tuning: object | None = None
+    ) -> None:
         if not isinstance(layout, DigestLayout):
             raise TypeError(f"layout must be a kvcanary.digest.DigestLayout, got {type(layout).__name__}")
         if not isinstance(config, DigestConfig):
@@ -63,10 +65,12 @@ class GroupDigest:
         self.workspace = DigestWorkspace.allocate(entries, canary.device)
         self._kernels = uses_kernels(canary.backend, canary.device)
         self._device_layout = None
+        self._kernel_kw: dict[str, object] = {}
         if self._kernels:
-            from kvcanary.ops.digest_launchers import DeviceLayout
+            from kvcanary.ops.digest_launchers import DEFAULT_TUNING, DeviceLayout
 
             self._device_layout = DeviceLayout.build(layout)
+            self._kernel_kw = {"tuning": tuning or DEFAULT_TUNING}
 
     @property
     def digests(self) -> torch.Tensor:
@@ -74,31 +78,31 @@ class GroupDigest:
         assert d is not None  # allocated in __init__
         return d
 
-    def _ops(self) -> tuple[Any, Any]:
-        """(module, layout) of the backend: the launchers with the device table, or the reference."""
+    def _ops(self) -> tuple[Any, Any, dict[str, object]]:
+        """(module, layout, extra arguments) of the backend: the launchers with the device table, or the reference."""
         if self._kernels:
             from kvcanary.ops import digest_launchers
 
-            return digest_launchers, self._device_layout
-        return dref, self.layout
+            return digest_launchers, self._device_layout, self._kernel_kw
+        return dref, self.layout, {}
 
     def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
         """Digest the slots this step wrote (``out_cache_loc``, through the lookup); after the engine wrote them."""
-        ops, layout = self._ops()
+        ops, layout, kw = self._ops()
         ops.stamp_list(self.canary.group, layout, self.digests, self.workspace, log, batch.out_cache_loc,
-                       lookup=batch.lookup)  # fmt: skip
+                       lookup=batch.lookup, **kw)  # fmt: skip
 
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Verify the budgeted share of the last plan's verify entries (same batch), before attention reads."""
-        ops, layout = self._ops()
+        ops, layout, kw = self._ops()
         ops.verify_planned(self.canary.group, layout, self.digests, self.workspace, log, batch,
-                           self.canary.workspace, period=self.period)  # fmt: skip
+                           self.canary.workspace, period=self.period, **kw)  # fmt: skip
 
     def verify_slots(self, slots: torch.Tensor, log: ViolationLog) -> None:
         """Verify slots whose bytes were just moved (in chunks of the workspace's entries)."""
-        ops, layout = self._ops()
+        ops, layout, kw = self._ops()
         slots = slots.to(self.canary.device, dtype=torch.int64)
         step = self.workspace.entries
         for c0 in range(0, int(slots.shape[0]), step):
             ops.verify_list(self.canary.group, layout, self.digests, self.workspace, log,
-                            slots[c0 : c0 + step].contiguous())  # fmt: skip
+                            slots[c0 : c0 + step].contiguous(), **kw)  # fmt: skip

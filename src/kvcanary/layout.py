@@ -105,12 +105,13 @@ class RecordStore:
     def device(self) -> torch.device:
         return self.links.device
 
-    def _fields(self) -> tuple[torch.Tensor, ...]:
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        """Every per-slot tensor: token, position, link, and the digest when enabled."""
         fields = (self.tokens, self.positions, self.links)
         return fields if self.digests is None else (*fields, self.digests)
 
     def bytes_per_slot(self) -> int:
-        return sum(t.element_size() for t in self._fields())
+        return sum(t.element_size() for t in self.fields())
 
     def enable_digests(self) -> None:
         """Allocate the per-slot digests (8 bytes a slot), all 0 (never digested)."""
@@ -119,11 +120,11 @@ class RecordStore:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Mirror an engine's KV block copy (fork, offload restore): records (and digests) move with the bytes."""
-        for t in self._fields():
+        for t in self.fields():
             t[dst] = t[src]
 
     def clear_slots(self, slots: torch.Tensor) -> None:
-        for t in self._fields():
+        for t in self.fields():
             t[slots] = 0
 
     def clone(self) -> RecordStore:

@@ -243,7 +243,7 @@ def _drive(
 def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseResult:
     """One engine, one canary: ``steps`` canary steps of continuous arrivals on ``model_kind``."""
     from kvcanary.adapters.transformers_cb import install
-    from kvcanary.demo import build_model, build_prompts, engine_configs
+    from kvcanary.adapters.transformers_cb.selftest.workload import build_model, build_prompts, engine_configs
 
     model = build_model(model_kind, options.seed, options.device)
     prompts = build_prompts(PROMPT_POOL, options.seed)
@@ -280,8 +280,8 @@ def _median(values: list[int] | list[float]) -> float:
 
 
 def run_soak(options: SoakOptions, progress: TextIO | None = sys.stderr) -> SoakResult:
+    from kvcanary.adapters.transformers_cb.selftest.workload import quiet_engine_logs
     from kvcanary.adapters.transformers_cb.version import check_version
-    from kvcanary.demo import quiet_engine_logs
 
     engine = check_version()
     with quiet_engine_logs():

@@ -21,8 +21,30 @@ from kvcanary.ops.kernels.digest import digest_kernel
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import PlanWorkspace, ViolationLog
 
-# Words read per tile row and step, by element size: tiles of TILE_TOKENS x 128 words.
-_BLOCK_W = {8: 128, 4: 64, 2: 32, 1: 16}
+# Words per tile row and step when elements are assembled into words (element sizes 1, 2, 4).
+_ELEMENT_BLOCK_W = {4: 64, 2: 32, 1: 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class DigestTuning:
+    """Tile shape and grid of the word path (components read as 64-bit words): each work unit reads
+    ``comps_per_unit`` components x 16 entries x ``block_words`` words a step."""
+
+    comps_per_unit: int = 4
+    block_words: int = 64
+    warps: int = 8
+    programs_per_sm: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("comps_per_unit", "block_words"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.warps <= 0 or self.programs_per_sm <= 0:
+            raise ValueError("warps and programs_per_sm must be positive")
+
+
+DEFAULT_TUNING = DigestTuning()
 
 
 def _row(comp: KVComponent, base: int) -> tuple[int, list[int]]:
@@ -86,9 +108,9 @@ def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: Dige
         )
 
 
-def _programs(units: int, dev: torch.device) -> int:
+def _programs(units: int, dev: torch.device, tuning: DigestTuning) -> int:
     if dev.type == "cuda":
-        cap = torch.cuda.get_device_properties(dev).multi_processor_count * 8
+        cap = torch.cuda.get_device_properties(dev).multi_processor_count * tuning.programs_per_sm
     else:
         cap = 3
     return max(1, min(units, cap))
@@ -101,25 +123,28 @@ def _reserved(group: CanaryGroup) -> list[int]:
 def _launch(
     group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog, *,
     locs: torch.Tensor | None, lookup: torch.Tensor | None, batch: StepBatch | None, plan_ws: PlanWorkspace | None,
-    stamp: bool, report_range: bool, period: int, max_tiles: int,
+    stamp: bool, report_range: bool, period: int, max_tiles: int, tuning: DigestTuning,
 ) -> None:  # fmt: skip
     dummy = ws.sync
     n_list = 0 if locs is None else int(locs.shape[0])
     b = n_rows = n_cols = 0
-    rows = table = starts = voff = state = dummy
+    rows = table = starts = voff = state = pepoch = dummy
+    wmarks: torch.Tensor = dummy
     if batch is not None and plan_ws is not None:
         b = batch.batch_size
         n_rows, n_cols = (int(s) for s in batch.table.shape)
         rows, table = batch.rows, batch.table if batch.table.numel() else dummy
         starts, voff, state = plan_ws.window_starts, plan_ws.verify_offsets, plan_ws.row_state
+        pepoch, wmarks = plan_ws.epoch, plan_ws.write_marks
     max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
-    units = max_tiles * len(dl.layout.components)
     for k, (es, c_begin, n_cls) in enumerate(dl.classes):
-        digest_kernel[(_programs(units, dl.layout.device),)](
+        cb = tuning.comps_per_unit if es == WORD_BYTES else 1
+        units = max_tiles * -(-n_cls // cb)
+        digest_kernel[(_programs(units, dl.layout.device, tuning),)](
             dl.table, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
-            rows if b else dummy, table, starts, voff, state,
+            rows if b else dummy, table, starts, voff, state, pepoch, wmarks,
             digests, ws.acc, ws.entry_slots, ws.entry_info, ws.sync, ws.epoch, ws.stats,
             log.first, log.last, log.counters,
             n_list, int(lookup.shape[0]) if has_lookup and lookup is not None else 0, b, n_rows, n_cols,
@@ -127,13 +152,14 @@ def _launch(
             log.capacity, group.group_id, *_reserved(group),
             FROM_PLAN=batch is not None, STAMP=stamp, HAS_LOOKUP=has_lookup, PAGED=group.page_size > 1,
             REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
-            G=TILE_TOKENS, BLOCK_W=_BLOCK_W[es], BLOCK_B=block_b, num_warps=4,
+            G=TILE_TOKENS, BLOCK_W=tuning.block_words if es == WORD_BYTES else _ELEMENT_BLOCK_W[es],
+            BLOCK_B=block_b, CB=cb, num_warps=tuning.warps if es == WORD_BYTES else 4,
         )  # fmt: skip
 
 
 def _list(
     group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
-    locs: torch.Tensor, lookup: torch.Tensor | None, report_range: bool, stamp: bool,
+    locs: torch.Tensor, lookup: torch.Tensor | None, report_range: bool, stamp: bool, tuning: DigestTuning,
 ) -> None:  # fmt: skip
     _check(group, dl, digests, ws, log)
     if not isinstance(locs, torch.Tensor) or locs.dim() != 1 or locs.dtype not in (torch.int32, torch.int64):
@@ -145,29 +171,32 @@ def _list(
         raise ValueError(f"{locs.shape[0]} entries exceed the digest workspace ({ws.entries} entries)")
     _launch(
         group, dl, digests, ws, log, locs=locs, lookup=lookup, batch=None, plan_ws=None, stamp=stamp,
-        report_range=report_range, period=1, max_tiles=tiles,
+        report_range=report_range, period=1, max_tiles=tiles, tuning=tuning,
     )  # fmt: skip
 
 
 def stamp_list(
     group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
     locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
+    tuning: DigestTuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """digest_reference.stamp_list on device."""
-    _list(group, layout, digests, ws, log, locs, lookup, report_range, True)
+    _list(group, layout, digests, ws, log, locs, lookup, report_range, True, tuning)
 
 
 def verify_list(
     group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
     locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
+    tuning: DigestTuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """digest_reference.verify_list on device."""
-    _list(group, layout, digests, ws, log, locs, lookup, report_range, False)
+    _list(group, layout, digests, ws, log, locs, lookup, report_range, False, tuning)
 
 
 def verify_planned(
     group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+    tuning: DigestTuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
     """digest_reference.verify_planned on device (the batch's plan must have run)."""
     _check(group, layout, digests, ws, log)
@@ -179,5 +208,5 @@ def verify_planned(
         raise ValueError("batch larger than the plan workspace")
     _launch(
         group, layout, digests, ws, log, locs=None, lookup=batch.lookup, batch=batch, plan_ws=plan_ws,
-        stamp=False, report_range=False, period=period, max_tiles=ws.entries // TILE_TOKENS,
+        stamp=False, report_range=False, period=period, max_tiles=ws.entries // TILE_TOKENS, tuning=tuning,
     )  # fmt: skip

@@ -5,9 +5,10 @@
   whose bytes were moved); ``-1`` entries are skipped, reserved slots too, and an index outside the
   lookup or the pool is skipped or, with ``report_range``, reported as ``slot_out_of_range``.
 * :func:`verify_planned`: a budgeted, rotating share of the entries the last plan verifies: positions
-  ``p`` of each active row's verify span with ``(p // group_tokens) % period == (epoch + table row) %
-  period``, in tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
-  rest are counted as skipped tiles); the digest epoch then advances.
+  ``p`` of each active row's verify span with ``(p // group_tokens) % period == epoch % period``, in
+  tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
+  rest are counted as skipped tiles); slots the step also writes (its write marks) are left to the
+  stamp; the digest epoch then advances.
 
 A stored digest of 0 (never stamped) is never compared.  Violation rows are appended in entry order.
 """
@@ -140,8 +141,8 @@ def selected_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per active row: (first selected group, selected tiles, span start, span end), by the plan's spans.
 
-    Row r selects the runs ``g`` with ``g % period == (epoch + table_rows[r]) % period``: the table row
-    staggers requests, so a step's share is spread over the batch instead of landing on one epoch.
+    Every row selects the runs ``g`` with ``g % period == epoch % period``: a position read on ``period``
+    consecutive steps is verified within them, whatever table row its request has on each step.
     """
     b = int(table_rows.shape[0])
     active = plan_ws.row_state[:b] == PlanWorkspace.ROW_ACTIVE
@@ -151,7 +152,7 @@ def selected_tiles(
     g = group_tokens
     lo = start // g
     hi = torch.where(end > start, (end + g - 1) // g, lo)
-    phase = (epoch + table_rows.long()) % period
+    phase = torch.full_like(table_rows.long(), epoch % period)
 
     def below(x: torch.Tensor) -> torch.Tensor:  # groups in [0, x) congruent to phase mod period
         return ((x - phase + period - 1) // period).clamp(min=0)
@@ -159,6 +160,16 @@ def selected_tiles(
     tiles = below(hi) - below(lo)
     first = lo + (phase - lo) % period
     return first, tiles, start, end
+
+
+def written_this_step(plan_ws: PlanWorkspace, slot: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Slots this step also writes (the link verify's write marks): their bytes may already be the new
+    token's (a window ring reused in the step, read before the write; an engine verified after its
+    forward), and the stamp digests them anew."""
+    mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
+    marks = torch.zeros_like(slot)
+    marks[valid] = plan_ws.write_marks[slot[valid]].long()
+    return valid & ((marks >> 1) == mark)
 
 
 def verify_planned(
@@ -186,6 +197,7 @@ def verify_planned(
         full[inside] = table_slots(group, batch.table, trow[inside], pos[inside])
     res = resolve(group, batch.lookup, full, min(group.num_slots, layout.num_slots))
     usable = inside & res.in_pool & ~res.reserved
+    usable &= ~written_this_step(plan_ws, res.slot, usable)
     stored, computed, mismatch = _check(group, layout, digests, res.slot, usable)
     ws.stats[DigestWorkspace.STAT_VERIFIED] += int(usable.sum())
     ws.stats[DigestWorkspace.STAT_SKIPPED_TILES] += total - kept

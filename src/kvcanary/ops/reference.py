@@ -21,7 +21,7 @@ from kvcanary.ops.resolution import (  # noqa: F401  (re-exported: the reference
     is_reserved,
     resolve,
     table_slots,
-    translate,
+    through_lookup,
 )
 from kvcanary.schema import NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
 from kvcanary.workspace import PlanWorkspace, ViolationLog
@@ -180,7 +180,7 @@ def verify(
 
     has_pred = pos > 0
     pfull = table_slots(group, batch.table, trow, (pos - 1).clamp(min=0))
-    pslot, plookup_raw = translate(batch.lookup, pfull)
+    pslot, plookup_raw = through_lookup(batch.lookup, pfull)
     pred_resolved = has_pred & ~plookup_raw
     plookup_bad = checked & has_pred & plookup_raw
     pred_oor = checked & pred_resolved & ~in_pool(pslot, n_slots)

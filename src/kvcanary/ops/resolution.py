@@ -19,7 +19,7 @@ def table_slots(group: CanaryGroup, table: torch.Tensor, rows: torch.Tensor, pos
     return table[rows, pos // page].long() * page + pos % page
 
 
-def translate(lookup: torch.Tensor | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def through_lookup(lookup: torch.Tensor | None, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Map table indices into the group's pool; returns (slot, lookup_out_of_range)."""
     if lookup is None:
         return full, torch.zeros_like(full, dtype=torch.bool)
@@ -51,7 +51,7 @@ class Resolved(NamedTuple):
 
 
 def resolve(group: CanaryGroup, lookup: torch.Tensor | None, full: torch.Tensor, num_slots: int) -> Resolved:
-    slot, lookup_bad = translate(lookup, full)
+    slot, lookup_bad = through_lookup(lookup, full)
     ok = in_pool(slot, num_slots) & ~lookup_bad
     return Resolved(slot, lookup_bad, ~lookup_bad & ~ok, ok, ok & is_reserved(group, slot))
 

@@ -65,8 +65,14 @@ class _Prefixes:
         return keys
 
 
+GRACE_STEPS = 3  # a faulted run stops this many steps after its verdict is known (see ReadOracle.settled)
+
+
 class ReadOracle:
-    def __init__(self, store: dict[int, torch.Tensor] | None, num_layers: int) -> None:
+    def __init__(self, store: object, num_layers: int) -> None:
+        """``store``: None to record (the clean control), else the reference a recording run returned."""
+        if store is not None and not isinstance(store, dict):
+            raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
         self.recording = store is None
         self.store: dict[int, torch.Tensor] = {} if store is None else store
         self.num_layers = num_layers
@@ -95,6 +101,22 @@ class ReadOracle:
             self._check(step, host, layer, window, has_reads, out_k, out_v)
         elif self._later_read(step, host):
             self.later_reads.append(step)
+
+    def settled(self, done: int, detected: int | None, grace: int = GRACE_STEPS) -> bool:
+        """Whether a faulted run's verdict can no longer change, so that its driver may stop it.
+
+        ``done``: the last step whose forward completed; ``detected``: the step of the canary's first report at
+        or after the injection, None while there is none.  Settled: detection and the first affected read both
+        known; or detected and ``grace`` more steps done without an affected read; or the affected requests ran
+        ``grace`` more forwards after their first affected read, all reported on, without a detection.
+        """
+        if detected is not None and self.first is not None:
+            return True
+        if detected is not None:
+            return done >= detected + grace
+        if self.first is not None:
+            return sum(s < done for s in self.later_reads) >= grace
+        return False
 
     def _later_read(self, step: int, host: StepView) -> bool:
         """A new step after the first affected read in which an affected request runs."""

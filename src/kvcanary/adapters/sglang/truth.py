@@ -26,19 +26,23 @@ class TruthTable:
         self.truth = torch.zeros(tuple(table.shape), dtype=torch.int32, device=self.device)
         self.lens = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         self._filled_for: object | None = None
+        self._filled_ids: object | None = None  # the snapshot tensor last loaded
         self.filled_forwards = 0
 
     def clear(self) -> None:
         """Forget the last snapshot: a forward that brings none is not checked against it."""
         self.lens.zero_()
         self._filled_for = None
+        self._filled_ids = None
 
     def fill(self, fb: object) -> bool:
         """Load ``fb``'s snapshot (once per ForwardBatch object); False when it carries none."""
-        if fb is self._filled_for:
-            return True
         flat = getattr(fb, "req_all_ids_flat", None)
         lens = getattr(fb, "req_all_ids_lens", None)
+        # The runner's forward and the model's may get different ForwardBatch objects over one snapshot
+        # (sglang's eager runner passes a copy): load it once.
+        if fb is self._filled_for or (flat is not None and flat is self._filled_ids):
+            return True
         if flat is None or lens is None:
             self.clear()
             return False
@@ -48,6 +52,7 @@ class TruthTable:
         if bs:
             self._scatter(flat, lens, rows[:bs])  # type: ignore[index]
         self._filled_for = fb
+        self._filled_ids = flat
         self.filled_forwards += 1
         return True
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.transformers_cb import mirror
+from kvcanary.adapters.transformers_cb.digest_layout import digest_layouts
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.config import CanaryConfig
@@ -88,6 +89,9 @@ class Binding:
             backend=backend,
             on_fail_request=on_fail_request,
         )
+        if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
+            by_name = {g.name: g for g in geometries}
+            manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
         translator = StepTranslator(geometries, max_batch=max_batch, max_context=width, device=device)
         return cls(cache, geometries, translator, manager)
 

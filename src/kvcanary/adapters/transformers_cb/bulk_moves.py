@@ -36,6 +36,7 @@ class BulkMoveWrappers:
                 out = original(allocator, source_block_ids, dest_block_ids)
             for write in seen.writes:
                 mirror.apply_block_write(b.geometries[name], b.records(name), write)
+                _verify_moved(b, name, write)
             self._features.fork_block_copies += len(source_block_ids)
             return out
 
@@ -75,10 +76,26 @@ class BulkMoveWrappers:
                             b.host.restore(b.geometries[name], b.records(name), write)
                         else:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write)
+                        _verify_moved(b, name, write)
             self._features.restores += restored
             return out
 
         return restore_scheduled_requests
+
+
+def _verify_moved(b: Binding, name: str, write: byte_moves.BlockWrite) -> None:
+    """With the KV digest on: the written blocks' bytes against the digests that moved with their records
+    (queued after the move on the same stream, so it reads the bytes that landed).
+
+    Only when the cache holds one group: with several (a hybrid model), the groups' blocks share one tensor,
+    so a block's never-read slots may carry one group's old digest over bytes another group wrote since
+    (its sector changed hands); a copied block would then be reported for bytes nobody reads.  There the
+    moved slots are checked by the budgeted verify when they are read.
+    """
+    if len(b.geometries) > 1 or b.manager.digest_of(name) is None:
+        return
+    dest = write.dest.to(b.records(name).device, non_blocking=True)
+    b.manager.verify_moved(name, b.geometries[name].block_slots(dest))
 
 
 def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:

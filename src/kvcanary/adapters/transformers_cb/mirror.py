@@ -62,15 +62,22 @@ class HostRecords:
             self._stores[geometry.name] = store
         return store
 
+    def _store_like(self, geometry: GroupGeometry, host_blocks: int, records: RecordStore) -> RecordStore:
+        """The host store, carrying digests when the device records do (they travel with the bytes)."""
+        store = self._store(geometry, host_blocks, records.device)
+        if records.digests is not None:
+            store.enable_digests()
+        return store
+
     def save(self, geometry: GroupGeometry, records: RecordStore, save: HostSave, host_blocks: int) -> None:
         """Mirror one copy into the host pool (``host_blocks``: the rows of the group's host view)."""
-        store = self._store(geometry, host_blocks, records.device)
+        store = self._store_like(geometry, host_blocks, records)
         dst = geometry.block_slots(torch.tensor(save.host_blocks, dtype=torch.int64, device=records.device))
         if save.source_blocks is None:
             store.clear_slots(dst)
             return
         src = geometry.block_slots(save.source_blocks.to(records.device, non_blocking=True))
-        for host, dev in zip((store.tokens, store.positions, store.links), _fields(records), strict=True):
+        for host, dev in zip(store.fields(), records.fields(), strict=True):
             host[dst] = dev[src]
 
     def restore(self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
@@ -83,12 +90,11 @@ class HostRecords:
             records.clear_slots(dst)
             return
         src = geometry.block_slots(torch.tensor(hosts, dtype=torch.int64, device=records.device))
-        for dev, host in zip(_fields(records), (store.tokens, store.positions, store.links), strict=True):
+        if (store.digests is None) != (records.digests is None):  # digests turned on after this store was made
+            records.clear_slots(dst)
+            return
+        for dev, host in zip(records.fields(), store.fields(), strict=True):
             dev[dst] = host[src]
 
     def clear(self) -> None:
         self._stores.clear()
-
-
-def _fields(records: RecordStore) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return records.tokens, records.positions, records.links

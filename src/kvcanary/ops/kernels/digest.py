@@ -17,8 +17,9 @@ import triton.language as tl
 
 from kvcanary import digest as spec
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
-from kvcanary.ops.kernels.log import VIOLATIONS, add_counters, reason_counts, store_rows
+from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, store_rows
 from kvcanary.schema import Phase, Reason
+from kvcanary.workspace import PlanWorkspace
 
 SEED = tl.constexpr(spec.DIGEST_SEED)
 GAMMA = tl.constexpr(spec.DIGEST_GAMMA)
@@ -26,6 +27,8 @@ C1 = tl.constexpr(0xBF58476D1CE4E5B9)
 C2 = tl.constexpr(0x94D049BB133111EB)
 MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
 OUT_OF_RANGE = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
+MISMATCH_BIT = tl.constexpr(int(Reason.DIGEST_MISMATCH).bit_length() - 1)  # its lane in the counters
+RANGE_BIT = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE).bit_length() - 1)
 PHASE_STAMP = tl.constexpr(int(Phase.DIGEST_STAMP))
 PHASE_VERIFY = tl.constexpr(int(Phase.DIGEST_VERIFY))
 SKIP = tl.constexpr(-1)  # entry_slot: nothing to digest
@@ -39,6 +42,7 @@ COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size
 FIN = tl.constexpr(512)  # entries per step of the finalize
 POS_BITS = tl.constexpr(32)
 POS_MASK = tl.constexpr((1 << 32) - 1)
+MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
 
 
 @triton.jit
@@ -51,7 +55,7 @@ def fmix64(x):
 
 
 @triton.jit
-def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
+def _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
     """Per row (BLOCK_B lanes): first selected group, selected tiles, and the tiles' exclusive prefix."""
     rb = tl.arange(0, BLOCK_B)
     rm = rb < b
@@ -61,8 +65,7 @@ def _row_spans(rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOC
     end = tl.where(active & rm, start + count, start)
     lo = start // G
     hi = tl.where(end > start, (end + G - 1) // G, lo)
-    trow = tl.load(rows_ptr + rb, mask=rm, other=0).to(tl.int64)
-    ph = ((epoch + trow) % period + period) % period
+    ph = epoch % period
     tiles = tl.maximum((hi - ph + period - 1) // period, 0) - tl.maximum((lo - ph + period - 1) // period, 0)
     first = lo + ((ph - lo) % period + period) % period
     incl = tl.cumsum(tiles, 0)
@@ -77,7 +80,7 @@ def _pick(values, i):
 @triton.jit
 def _tile_entries(
     tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-    first, tiles_excl, tiles_incl, starts, ends, period,
+    first, tiles_excl, tiles_incl, starts, ends, period, wmarks_ptr, mark,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr, REPORT_RANGE: tl.constexpr,
     G: tl.constexpr,
@@ -102,6 +105,9 @@ def _tile_entries(
     slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
     ok = stored & ~lookup_bad & in_pool(slot, num_slots)
     usable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
+    if FROM_PLAN:  # slots this step also writes are left to the stamp (digest_reference.written_this_step)
+        written = tl.load(wmarks_ptr + slot, mask=usable, other=0)
+        usable = usable & ((written >> 1) != mark)
     marker = tl.where(usable, slot, SKIP)
     if REPORT_RANGE:
         marker = tl.where(stored & ~ok, BAD, marker)
@@ -109,10 +115,47 @@ def _tile_entries(
 
 
 @triton.jit
+def _unit_words(comp_ptr, c0, c_end, slot, usable, G: tl.constexpr, BLOCK_W: tl.constexpr, CB: tl.constexpr):
+    """Sum of the terms of components [c0, min(c0 + CB, c_end)) read as 64-bit words, for G slots.
+
+    One [CB, G, BLOCK_W] tile a step: the components' loads are independent, so CB of them are in
+    flight together; terms accumulate elementwise and are reduced once at the end.
+    """
+    cc = c0 + tl.arange(0, CB)
+    cm = cc < c_end
+    row = comp_ptr + cc * COMP_WIDTH
+    addr = tl.load(row, mask=cm, other=0)
+    s_block = tl.load(row + 1, mask=cm, other=0)
+    s_off = tl.load(row + 2, mask=cm, other=0)
+    s_head = tl.load(row + 3, mask=cm, other=0)
+    s_dim = tl.load(row + 4, mask=cm, other=0)
+    bsize = tl.load(row + 5, mask=cm, other=1)
+    wph = tl.load(row + 8, mask=cm, other=1).to(tl.int32)
+    n_words = tl.load(row + 6, mask=cm, other=0).to(tl.int32) * wph
+    word_base = tl.load(row + 9, mask=cm, other=0)
+    base = addr.to(tl.pointer_type(tl.uint64))
+    s = tl.where(usable, slot, 0)
+    row_off = (s[None, :] // bsize[:, None]) * s_block[:, None] + (s[None, :] % bsize[:, None]) * s_off[:, None]
+    total = tl.zeros((CB, G, BLOCK_W), tl.uint64)
+    for w0 in range(0, tl.max(n_words), BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        wm = w[None, :] < n_words[:, None]
+        h = w[None, :] // wph[:, None]
+        j = w[None, :] % wph[:, None]
+        key = fmix64(((word_base[:, None] + w[None, :] + 1).to(tl.uint64) * GAMMA) + SEED)
+        woff = h.to(tl.int64) * s_head[:, None] + j.to(tl.int64) * s_dim[:, None]
+        valid = usable[None, :, None] & wm[:, None, :]
+        word = tl.load(base[:, None, None] + row_off[:, :, None] + woff[:, None, :], mask=valid, other=0)
+        total += tl.where(valid, fmix64(word.to(tl.uint64) ^ key[:, None, :]), 0)
+    return tl.sum(tl.sum(total, axis=2), axis=0)
+
+
+@triton.jit
 def _unit(
     comp_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
-    """Sum of one component's terms for G slots (uint64 [G]); unusable lanes read nothing and add 0."""
+    """Sum of one component's terms for G slots (uint64 [G]), elements assembled into words; unusable
+    lanes read nothing and add 0."""
     row = comp_ptr + c * COMP_WIDTH
     addr = tl.load(row)
     s_block = tl.load(row + 1)
@@ -164,9 +207,9 @@ def _finalize(
     n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
 ):  # fmt: skip
     """Every entry in order: store or compare its digest, count, then write the kept violation rows."""
-    found = tl.zeros((), tl.int64)
+    n_mismatch = tl.zeros((), tl.int64)
+    n_range = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int64)
-    bits = tl.zeros((32,), tl.int64)
     for e0 in range(0, n_entries, FIN):
         e = e0 + tl.arange(0, FIN)
         m = e < n_entries
@@ -180,18 +223,19 @@ def _finalize(
             stored = tl.load(digests_ptr + slot, mask=usable, other=0)
             mismatch = usable & (stored != 0) & (stored != d)
             tl.store(acc_ptr + e, d, mask=mismatch)  # kept for the rows' pass: nonzero marks a mismatch
-        hit = mismatch | (m & (slot == BAD))
-        reasons = tl.where(mismatch, MISMATCH, tl.where(hit, OUT_OF_RANGE, 0)).to(tl.int64)
-        bits += reason_counts(reasons)
-        found += tl.sum(hit.to(tl.int64))
+        n_mismatch += tl.sum(mismatch.to(tl.int64))
+        n_range += tl.sum((m & (slot == BAD)).to(tl.int64))
         done += tl.sum(usable.to(tl.int64))
+    found = n_mismatch + n_range
     if STAMP:
         tl.atomic_add(stats_ptr + STAT_STAMPED, done)
     else:
         tl.atomic_add(stats_ptr + STAT_VERIFIED, done)
     if found > 0:
         base = tl.atomic_add(counters_ptr + VIOLATIONS, found)
-        add_counters(counters_ptr, bits)
+        lanes = tl.arange(0, COUNTER_LANES)
+        counts = tl.where(lanes == MISMATCH_BIT, n_mismatch, tl.where(lanes == RANGE_BIT, n_range, 0))
+        add_counters(counters_ptr, counts)
         rank = tl.zeros((), tl.int64)
         for e0 in range(0, n_entries, FIN):
             e = e0 + tl.arange(0, FIN)
@@ -233,21 +277,21 @@ def _finalize(
     "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
 ])  # fmt: skip
 def digest_kernel(
-    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr,
+    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
     REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
-    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
+    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, CB: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
+    mark = tl.zeros((), tl.int32)
     if FROM_PLAN:
+        mark = (1 + tl.load(pepoch_ptr) % MARK_PERIOD).to(tl.int32)
         epoch = tl.load(epoch_ptr)
-        first, tiles, excl, starts, ends = _row_spans(
-            rows_ptr, starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G
-        )
+        first, tiles, excl, starts, ends = _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G)
         total_tiles = tl.sum(tiles)
         n_tiles = tl.minimum(total_tiles, max_tiles)
         incl = excl + tiles
@@ -259,19 +303,23 @@ def digest_kernel(
         ends = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
-    for u in range(pid, n_tiles * n_cls, n_programs):
-        tile = u // n_cls
-        c = c_begin + u % n_cls
+    n_chunks = (n_cls + CB - 1) // CB  # units per tile: CB components each
+    for u in range(pid, n_tiles * n_chunks, n_programs):
+        tile = u // n_chunks
+        chunk = u % n_chunks
         e, marker, info = _tile_entries(
             tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-            first, excl, incl, starts, ends, period, res0, res1, res2, res3, res4, res5, res6, res7,
+            first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
             FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
         )  # fmt: skip
-        if u % n_cls == 0:
+        if chunk == 0:
             tl.store(eslot_ptr + e, marker)
             tl.store(einfo_ptr + e, info)
         usable = marker >= 0
-        part = _unit(comp_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
+        if ESIZE == 8:
+            part = _unit_words(comp_ptr, c_begin + chunk * CB, c_begin + n_cls, marker, usable, G, BLOCK_W, CB)
+        else:
+            part = _unit(comp_ptr, c_begin + chunk, marker, usable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
         ticket = tl.atomic_add(sync_ptr + TICKET, 1)

@@ -158,10 +158,4 @@ def _settled(ctx: SglangInjector, oracle: ReadOracle, reports: list[Any], forwar
         return False
     done = forwards - 1  # the last forward run; its report arrives with the next host step
     detected: int | None = next((int(r.step) for r in reports if r.step >= inj.step), None)
-    if detected is not None and oracle.first is not None:
-        return True
-    if detected is not None:
-        return done >= detected + _GRACE_FORWARDS
-    if oracle.first is not None:
-        return sum(s < done for s in oracle.later_reads) >= _GRACE_FORWARDS
-    return False
+    return oracle.settled(done, detected, _GRACE_FORWARDS)

@@ -116,12 +116,12 @@ def build_scheduler(model_dir: str, config: LoopConfig) -> Any:
 
 
 def canary_args(mode: str, **extra: object) -> Any:
-    """The ``--kv-canary*`` options for :func:`install_canary` (sglang's own ``kv_canary`` stays none)."""
+    """Our ``--kv-canary*`` options for :func:`install_canary`.  sglang 0.5.23's own ``ServerArgs.kv_canary``
+    (its built-in canary, CUDA kernels) stays ``none``; the engine limits still come from the runner's
+    real ``server_args``."""
     import types
 
-    return types.SimpleNamespace(
-        kv_canary=mode, chunked_prefill_size=None, max_prefill_tokens=None, kv_canary_health_every=0, **extra
-    )
+    return types.SimpleNamespace(kv_canary=mode, **extra)
 
 
 class SchedulerLoop:

@@ -14,7 +14,12 @@ from kvcanary.adapters.transformers_cb.selftest.copies import (
     OffloadRestoreWrongBlock,
     OffloadRestoreWrongHostBlock,
 )
-from kvcanary.adapters.transformers_cb.selftest.data import KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.adapters.transformers_cb.selftest.data import (
+    ForkCopyCorruptsBytes,
+    KVBitFlip,
+    OffloadRestoreStaleBytes,
+    PaddingWriteLiveSlot,
+)
 from kvcanary.adapters.transformers_cb.selftest.index import (
     ChunkBoundaryPosition,
     DroppedWrite,
@@ -44,6 +49,8 @@ _ALL: tuple[type[TransformersFault], ...] = (
     WrongTokenId,
     KVBitFlip,
     PaddingWriteLiveSlot,
+    ForkCopyCorruptsBytes,
+    OffloadRestoreStaleBytes,
 )
 
 FAULTS: Mapping[str, type[TransformersFault]] = types.MappingProxyType({f.spec.name: f for f in _ALL})

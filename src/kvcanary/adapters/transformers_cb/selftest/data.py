@@ -1,9 +1,8 @@
 """Faults in the KV bytes themselves, which the token/position/link records do not describe.
 
-Both are expected misses: the canary verifies *which* token, position and prefix a slot was stamped with,
-and neither fault touches those records -- the bytes under a correct record change.  They stay in the
-matrix so the miss is measured (the oracle shows attention really read the damaged bytes) and so the KV
-digest, when it lands, turns them into detections.
+The records say *which* token, position and prefix a slot holds; these faults change the bytes under a
+correct record.  The KV digest (``docs/design.md`` §12; the self-test runs it at budget 1.0) sees them: a
+slot's bytes no longer match the digest stamped when they were written, or that moved in with its record.
 """
 
 from __future__ import annotations
@@ -21,6 +20,11 @@ from kvcanary.adapters.transformers_cb.selftest.context import (
     read_segment_starts,
 )
 from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
+
+
+def flip_top_bit(block_bytes: torch.Tensor, element_size: int) -> None:
+    """Flip the most significant bit of the block's first element: layer 0's K of its first token."""
+    block_bytes[element_size - 1] ^= 0x80
 
 
 class KVBitFlip(TransformersFault):
@@ -95,3 +99,56 @@ class PaddingWriteLiveSlot(TransformersFault):
             return update
 
         ctx.wrap(alloc, "update", make)
+
+
+class ForkCopyCorruptsBytes(TransformersFault):
+    spec = SPECS["fork-copy-corrupts-bytes"]
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+
+        def make(inner: Any) -> Any:
+            def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+                inner(source_block_ids, dest_block_ids)
+                if not (dest_block_ids and ctx.take(self.name)):
+                    return
+                dst = int(dest_block_ids[0])
+                layer = alloc.layer_indices[0]
+                flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
+                children = [rid for rid, table in alloc.block_table.items() if dst in table]
+                ctx.injected(f"copied block {dst}: first K element damaged after the copy", children)
+
+            return copy_blocks
+
+        ctx.wrap(alloc, "copy_blocks", make)
+
+
+class OffloadRestoreStaleBytes(TransformersFault):
+    spec = SPECS["offload-restore-stale-bytes"]
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(FULL)
+        if alloc is None:
+            return
+        om = ctx.offloading
+
+        def make(inner: Any) -> Any:
+            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+                held = om._request_id_to_cpu_blocks
+                options = [
+                    (fs.state.request_id, held[fs.state.request_id][FULL][0])
+                    for fs in requests_in_batch
+                    if fs.state.is_cpu_offloaded and held.get(fs.state.request_id, {}).get(FULL)
+                ]
+                if options and ctx.take(self.name):
+                    rid, host_block = ctx.rng.choice(options)
+                    layer = alloc.layer_indices[0]
+                    flip_top_bit(om._cpu_views[FULL][int(host_block)], alloc._kv_token_views[layer][0].element_size())
+                    ctx.injected(f"host block {int(host_block)} of {rid!r} damaged before its restore", [rid])
+                return inner(requests_in_batch)
+
+            return restore_scheduled_requests
+
+        ctx.wrap(ctx.offloading, "restore_scheduled_requests", make)

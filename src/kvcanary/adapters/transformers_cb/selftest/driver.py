@@ -30,11 +30,9 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     engine_configs,
     quiet_engine_logs,
 )
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
-
-_GRACE_STEPS = 3  # a faulted run stops this many (reported) steps after its verdict is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +126,10 @@ def run_engine(
     gen, cb = workload.configs(seed)
     prompts = build_prompts(workload.prompts, seed)
     cfg: Any = getattr(model, "config", None)
-    oracle = ReadOracle(_store(store), int(cfg.num_hidden_layers))
+    oracle = ReadOracle(store, int(cfg.num_hidden_layers))
     oracle.check_from = check_from  # normally set by the injection; tests force it to validate the oracle
-    adapter = install(model, CanaryConfig(mode=Mode.LOG), max_kept_reports=8)
+    # The KV digest at budget 1.0: every read slot's bytes are checked each step (the byte faults, design.md §12).
+    adapter = install(model, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=1.0)), max_kept_reports=8)
     ctx = FaultContext(adapter, mode, rng=random.Random(f"{seed}:{target}"), target=target, page_size=PAGE_SIZE)
     hooks = FaultHooks(ctx, faults, oracle)
     try:
@@ -158,12 +157,6 @@ def run_engine(
     finally:
         hooks.detach()
         adapter.uninstall()
-
-
-def _store(store: object) -> dict[int, torch.Tensor] | None:
-    if store is not None and not isinstance(store, dict):
-        raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
-    return store
 
 
 def _run_errors(adapter: Any, results: list[Any], expected: int, stopped: bool) -> list[str]:
@@ -214,22 +207,12 @@ def _generate(
 
 
 def _maybe_stop(ctx: FaultContext, oracle: ReadOracle, adapter: Any) -> None:
-    """End a faulted run once its verdict cannot change: detection and first affected read both known; or
-    detected and a few more steps run without an affected read; or the affected requests ran
-    ``_GRACE_STEPS`` more forwards, all reported on, without a detection."""
+    """End a faulted run once its verdict cannot change (:meth:`ReadOracle.settled`)."""
     inj = ctx.injection
     if inj is None or ctx.stop_requested:
         return
     done = ctx.step - 1  # the step whose forward just completed; reports are known up to done - 1
     detected = next((r.step for r in adapter.reports if r.step >= inj.step), None)
-    if detected is not None and oracle.first is not None:
-        stop = True
-    elif detected is not None:
-        stop = done >= detected + _GRACE_STEPS
-    elif oracle.first is not None:
-        stop = sum(s < done for s in oracle.later_reads) >= _GRACE_STEPS
-    else:
-        stop = False
-    if stop:
+    if oracle.settled(done, detected):
         ctx.stop_requested = True
         ctx.request_stop()

@@ -187,10 +187,4 @@ def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
     done = ctx.step - 1
     steps = (int(canary.engine_step_of[r.step]) for r in canary.reports)
     detected: int | None = next((s for s in steps if s >= inj.step), None)
-    if detected is not None and oracle.first is not None:
-        return True
-    if detected is not None:
-        return bool(done >= detected + GRACE_STEPS)
-    if oracle.first is not None:
-        return sum(s < done for s in oracle.later_reads) >= GRACE_STEPS
-    return False
+    return oracle.settled(done, detected, GRACE_STEPS)
