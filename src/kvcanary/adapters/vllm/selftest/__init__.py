@@ -4,7 +4,7 @@ context and read-oracle tap (:mod:`.context`), and the driver (:mod:`.driver`) t
 
 from __future__ import annotations
 
-from kvcanary.adapters.vllm.selftest.driver import VllmDriver
+from kvcanary.adapters.vllm.selftest.engine import VllmDriver
 
 
 def driver() -> VllmDriver:

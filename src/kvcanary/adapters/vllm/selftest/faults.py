@@ -96,8 +96,11 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
         ctx.wrap(table, "compute_slot_mapping", make)
 
     def _corrupt(self, ctx: VllmInjector, table: Any, num_reqs: int, num_tokens: int) -> None:
-        if num_tokens == 0 or not ctx.canary._in_step or not ctx.take(self.name):
+        if num_tokens == 0 or not ctx.canary._in_step:
             return
+        limit = ctx.canary.groups[0].canary.num_slots
+        if not 0 <= int(table.slot_mapping.gpu[num_tokens - 1]) + 1 < limit or not ctx.take(self.name):
+            return  # the engine's own KV write must stay inside its cache tensor
         rid = ctx.runner.input_batch.req_ids[num_reqs - 1]
         table.slot_mapping.gpu[num_tokens - 1] += 1
         ctx.injected(f"token {num_tokens - 1} of {rid} writes slot +1", [rid])
@@ -161,8 +164,16 @@ class ResumeOntoStaleBlocks(Fault[VllmInjector]):
         ctx.wrap(ctx.runner, "_update_states", make)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        resumed = so.scheduled_cached_reqs.resumed_req_ids
-        stale = sorted(rid for rid in resumed if rid in ctx.runner.requests and ctx.runner.requests[rid].block_ids[0])
+        cached = so.scheduled_cached_reqs
+        width = ctx.runner.input_batch.block_table.block_tables[0].max_num_blocks_per_req
+        stale = []
+        for rid, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            state = ctx.runner.requests.get(rid)
+            old = state.block_ids[0] if state is not None else []
+            # Eligible: a resumed request whose old and new blocks fit one block-table row together.
+            if rid in cached.resumed_req_ids and old and new is not None and len(old) + len(new[0]) <= width:
+                stale.append(rid)
+        resumed = cached.resumed_req_ids
         if not stale or not ctx.take(self.name):
             return
         rid = ctx.rng.choice(stale)

@@ -28,6 +28,7 @@ from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, Run
 from kvcanary.selftest.read_oracle import ReadOracle
 
 GRACE_STEPS = 3
+MAX_STEPS = 3000  # a clean run takes 100-300 steps; more means the engine stopped making progress
 NUM_REQUESTS = 20
 NUM_LAYERS = 2
 
@@ -39,6 +40,7 @@ class VllmDriver:
 
     def __init__(self) -> None:
         self.llm: Any = None
+        self.broken: str | None = None
 
     def check(self) -> str:
         try:
@@ -84,7 +86,18 @@ class VllmDriver:
             raise RuntimeError("VllmDriver.run outside session()")
         if store is not None and not isinstance(store, dict):
             raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
-        return run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+        if self.broken is not None:  # an exception inside the engine left its state inconsistent
+            return _failed_run(f"engine unusable after an earlier run failed: {self.broken}")
+        out = run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+        self.broken = next((e for e in out.errors if e.startswith(("engine:", "engine did not finish"))), None)
+        return out
+
+
+def _failed_run(error: str) -> RunOutcome:
+    return RunOutcome(
+        stats={"violations": 0}, features={}, reports=[], seconds=0.0, opportunities={}, injection=None,
+        affected=None, later_reads=[], store=None, errors=[error],
+    )  # fmt: skip
 
 
 def run_engine(
@@ -146,12 +159,24 @@ def _drive(
     for rid, prompt, params in zip(ids, workload.requests(), workload.sampling(), strict=True):
         engine.add_request(rid, prompt, params)
     stopped = False
-    while engine.has_unfinished_requests():
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return stopped
         engine.step()
         if not stopped and _settled(ctx, oracle, canary):
             stopped = True
             engine.abort_request(ids)
-    return stopped
+    sched = ctx.scheduler
+    errors.append(
+        f"engine did not finish in {MAX_STEPS} steps: {len(sched.running)} running, {len(sched.waiting)} waiting, "
+        f"{ctx.block_pool.get_num_free_blocks()} free blocks"
+    )
+    engine.abort_request(ids)
+    for _ in range(8):  # let the aborts through, boundedly
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return True
 
 
 def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
