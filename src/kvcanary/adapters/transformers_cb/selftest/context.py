@@ -139,3 +139,39 @@ def read_segment_starts(rows: Sequence[Row], window: int) -> list[int]:
         starts.append(s)
         s += (min(r.past, window - 1) if window else r.past) + r.query
     return starts
+
+
+CopyBlocks = Callable[[list[int], list[int]], None]  # an allocator's ``copy_blocks(source_ids, dest_ids)``
+
+
+def wrap_copy_blocks(ctx: FaultContext, copy: Callable[[Any, CopyBlocks, list[int], list[int]], None]) -> None:
+    """This run's fork copies become ``copy(alloc, copy_blocks, source_ids, dest_ids)``: the full group's
+    allocator and its own ``copy_blocks`` (nothing is wrapped when the model has no full-attention group)."""
+    alloc = ctx.allocator(FULL)
+    if alloc is None:
+        return
+
+    def make(inner: CopyBlocks) -> CopyBlocks:
+        def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+            copy(alloc, inner, source_block_ids, dest_block_ids)
+
+        return copy_blocks
+
+    ctx.wrap(alloc, "copy_blocks", make)
+
+
+def wrap_restore(ctx: FaultContext, run: Callable[[Any, Any, Callable[[list[Any]], Any], list[Any]], Any]) -> None:
+    """This run's restore becomes ``run(alloc, om, restore, requests_in_batch)``: the full group's allocator, the
+    offloading manager and the engine's own restore."""
+    alloc = ctx.allocator(FULL)
+    if alloc is None:
+        return
+    om = ctx.offloading
+
+    def make(inner: Any) -> Any:
+        def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
+            return run(alloc, om, inner, requests_in_batch)
+
+        return restore_scheduled_requests
+
+    ctx.wrap(om, "restore_scheduled_requests", make)

@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.context import (
+    FULL,
+    CopyBlocks,
+    FaultContext,
+    TransformersFault,
+    wrap_copy_blocks,
+    wrap_restore,
+)
 from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
@@ -48,28 +55,21 @@ class ForkCopyLost(TransformersFault):
     spec = SPECS["fork-copy-lost"]
 
     def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
+        def copy(alloc: Any, inner: CopyBlocks, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+            if not (source_block_ids and ctx.take(self.name)):
+                inner(source_block_ids, dest_block_ids)
+                return
+            real = alloc._copy_view
+            alloc._copy_view = real.clone()  # the copy lands here and is dropped
+            try:
+                inner(source_block_ids, dest_block_ids)  # the adapter sees the write miss the cache
+            finally:
+                alloc._copy_view = real
+            dst = set(dest_block_ids)
+            children = [rid for rid, table in alloc.block_table.items() if dst.intersection(table)]
+            ctx.injected(f"copy of blocks {source_block_ids} -> {dest_block_ids} lost", children)
 
-        def make(inner: Any) -> Any:
-            def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
-                if not (source_block_ids and ctx.take(self.name)):
-                    inner(source_block_ids, dest_block_ids)
-                    return
-                real = alloc._copy_view
-                alloc._copy_view = real.clone()  # the copy lands here and is dropped
-                try:
-                    inner(source_block_ids, dest_block_ids)  # the adapter sees the write miss the cache
-                finally:
-                    alloc._copy_view = real
-                dst = set(dest_block_ids)
-                children = [rid for rid, table in alloc.block_table.items() if dst.intersection(table)]
-                ctx.injected(f"copy of blocks {source_block_ids} -> {dest_block_ids} lost", children)
-
-            return copy_blocks
-
-        ctx.wrap(alloc, "copy_blocks", make)
+        wrap_copy_blocks(ctx, copy)
 
 
 class OffloadRestoreLost(TransformersFault):
@@ -123,23 +123,6 @@ def _restorable(om: Any, alloc: Any, requests_in_batch: list[Any]) -> list[tuple
     return found
 
 
-def _wrap_restore(ctx: FaultContext, run: Callable[[Any, Any, Callable[[list[Any]], Any], list[Any]], Any]) -> None:
-    """This run's restore becomes ``run(alloc, om, restore, requests_in_batch)``: the full group's allocator, the
-    offloading manager and the engine's own restore."""
-    alloc = ctx.allocator(FULL)
-    if alloc is None:
-        return
-    om = ctx.offloading
-
-    def make(inner: Any) -> Any:
-        def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-            return run(alloc, om, inner, requests_in_batch)
-
-        return restore_scheduled_requests
-
-    ctx.wrap(om, "restore_scheduled_requests", make)
-
-
 class OffloadRestoreWrongBlock(TransformersFault):
     spec = SPECS["offload-restore-wrong-block"]
 
@@ -161,7 +144,7 @@ class OffloadRestoreWrongBlock(TransformersFault):
             ctx.injected(f"restore of {rid!r}: pages written to blocks {[remap[b] for b in blocks]}", [rid])
             return out
 
-        _wrap_restore(ctx, restore)
+        wrap_restore(ctx, restore)
 
 
 class OffloadRestoreWrongHostBlock(TransformersFault):
@@ -177,4 +160,4 @@ class OffloadRestoreWrongHostBlock(TransformersFault):
                 ctx.injected(f"restore of {rid!r}: host blocks {before} read as {cpu[:n]}", [rid])
             return inner(requests_in_batch)
 
-        _wrap_restore(ctx, restore)
+        wrap_restore(ctx, restore)

@@ -7,6 +7,7 @@ slot's bytes no longer match the digest stamped when they were written, or that 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,10 +15,13 @@ import torch
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
+    CopyBlocks,
     FaultContext,
     TransformersFault,
     batch_rows,
     read_segment_starts,
+    wrap_copy_blocks,
+    wrap_restore,
 )
 from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
@@ -105,50 +109,35 @@ class ForkCopyCorruptsBytes(TransformersFault):
     spec = SPECS["fork-copy-corrupts-bytes"]
 
     def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
+        def copy(alloc: Any, inner: CopyBlocks, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
+            inner(source_block_ids, dest_block_ids)
+            if not (dest_block_ids and ctx.take(self.name)):
+                return
+            dst = int(dest_block_ids[0])
+            layer = alloc.layer_indices[0]
+            flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
+            children = [rid for rid, table in alloc.block_table.items() if dst in table]
+            ctx.injected(f"copied block {dst}: first K element damaged after the copy", children)
 
-        def make(inner: Any) -> Any:
-            def copy_blocks(source_block_ids: list[int], dest_block_ids: list[int]) -> None:
-                inner(source_block_ids, dest_block_ids)
-                if not (dest_block_ids and ctx.take(self.name)):
-                    return
-                dst = int(dest_block_ids[0])
-                layer = alloc.layer_indices[0]
-                flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
-                children = [rid for rid, table in alloc.block_table.items() if dst in table]
-                ctx.injected(f"copied block {dst}: first K element damaged after the copy", children)
-
-            return copy_blocks
-
-        ctx.wrap(alloc, "copy_blocks", make)
+        wrap_copy_blocks(ctx, copy)
 
 
 class OffloadRestoreStaleBytes(TransformersFault):
     spec = SPECS["offload-restore-stale-bytes"]
 
     def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
-        om = ctx.offloading
+        def restore(alloc: Any, om: Any, inner: Callable[[list[Any]], Any], requests_in_batch: list[Any]) -> Any:
+            held = om._request_id_to_cpu_blocks
+            options = [
+                (fs.state.request_id, held[fs.state.request_id][FULL][0])
+                for fs in requests_in_batch
+                if fs.state.is_cpu_offloaded and held.get(fs.state.request_id, {}).get(FULL)
+            ]
+            if options and ctx.take(self.name):
+                rid, host_block = ctx.rng.choice(options)
+                layer = alloc.layer_indices[0]
+                flip_top_bit(om._cpu_views[FULL][int(host_block)], alloc._kv_token_views[layer][0].element_size())
+                ctx.injected(f"host block {int(host_block)} of {rid!r} damaged before its restore", [rid])
+            return inner(requests_in_batch)
 
-        def make(inner: Any) -> Any:
-            def restore_scheduled_requests(requests_in_batch: list[Any]) -> Any:
-                held = om._request_id_to_cpu_blocks
-                options = [
-                    (fs.state.request_id, held[fs.state.request_id][FULL][0])
-                    for fs in requests_in_batch
-                    if fs.state.is_cpu_offloaded and held.get(fs.state.request_id, {}).get(FULL)
-                ]
-                if options and ctx.take(self.name):
-                    rid, host_block = ctx.rng.choice(options)
-                    layer = alloc.layer_indices[0]
-                    flip_top_bit(om._cpu_views[FULL][int(host_block)], alloc._kv_token_views[layer][0].element_size())
-                    ctx.injected(f"host block {int(host_block)} of {rid!r} damaged before its restore", [rid])
-                return inner(requests_in_batch)
-
-            return restore_scheduled_requests
-
-        ctx.wrap(ctx.offloading, "restore_scheduled_requests", make)
+        wrap_restore(ctx, restore)
