@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     from kvcanary import __version__, report_command
     from kvcanary.adapters.transformers_cb.selftest import FAULTS
     from kvcanary.adapters.transformers_cb.selftest.workload import MODEL_KINDS
-    from kvcanary.cli_checks import add_device_options
+    from kvcanary.cli_checks import add_command, add_device_options, add_output_options
     from kvcanary.demo import DEFAULT_FAULTS
     from kvcanary.selftest import command as selftest
     from kvcanary.soak_command import add_parser as add_soak_parser
@@ -58,13 +58,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvcanary {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
+    demo = add_command(
+        sub,
         "demo",
         help="run the canary on transformers continuous batching: a clean run, then one with an injected fault",
         description="Builds a tiny random-weight model (no download), runs 64+ requests through transformers' "
         "generate_batch with the canary on, then reruns with one fault of the self-test's library injected.",
         epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--model", choices=MODEL_KINDS, default="dense", help="model kind (default: dense)")
     demo.add_argument(
@@ -85,8 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "--digest", type=float, default=None, metavar="BUDGET",
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
     )  # fmt: skip
-    demo.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
-    demo.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_output_options(demo)
     selftest.add_parser(sub)
     add_soak_parser(sub)
     report_command.add_parser(sub)

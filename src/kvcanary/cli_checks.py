@@ -1,4 +1,5 @@
-"""Shared device options, and refusals before any work starts: combinations the machine or model cannot honour.
+"""Shared subcommand setup (parser, device and output options), and refusals before any work starts:
+combinations the machine or model cannot honour.
 
 Each check answers with the documented exit code (2: usage, 3: environment) and a message naming the
 problem and the way out, so a user never waits minutes for a run that could not do what was asked.
@@ -14,6 +15,21 @@ EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
 # What every engine-running subcommand says when its engine is missing (the README's Install section).
 INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
+
+
+def add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, *, help: str, description: str, epilog: str
+) -> argparse.ArgumentParser:
+    """A subcommand of ``kvcanary``; its epilog (the exit codes) keeps its line breaks."""
+    return sub.add_parser(
+        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def add_output_options(parser: argparse.ArgumentParser, progress: str = "progress lines") -> None:
+    """``--json`` (only the JSON result on stdout) and ``--quiet`` (no ``progress`` on stderr)."""
+    parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    parser.add_argument("--quiet", action="store_true", help=f"no {progress} on stderr")
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:

@@ -15,14 +15,16 @@ EPILOG = """exit codes:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
+    from kvcanary.cli_checks import add_command
+
+    p = add_command(
+        sub,
         "report",
         help="summarise a JSON-lines event log (CanaryConfig(events_path=...)): counts, timeline, first violations",
         description="Reads the event log the runtime appends to CanaryConfig.events_path (schema version 1) and "
         "prints violation rows by reason, group and request, the timeline (rows per step), failed health "
         "checks and the first violations in full.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("events", metavar="EVENTS.jsonl", help="the event log")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document")

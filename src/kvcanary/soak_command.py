@@ -17,23 +17,22 @@ EPILOG = """exit codes:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvcanary.cli_checks import add_device_options
+    from kvcanary.cli_checks import add_command, add_device_options, add_output_options
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "soak",
         help="a long randomized clean workload on a real engine: silent, and steady in memory and step time",
         description="Requests arrive, finish and are cancelled continuously on the engine (prefix reuse, forks, "
         "CPU offload/restore, chunked prefill, sliding rings), the steps split between a dense and a hybrid "
         "model, until the canary ran --steps steps; then checks silence and steadiness (see exit codes).",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     add_device_options(p)
-    p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_output_options(p)
 
 
 def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment: int) -> int:

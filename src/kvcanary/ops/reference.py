@@ -60,6 +60,18 @@ def append_rows(log: ViolationLog, rows: torch.Tensor) -> None:
     log.counters[:NUM_REASONS] += bits.sum(0)
 
 
+def _log_hits(
+    log: ViolationLog, phase: Phase, group: CanaryGroup, reasons: torch.Tensor, fields: dict[Field, torch.Tensor | int]
+) -> None:
+    """Log one row per entry whose ``reasons`` are not empty; ``fields``: a value per entry, or one for all."""
+    hit = (reasons != 0).nonzero().flatten()
+    out = _new_rows(int(hit.shape[0]), phase, group, reasons.device)
+    out[:, Field.REASONS] = reasons[hit]
+    for field, values in fields.items():
+        out[:, field] = values if isinstance(values, int) else values[hit]
+    append_rows(log, out)
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -76,16 +88,7 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     rows = batch.rows.long()
     pre = batch.prefix_lens.long()
     ext = batch.extend_lens.long()
-    n_rows = batch.table.shape[0]
-    width = batch.table.shape[1] * group.page_size
-
-    pad = rows == group.padding_row if group.padding_row is not None else torch.zeros_like(rows, dtype=torch.bool)
-    row_bad = ~pad & ((rows < 0) | (rows >= n_rows))
-    write_offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
-    write_offsets[1:] = torch.cumsum(ext.clamp(0, MAX_EXTEND), 0)
-    # pre > width - ext, not pre + ext > width: exact for non-negative lengths, no int64 wrap.
-    too_long = pre > width - ext
-    len_bad = ~pad & ~row_bad & ((pre < 0) | (ext < 0) | too_long | (write_offsets[1:] > batch.num_tokens))
+    pad, row_bad, len_bad, write_offsets = _classify_rows(group, batch)
     active = ~(pad | row_bad | len_bad)
 
     starts = (pre - group.window).clamp(min=0) if group.window > 0 else torch.zeros_like(pre)
@@ -94,20 +97,7 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     verify_offsets = torch.zeros(b + 1, dtype=torch.int64, device=dev)
     verify_offsets[1:] = torch.cumsum(counts, 0)
 
-    # Seed: the stored link of the slot at prefix_len - 1; the anchor when there is none to trust.
-    need_seed = active & (ext > 0) & (pre > 0)
-    srow = rows.clamp(0, max(n_rows - 1, 0))
-    spos = (pre - 1).clamp(0, max(width - 1, 0))
-    if width > 0 and n_rows > 0:
-        sfull = table_slots(group, batch.table, srow, spos)
-    else:
-        sfull = torch.zeros_like(rows)
-    sslot, slookup_bad, seed_oor, sin_pool, sreserved = resolve(group, batch.lookup, sfull, records.num_slots)
-    slookup_bad &= need_seed
-    seed_oor &= need_seed
-    slink = records.links[sslot.clamp(0, records.num_slots - 1)]
-    trusted = need_seed & sin_pool & ~sreserved & (slink != hashing.EMPTY_LINK)
-    seed_links = torch.where(trusted, slink, _ANCHOR)
+    seed_links, sfull, sslot, slookup_bad, seed_oor = _seed_links(group, batch, records, active)
 
     ws.write_offsets[: b + 1] = write_offsets
     ws.verify_offsets[: b + 1] = verify_offsets
@@ -126,18 +116,56 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
         | seed_oor.long() * Reason.SEED_OUT_OF_RANGE
     )
     bad_index = torch.where(row_bad, rows, torch.where(slookup_bad, sfull, torch.where(seed_oor, sslot, -1)))
-    hit = (reasons != 0).nonzero().flatten()
-    out = _new_rows(int(hit.shape[0]), Phase.PLAN, group, dev)
-    out[:, Field.REASONS] = reasons[hit]
-    out[:, Field.BATCH_ROW] = hit
-    out[:, Field.TABLE_ROW] = rows[hit]
-    out[:, Field.SLOT] = -1
-    out[:, Field.PRED] = -1
-    out[:, Field.EXPECTED_POSITION] = pre[hit]
-    out[:, Field.STORED_POSITION] = pre[hit] + ext[hit]
-    out[:, Field.BAD_INDEX] = bad_index[hit]
-    append_rows(log, out)
+    _log_hits(log, Phase.PLAN, group, reasons, {
+        Field.BATCH_ROW: torch.arange(b, device=dev), Field.TABLE_ROW: rows, Field.SLOT: -1, Field.PRED: -1,
+        Field.EXPECTED_POSITION: pre, Field.STORED_POSITION: pre + ext, Field.BAD_INDEX: bad_index,
+    })  # fmt: skip
     log.counters[Counter.CALLS] += 1
+
+
+def _classify_rows(
+    group: CanaryGroup, batch: StepBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: padding, table row out of range, lengths out of range; and the rows' ``write_offsets``."""
+    rows = batch.rows.long()
+    pre = batch.prefix_lens.long()
+    ext = batch.extend_lens.long()
+    n_rows = batch.table.shape[0]
+    width = batch.table.shape[1] * group.page_size
+    pad = rows == group.padding_row if group.padding_row is not None else torch.zeros_like(rows, dtype=torch.bool)
+    row_bad = ~pad & ((rows < 0) | (rows >= n_rows))
+    write_offsets = torch.zeros(batch.batch_size + 1, dtype=torch.int64, device=batch.device)
+    write_offsets[1:] = torch.cumsum(ext.clamp(0, MAX_EXTEND), 0)
+    # pre > width - ext, not pre + ext > width: exact for non-negative lengths, no int64 wrap.
+    too_long = pre > width - ext
+    len_bad = ~pad & ~row_bad & ((pre < 0) | (ext < 0) | too_long | (write_offsets[1:] > batch.num_tokens))
+    return pad, row_bad, len_bad, write_offsets
+
+
+def _seed_links(
+    group: CanaryGroup, batch: StepBatch, records: RecordStore, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the stored link of the slot at prefix_len - 1; the anchor when there is none to trust.
+
+    Returns the seeds, that slot's table entry and resolved slot, and its lookup / slot out-of-range flags.
+    """
+    rows = batch.rows.long()
+    pre = batch.prefix_lens.long()
+    n_rows = batch.table.shape[0]
+    width = batch.table.shape[1] * group.page_size
+    need_seed = active & (batch.extend_lens.long() > 0) & (pre > 0)
+    srow = rows.clamp(0, max(n_rows - 1, 0))
+    spos = (pre - 1).clamp(0, max(width - 1, 0))
+    if width > 0 and n_rows > 0:
+        sfull = table_slots(group, batch.table, srow, spos)
+    else:
+        sfull = torch.zeros_like(rows)
+    sslot, slookup_bad, seed_oor, sin_pool, sreserved = resolve(group, batch.lookup, sfull, records.num_slots)
+    slookup_bad &= need_seed
+    seed_oor &= need_seed
+    slink = records.links[sslot.clamp(0, records.num_slots - 1)]
+    trusted = need_seed & sin_pool & ~sreserved & (slink != hashing.EMPTY_LINK)
+    return torch.where(trusted, slink, _ANCHOR), sfull, sslot, slookup_bad, seed_oor
 
 
 # --------------------------------------------------------------------------- verify
@@ -152,15 +180,8 @@ def verify(
     capacity: int,
 ) -> None:
     """Check every planned entry (up to ``capacity``; the rest are counted as skipped)."""
-    b = batch.batch_size
-    dev = batch.device
     n_slots = records.num_slots
-    voff = ws.verify_offsets[: b + 1]
-    total = int(voff[b])
-    n = min(total, capacity)
-    e = torch.arange(n, dtype=torch.int64, device=dev)
-    r = torch.searchsorted(voff[1:], e, right=True)
-    pos = ws.window_starts[r] + e - voff[r]
+    total, n, r, pos = _planned_entries(batch, ws, capacity)
     trow = batch.rows.long()[r]
 
     full = table_slots(group, batch.table, trow, pos)
@@ -178,15 +199,8 @@ def verify(
     pos_bad = checked & (stored_pos != pos)
     tok_bad = checked & (exp_tok != UNKNOWN_TOKEN) & (stored_tok != exp_tok)
 
-    has_pred = pos > 0
-    pfull = table_slots(group, batch.table, trow, (pos - 1).clamp(min=0))
-    pslot, plookup_raw = through_lookup(batch.lookup, pfull)
-    pred_resolved = has_pred & ~plookup_raw
-    plookup_bad = checked & has_pred & plookup_raw
-    pred_oor = checked & pred_resolved & ~in_pool(pslot, n_slots)
-    pred_usable = pred_resolved & in_pool(pslot, n_slots) & ~is_reserved(group, pslot)
-    prev_link = torch.where(has_pred, records.links[pslot.clamp(0, n_slots - 1)], _ANCHOR)
-    link_checked = checked & (~has_pred | pred_usable)
+    pred = _predecessors(group, batch, records, trow, pos, checked)
+    pfull, pslot, pred_resolved, plookup_bad, pred_oor, prev_link, link_checked = pred
     exp_link = torch.where(link_checked, hashing.link_step_t(prev_link, tok32, pos32), 0)
     link_bad = link_checked & (exp_link != stored_link)
     same_step.mark_step(group, batch, ws, slot[ok & ~reserved], r[ok & ~reserved], n_slots)
@@ -207,24 +221,49 @@ def verify(
         full,
         torch.where(slot_oor, slot, torch.where(plookup_bad, pfull, torch.where(pred_oor, pslot, -1))),
     )
-    hit = (reasons != 0).nonzero().flatten()
-    out = _new_rows(int(hit.shape[0]), Phase.VERIFY, group, dev)
-    out[:, Field.REASONS] = reasons[hit]
-    out[:, Field.BATCH_ROW] = r[hit]
-    out[:, Field.TABLE_ROW] = trow[hit]
-    out[:, Field.SLOT] = slot[hit]
-    out[:, Field.PRED] = torch.where(pred_resolved, pslot, -1)[hit]
-    out[:, Field.EXPECTED_POSITION] = pos[hit]
-    out[:, Field.STORED_POSITION] = stored_pos[hit]
-    out[:, Field.EXPECTED_TOKEN] = exp_tok[hit]
-    out[:, Field.STORED_TOKEN] = stored_tok[hit]
-    out[:, Field.EXPECTED_LINK] = exp_link[hit]
-    out[:, Field.STORED_LINK] = stored_link[hit]
-    out[:, Field.BAD_INDEX] = bad_index[hit]
-    append_rows(log, out)
+    _log_hits(log, Phase.VERIFY, group, reasons, {
+        Field.BATCH_ROW: r, Field.TABLE_ROW: trow, Field.SLOT: slot, Field.PRED: torch.where(pred_resolved, pslot, -1),
+        Field.EXPECTED_POSITION: pos, Field.STORED_POSITION: stored_pos,
+        Field.EXPECTED_TOKEN: exp_tok, Field.STORED_TOKEN: stored_tok,
+        Field.EXPECTED_LINK: exp_link, Field.STORED_LINK: stored_link, Field.BAD_INDEX: bad_index,
+    })  # fmt: skip
     log.counters[Counter.VERIFIED] += n
     log.counters[Counter.SKIPPED] += total - n
     log.counters[Counter.CALLS] += 1
+
+
+def _planned_entries(batch: StepBatch, ws: PlanWorkspace, capacity: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """How many entries plan asked to verify, how many fit ``capacity``, and the batch row and position of each."""
+    b = batch.batch_size
+    voff = ws.verify_offsets[: b + 1]
+    total = int(voff[b])
+    n = min(total, capacity)
+    e = torch.arange(n, dtype=torch.int64, device=batch.device)
+    r = torch.searchsorted(voff[1:], e, right=True)
+    return total, n, r, ws.window_starts[r] + e - voff[r]
+
+
+def _predecessors(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    trow: torch.Tensor,
+    pos: torch.Tensor,
+    checked: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Per verified entry, its predecessor (position - 1): table entry, slot, whether it resolved, its lookup /
+    slot out-of-range flags, the link to chain from (the anchor at position 0) and whether the link is checked."""
+    n_slots = records.num_slots
+    has_pred = pos > 0
+    pfull = table_slots(group, batch.table, trow, (pos - 1).clamp(min=0))
+    pslot, plookup_raw = through_lookup(batch.lookup, pfull)
+    pred_resolved = has_pred & ~plookup_raw
+    plookup_bad = checked & has_pred & plookup_raw
+    pred_oor = checked & pred_resolved & ~in_pool(pslot, n_slots)
+    pred_usable = pred_resolved & in_pool(pslot, n_slots) & ~is_reserved(group, pslot)
+    prev_link = torch.where(has_pred, records.links[pslot.clamp(0, n_slots - 1)], _ANCHOR)
+    link_checked = checked & (~has_pred | pred_usable)
+    return pfull, pslot, pred_resolved, plookup_bad, pred_oor, prev_link, link_checked
 
 
 # --------------------------------------------------------------------------- stamp
@@ -240,7 +279,6 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     into a slot read live this step, a slot written twice (every writer reported; which record survives
     is unspecified) and a new token's table entry that resolves elsewhere.
     """
-    dev = batch.device
     n_slots = records.num_slots
     wt = same_step.write_tokens(group, batch, ws, n_slots)
     t, r, i = wt.t, wt.r, wt.i
@@ -249,13 +287,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     pos64 = batch.positions[t].long()
     pos32 = batch.positions[t].to(torch.int32)
 
-    # Closed form of the affine scan: link_t = M**(i+1) * seed + M**t * sum_{j=s..t} mix_j * M**-j.
-    m = hashing.mix_t(tok32, pos32)
-    w = m * ws.inv_powers[t]
-    csum = torch.cumsum(w, 0)
-    k = torch.arange(t.shape[0], device=dev)
-    seg = csum - (csum - w)[k - i] if t.shape[0] else csum
-    links = ws.mult_powers[i + 1] * ws.seed_links[r] + ws.mult_powers[t] * seg
+    links = _chain_links(ws, wt, tok32, pos32)
 
     full, writable = wt.full, wt.writable
     slot, lookup_bad, slot_oor, _ok, reserved = wt.res
@@ -281,19 +313,26 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
         | same
     )
     bad_index = torch.where(lookup_bad, full, torch.where(slot_oor, slot, same_index))
-    hit = (reasons != 0).nonzero().flatten()
-    out = _new_rows(int(hit.shape[0]), Phase.STAMP, group, dev)
-    out[:, Field.REASONS] = reasons[hit]
-    out[:, Field.BATCH_ROW] = named_row[hit]
-    out[:, Field.TABLE_ROW] = batch.rows.long()[named_row][hit]
-    out[:, Field.SLOT] = slot[hit]
-    out[:, Field.PRED] = -1
-    out[:, Field.EXPECTED_POSITION] = exp_pos[hit]
-    out[:, Field.STORED_POSITION] = pos64[hit]
-    out[:, Field.EXPECTED_TOKEN] = exp_tok[hit]
-    out[:, Field.STORED_TOKEN] = tok32.long()[hit]
-    out[:, Field.STORED_LINK] = links[hit]
-    out[:, Field.BAD_INDEX] = bad_index[hit]
-    append_rows(log, out)
+    _log_hits(log, Phase.STAMP, group, reasons, {
+        Field.BATCH_ROW: named_row, Field.TABLE_ROW: batch.rows.long()[named_row], Field.SLOT: slot, Field.PRED: -1,
+        Field.EXPECTED_POSITION: exp_pos, Field.STORED_POSITION: pos64,
+        Field.EXPECTED_TOKEN: exp_tok, Field.STORED_TOKEN: tok32.long(),
+        Field.STORED_LINK: links, Field.BAD_INDEX: bad_index,
+    })  # fmt: skip
     log.counters[Counter.STAMPED] += int(writable.sum())
     log.counters[Counter.CALLS] += 1
+
+
+def _chain_links(
+    ws: PlanWorkspace, wt: same_step.WriteTokens, tok32: torch.Tensor, pos32: torch.Tensor
+) -> torch.Tensor:
+    """Each written token's link, chained from its row's seed in one pass (no loop over tokens).
+
+    Closed form of the affine scan: link_t = M**(i+1) * seed + M**t * sum_{j=s..t} mix_j * M**-j.
+    """
+    t, r, i = wt.t, wt.r, wt.i
+    w = hashing.mix_t(tok32, pos32) * ws.inv_powers[t]
+    csum = torch.cumsum(w, 0)
+    k = torch.arange(t.shape[0], device=t.device)
+    seg = csum - (csum - w)[k - i] if t.shape[0] else csum
+    return ws.mult_powers[i + 1] * ws.seed_links[r] + ws.mult_powers[t] * seg

@@ -89,35 +89,8 @@ class DistributedCanary:
         device: torch.device | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(manager, CanaryManager):
-            raise TypeError(f"manager must be a kvcanary CanaryManager, got {type(manager).__name__}")
-        if not isinstance(mode, Mode):
-            raise TypeError(f"mode must be a kvcanary.Mode, got {mode!r}")
-        inner = manager.config.mode
-        if (mode is Mode.OFF) != (inner is Mode.OFF) or inner not in (Mode.OFF, Mode.LOG):
-            raise ValueError(
-                f"the wrapped manager must run in mode 'log' (or 'off' with mode off) so it never acts alone; "
-                f"got manager mode {inner.value!r} with mode {mode.value!r}"
-            )
-        if mode is Mode.FAIL_REQUEST and on_fail_request is None:
-            raise ValueError("mode fail-request needs an on_fail_request callback")
-        if on_fail_request is not None and not callable(on_fail_request):
-            raise TypeError("on_fail_request must be callable")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"lag must be a positive int (exchanges in flight), got {lag!r}")
-        if not isinstance(exchange_every, int) or exchange_every < 1:
-            raise ValueError(f"exchange_every must be a positive int (host steps per exchange), got {exchange_every!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized: pass the engine's own process group")
-        if not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                f"process_group must be the engine's torch.distributed ProcessGroup (e.g. its TP group), "
-                f"got {type(process_group).__name__}"
-            )
-        if dist.get_rank(process_group) < 0:
-            raise ValueError("this process is not a member of process_group")
+        _check_modes(manager, mode, on_fail_request)
+        _check_exchange(process_group, timeout_s, lag, exchange_every)
         self.manager = manager
         self.mode = mode
         self.on_fail_request = on_fail_request
@@ -280,3 +253,40 @@ class DistributedCanary:
         if self.mode is Mode.FAIL_REQUEST and self.on_fail_request is not None and verdict.reports:
             self.on_fail_request(list(verdict.affected_request_ids), verdict)
         return verdict
+
+
+def _check_modes(manager: CanaryManager, mode: Mode, on_fail_request: object) -> None:
+    """The wrapped manager only logs (this wrapper acts, once every rank agrees); the mode's callback is there."""
+    if not isinstance(manager, CanaryManager):
+        raise TypeError(f"manager must be a kvcanary CanaryManager, got {type(manager).__name__}")
+    if not isinstance(mode, Mode):
+        raise TypeError(f"mode must be a kvcanary.Mode, got {mode!r}")
+    inner = manager.config.mode
+    if (mode is Mode.OFF) != (inner is Mode.OFF) or inner not in (Mode.OFF, Mode.LOG):
+        raise ValueError(
+            f"the wrapped manager must run in mode 'log' (or 'off' with mode off) so it never acts alone; "
+            f"got manager mode {inner.value!r} with mode {mode.value!r}"
+        )
+    if mode is Mode.FAIL_REQUEST and on_fail_request is None:
+        raise ValueError("mode fail-request needs an on_fail_request callback")
+    if on_fail_request is not None and not callable(on_fail_request):
+        raise TypeError("on_fail_request must be callable")
+
+
+def _check_exchange(process_group: object, timeout_s: float, lag: int, exchange_every: int) -> None:
+    """The exchange's settings, and a process group this rank belongs to in an initialized torch.distributed."""
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if not isinstance(lag, int) or lag < 1:
+        raise ValueError(f"lag must be a positive int (exchanges in flight), got {lag!r}")
+    if not isinstance(exchange_every, int) or exchange_every < 1:
+        raise ValueError(f"exchange_every must be a positive int (host steps per exchange), got {exchange_every!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: pass the engine's own process group")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be the engine's torch.distributed ProcessGroup (e.g. its TP group), "
+            f"got {type(process_group).__name__}"
+        )
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("this process is not a member of process_group")

@@ -32,9 +32,11 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from kvcanary.cli_checks import add_command, add_output_options
     from kvcanary.selftest.registry import DEFAULT_ENGINE, ENGINES
 
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "selftest",
         help="inject the fault library into a real engine and print the detection matrix",
         description="Runs every fault of the library (or the ones named) on a real engine with the canary on, "
@@ -42,7 +44,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "controls with the same seeds, and prints which faults were caught, by which check and how fast. "
         + _default_faults(DEFAULT_ENGINE),
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--engine",
@@ -60,8 +61,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--trials", type=_positive, default=DEFAULT_TRIALS, help=f"trials per fault (default: {DEFAULT_TRIALS})"
     )
     p.add_argument("--seed", type=int, default=0, help="base seed of the workloads and injections (default: 0)")
-    p.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    add_output_options(p, progress="progress bar")
     p.add_argument("--list", action="store_true", help="list the faults (bug class, expectation) and exit")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the detection matrix into FILE.png (needs matplotlib)")
 

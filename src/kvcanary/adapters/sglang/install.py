@@ -79,19 +79,7 @@ class SglangCanary:
         *,
         on_fail_request: FailRequestCallback | None = None,
     ) -> None:
-        if not isinstance(options, SglangCanaryOptions):
-            raise TypeError(f"options must be SglangCanaryOptions, got {type(options).__name__}")
-        if not options.enabled:
-            raise ValueError("options.config.mode is off: use install_canary, which returns None for mode none")
-        rtp = getattr(model_runner, "req_to_token_pool", None)
-        table = getattr(rtp, "req_to_token", None)
-        if not isinstance(table, torch.Tensor) or table.dim() != 2:
-            raise TypeError(
-                "model_runner.req_to_token_pool.req_to_token must be a 2-D tensor (install after init_memory_pool)"
-            )
-        pool = getattr(model_runner, "token_to_kv_pool", None)
-        if pool is None:
-            raise ValueError("model_runner.token_to_kv_pool is None: install after init_memory_pool")
+        table, pool = _runner_parts(model_runner, options)
         self.runner = model_runner
         self.options = options
         self.draft = bool(getattr(model_runner, "is_draft_worker", False))
@@ -311,3 +299,21 @@ def install_canary(
         {n: (c.max_batch, c.max_tokens, c.verify_entries) for n, c in canary.caps.items()},
     )
     return canary
+
+
+def _runner_parts(model_runner: Any, options: SglangCanaryOptions) -> tuple[torch.Tensor, object]:
+    """The runner's request-to-token table and KV pool, checked with the options before any state changes."""
+    if not isinstance(options, SglangCanaryOptions):
+        raise TypeError(f"options must be SglangCanaryOptions, got {type(options).__name__}")
+    if not options.enabled:
+        raise ValueError("options.config.mode is off: use install_canary, which returns None for mode none")
+    rtp = getattr(model_runner, "req_to_token_pool", None)
+    table = getattr(rtp, "req_to_token", None)
+    if not isinstance(table, torch.Tensor) or table.dim() != 2:
+        raise TypeError(
+            "model_runner.req_to_token_pool.req_to_token must be a 2-D tensor (install after init_memory_pool)"
+        )
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    if pool is None:
+        raise ValueError("model_runner.token_to_kv_pool is None: install after init_memory_pool")
+    return table, pool

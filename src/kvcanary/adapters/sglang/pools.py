@@ -12,6 +12,7 @@ Pools are matched by exact class name, never by subclass: a subclass may change 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -94,56 +95,46 @@ def attach_pool(pool: object, *, sliding_window: int | None, draft: bool, owner:
     offset = 1 if draft else 0
     prefix = "draft-" if draft else ""
     base_id = 2 if draft else 0
+    window_group = None
     if name in SINGLE_POOLS:
         slots = pool_slots(pool)
         page = _int_attr(pool, "page_size", name)
-        groups: tuple[CanaryGroup, ...] = (
-            CanaryGroup(
-                num_slots=slots,
-                group_id=base_id,
-                name=f"{prefix}full",
-                token_offset=offset,
-                reserved_slots=_reserved(page, slots),
-            ),
-        )
-        window_group = None
+        groups: tuple[CanaryGroup, ...] = (_group(f"{prefix}full", base_id, slots, page, offset),)
     else:
-        full_pool = getattr(pool, "full_kv_pool", None)
-        swa_pool = getattr(pool, "swa_kv_pool", None)
-        for role, sub in (("full_kv_pool", full_pool), ("swa_kv_pool", swa_pool)):
-            if type(sub).__name__ not in SINGLE_POOLS:
-                raise TypeError(
-                    f"{name}.{role} is a {type(sub).__name__}; supported sub-pools: {', '.join(SINGLE_POOLS)}"
-                )
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
-            raise ValueError(
-                f"{name} needs the model's sliding window size (model_runner.sliding_window_size), got "
-                f"{sliding_window!r}"
-            )
-        full_slots, swa_slots = pool_slots(full_pool), pool_slots(swa_pool)
+        full_slots, swa_slots, window = _hybrid_slots(pool, name, sliding_window)
         page = _int_attr(pool, "page_size", name)
         window_group = f"{prefix}swa"
         groups = (
-            CanaryGroup(
-                num_slots=full_slots,
-                group_id=base_id,
-                name=f"{prefix}full",
-                token_offset=offset,
-                reserved_slots=_reserved(page, full_slots),
-            ),
-            CanaryGroup(
-                num_slots=swa_slots,
-                group_id=base_id + 1,
-                name=window_group,
-                kind=GroupKind.SLIDING_WINDOW,
-                window=sliding_window,
-                uses_lookup=True,
-                token_offset=offset,
-                reserved_slots=_reserved(page, swa_slots),
-            ),
+            _group(f"{prefix}full", base_id, full_slots, page, offset),
+            _group(window_group, base_id + 1, swa_slots, page, offset, window=window),
         )
     attached = AttachedPool(pool=pool, groups=groups, window_group=window_group)
     if window_group is not None and getattr(pool, "full_to_swa_index_mapping", None) is not None:
         attached.lookup()  # validate its shape now when it is already there
     setattr(pool, _ATTACHED, owner)
     return attached
+
+
+def _hybrid_slots(pool: object, name: str, sliding_window: int | None) -> tuple[int, int, int]:
+    """A hybrid (full + sliding-window) pool's slot counts and window size, each checked."""
+    full_pool = getattr(pool, "full_kv_pool", None)
+    swa_pool = getattr(pool, "swa_kv_pool", None)
+    for role, sub in (("full_kv_pool", full_pool), ("swa_kv_pool", swa_pool)):
+        if type(sub).__name__ not in SINGLE_POOLS:
+            raise TypeError(f"{name}.{role} is a {type(sub).__name__}; supported sub-pools: {', '.join(SINGLE_POOLS)}")
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0:
+        raise ValueError(
+            f"{name} needs the model's sliding window size (model_runner.sliding_window_size), got {sliding_window!r}"
+        )
+    return pool_slots(full_pool), pool_slots(swa_pool), sliding_window
+
+
+def _group(name: str, group_id: int, slots: int, page: int, token_offset: int, window: int = 0) -> CanaryGroup:
+    """One pool's canary group; with a ``window``, the sliding-window group (read through the full-to-swa lookup)."""
+    sliding: dict[str, Any] = {}
+    if window:
+        sliding = {"kind": GroupKind.SLIDING_WINDOW, "window": window, "uses_lookup": True}
+    return CanaryGroup(
+        num_slots=slots, group_id=group_id, name=name, token_offset=token_offset,
+        reserved_slots=_reserved(page, slots), **sliding,
+    )  # fmt: skip

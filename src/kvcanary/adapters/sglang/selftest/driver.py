@@ -23,6 +23,7 @@ from kvcanary.adapters.sglang.selftest.context import AttentionTap, SglangInject
 from kvcanary.adapters.sglang.selftest.faults import FAULTS, WORKLOAD
 from kvcanary.adapters.sglang.selftest.scheduler_loop import SchedulerLoop
 from kvcanary.adapters.sglang.selftest.workload import WorkloadRequest, run_workload, standard_workload
+from kvcanary.selftest.outcome import run_outcome, verdict_settled
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
 
@@ -132,19 +133,10 @@ def run_once(
         _keep(reports, canary.flush())
     stats, features = canary.stats(), {**dict(loop.features), **canary.features()}
     loop.reset()
-    return RunOutcome(
-        stats=stats,
-        features=features,
-        reports=sorted(reports, key=lambda r: r.step),
-        seconds=seconds,
-        opportunities=ctx.opportunities,
-        injection=ctx.injection,
-        affected=oracle.first,
-        later_reads=oracle.later_reads,
-        store=oracle.store,
-        errors=errors + [f"harness: {type(e).__name__}: {e}" for e in ctx.errors],
-        stopped_early=bool(stopped),
-    )
+    return run_outcome(
+        ctx, oracle, stats=stats, features=features, reports=sorted(reports, key=lambda r: r.step),
+        seconds=seconds, errors=errors, stopped_early=bool(stopped),
+    )  # fmt: skip
 
 
 def _keep(reports: list[Any], report: Any) -> None:
@@ -153,9 +145,5 @@ def _keep(reports: list[Any], report: Any) -> None:
 
 
 def _settled(ctx: SglangInjector, oracle: ReadOracle, reports: list[Any], forwards: int) -> bool:
-    inj = ctx.injection
-    if inj is None:
-        return False
     done = forwards - 1  # the last forward run; its report arrives with the next host step
-    detected: int | None = next((int(r.step) for r in reports if r.step >= inj.step), None)
-    return oracle.settled(done, detected, _GRACE_FORWARDS)
+    return verdict_settled(ctx, oracle, done, (r.step for r in reports), _GRACE_FORWARDS)

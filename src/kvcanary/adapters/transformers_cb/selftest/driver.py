@@ -31,6 +31,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
+from kvcanary.selftest.outcome import run_outcome, verdict_settled
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
 
@@ -141,19 +142,10 @@ def run_engine(
         seconds = time.perf_counter() - start
         adapter.flush()
         errors = _run_errors(adapter, results, len(prompts) * 2, stopped)
-        return RunOutcome(
-            stats=adapter.stats(),
-            features=adapter.features(),
-            reports=adapter.reports,
-            seconds=seconds,
-            opportunities=ctx.opportunities,
-            injection=ctx.injection,
-            affected=oracle.first,
-            later_reads=oracle.later_reads,
-            store=oracle.store,
-            errors=errors + [f"harness: {type(e).__name__}: {e}" for e in ctx.errors],
-            stopped_early=stopped,
-        )
+        return run_outcome(
+            ctx, oracle, stats=adapter.stats(), features=adapter.features(), reports=adapter.reports,
+            seconds=seconds, errors=errors, stopped_early=stopped,
+        )  # fmt: skip
     finally:
         hooks.detach()
         adapter.uninstall()
@@ -208,11 +200,9 @@ def _generate(
 
 def _maybe_stop(ctx: FaultContext, oracle: ReadOracle, adapter: Any) -> None:
     """End a faulted run once its verdict cannot change (:meth:`ReadOracle.settled`)."""
-    inj = ctx.injection
-    if inj is None or ctx.stop_requested:
+    if ctx.stop_requested:
         return
     done = ctx.step - 1  # the step whose forward just completed; reports are known up to done - 1
-    detected = next((r.step for r in adapter.reports if r.step >= inj.step), None)
-    if oracle.settled(done, detected):
+    if verdict_settled(ctx, oracle, done, (r.step for r in adapter.reports)):
         ctx.stop_requested = True
         ctx.request_stop()
