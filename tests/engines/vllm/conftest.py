@@ -7,6 +7,7 @@ Tests install and uninstall the canary on it; the test that lets ``raise`` stop 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
@@ -22,6 +23,17 @@ else:
 
     for key, value in tiny.ENGINE_ENV.items():
         os.environ.setdefault(key, value)
+    # The modules the adapter patches, imported once with their import-time deprecation notices silenced
+    # (torch's jit/inductor modules vLLM pulls in); the project's pytest config turns warnings into errors.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in (
+            "vllm.v1.worker.gpu_model_runner",
+            "vllm.v1.worker.cpu_model_runner",
+            "vllm.v1.core.sched.scheduler",
+            "vllm.v1.attention.backends.cpu_attn",
+        ):
+            importlib.import_module(module)
 
 
 def pytest_configure(config: pytest.Config) -> None:
