@@ -172,6 +172,17 @@ class EngineUnavailable(RuntimeError):
     """The engine (or its self-test) cannot run here: not installed, unsupported version, no device."""
 
 
+def engine_version(check_version: Callable[[], str], needs: str) -> str:
+    """``check_version()``; :class:`EngineUnavailable` saying what the self-test ``needs`` when the engine is missing
+    (ImportError) or of an unsupported version."""
+    from kvcanary.adapters.base import UnsupportedEngineVersion
+
+    try:
+        return check_version()
+    except (ImportError, UnsupportedEngineVersion) as exc:
+        raise EngineUnavailable(f"{needs}: {exc}") from exc
+
+
 class EngineDriver(Protocol):
     """What ``kvcanary selftest --engine NAME`` needs from an engine (see docs/architecture.md).
 

@@ -24,7 +24,7 @@ from kvcanary.adapters.sglang.selftest.faults import FAULTS, WORKLOAD
 from kvcanary.adapters.sglang.selftest.scheduler_loop import SchedulerLoop
 from kvcanary.adapters.sglang.selftest.workload import WorkloadRequest, run_workload, standard_workload
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
-from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
+from kvcanary.selftest.protocol import Fault, InjectMode, RunOutcome, engine_version
 from kvcanary.selftest.read_oracle import ReadOracle
 
 _GRACE_FORWARDS = 3
@@ -42,13 +42,9 @@ class SglangDriver:
         self.loop: SchedulerLoop | None = None
 
     def check(self) -> str:
-        from kvcanary.adapters.base import UnsupportedEngineVersion
         from kvcanary.adapters.sglang.version import check_version
 
-        try:
-            return check_version()
-        except UnsupportedEngineVersion as exc:
-            raise EngineUnavailable(f"the sglang self-test needs a supported sglang: {exc}") from exc
+        return engine_version(check_version, "the sglang self-test needs a supported sglang")
 
     def describe(self, version: str) -> str:
         return f"sglang {version} scheduler loop (CPU, torch-native attention, tiny Llama)"

@@ -32,7 +32,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
-from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
+from kvcanary.selftest.protocol import Fault, InjectMode, RunOutcome, engine_version
 from kvcanary.selftest.read_oracle import ReadOracle
 
 
@@ -71,13 +71,9 @@ class TransformersDriver:
         self.models: dict[str, torch.nn.Module] = {}
 
     def check(self) -> str:
-        from kvcanary.adapters.base import UnsupportedEngineVersion
         from kvcanary.adapters.transformers_cb.version import check_version
 
-        try:
-            return check_version()
-        except (ImportError, UnsupportedEngineVersion) as exc:
-            raise EngineUnavailable(f"the transformers self-test needs transformers 5.24.0: {exc}") from exc
+        return engine_version(check_version, "the transformers self-test needs transformers 5.24.0")
 
     def describe(self, version: str) -> str:
         return f"transformers {version} continuous batching"
