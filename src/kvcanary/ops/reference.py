@@ -60,6 +60,15 @@ def append_rows(log: ViolationLog, rows: torch.Tensor) -> None:
     log.counters[:NUM_REASONS] += bits.sum(0)
 
 
+def _slot_reasons(lookup_bad: torch.Tensor, slot_oor: torch.Tensor, reserved: torch.Tensor) -> torch.Tensor:
+    """The reasons a slot's resolution can raise: its lookup or the slot out of range, or a reserved slot."""
+    return (
+        lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
+        | slot_oor.long() * Reason.SLOT_OUT_OF_RANGE
+        | reserved.long() * Reason.RESERVED_SLOT
+    )
+
+
 def _log_hits(
     log: ViolationLog, phase: Phase, group: CanaryGroup, reasons: torch.Tensor, fields: dict[Field, torch.Tensor | int]
 ) -> None:
@@ -206,9 +215,7 @@ def verify(
     same_step.mark_step(group, batch, ws, slot[ok & ~reserved], r[ok & ~reserved], n_slots)
 
     reasons = (
-        lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
-        | slot_oor.long() * Reason.SLOT_OUT_OF_RANGE
-        | reserved.long() * Reason.RESERVED_SLOT
+        _slot_reasons(lookup_bad, slot_oor, reserved)
         | never.long() * Reason.NEVER_WRITTEN
         | pos_bad.long() * Reason.POSITION_MISMATCH
         | tok_bad.long() * Reason.TOKEN_MISMATCH
@@ -305,9 +312,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     records.links[dst] = links[writable]
 
     reasons = (
-        lookup_bad.long() * Reason.LOOKUP_OUT_OF_RANGE
-        | slot_oor.long() * Reason.SLOT_OUT_OF_RANGE
-        | reserved.long() * Reason.RESERVED_SLOT
+        _slot_reasons(lookup_bad, slot_oor, reserved)
         | wpos_bad.long() * Reason.WRITE_POSITION_MISMATCH
         | wtok_bad.long() * Reason.WRITE_TOKEN_MISMATCH
         | same
