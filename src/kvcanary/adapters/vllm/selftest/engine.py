@@ -24,6 +24,7 @@ from kvcanary.adapters.vllm.selftest.cow import install_relocations
 from kvcanary.adapters.vllm.selftest.faults import FAULTS
 from kvcanary.adapters.vllm.workload import make_workload
 from kvcanary.config import CanaryConfig, Mode
+from kvcanary.selftest.outcome import run_outcome, verdict_settled
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
 
@@ -136,19 +137,10 @@ def run_engine(
         ctx.patches.restore()
         canary.uninstall()
     reports = [dataclasses.replace(r, step=canary.engine_step_of[r.step]) for r in canary.reports]
-    return RunOutcome(
-        stats=canary.stats(),
-        features={**canary.features(), "cow_relocations": ctx.relocations},
-        reports=reports,
-        seconds=time.perf_counter() - start,
-        opportunities=ctx.opportunities,
-        injection=ctx.injection,
-        affected=oracle.first,
-        later_reads=oracle.later_reads,
-        store=oracle.store,
-        errors=errors + [f"harness: {type(e).__name__}: {e}" for e in ctx.errors],
-        stopped_early=stopped,
-    )
+    return run_outcome(
+        ctx, oracle, stats=canary.stats(), features={**canary.features(), "cow_relocations": ctx.relocations},
+        reports=reports, seconds=time.perf_counter() - start, errors=errors, stopped_early=stopped,
+    )  # fmt: skip
 
 
 def _drive(
@@ -181,10 +173,7 @@ def _drive(
 
 def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
     """A faulted run's verdict cannot change any more (see the runner's rules)."""
-    inj = ctx.injection
-    if inj is None or ctx.mode is not InjectMode.INJECT:
+    if ctx.mode is not InjectMode.INJECT:
         return False
-    done = ctx.step - 1
     steps = (int(canary.engine_step_of[r.step]) for r in canary.reports)
-    detected: int | None = next((s for s in steps if s >= inj.step), None)
-    return oracle.settled(done, detected, GRACE_STEPS)
+    return verdict_settled(ctx, oracle, ctx.step - 1, steps, GRACE_STEPS)

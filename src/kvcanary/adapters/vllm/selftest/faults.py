@@ -8,6 +8,7 @@ copy-on-write block copy that never happens (the relocation itself is vLLM's CoW
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from kvcanary.adapters.vllm.selftest.context import VllmInjector
@@ -34,6 +35,25 @@ def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
     return out
 
 
+def _on_runner(
+    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
+) -> None:
+    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
+
+    def make(original: Any) -> Any:
+        def wrapped(so: Any, *a: Any, **k: Any) -> Any:
+            if not after:
+                ctx.guard(corrupt)(ctx, so)
+            out = original(so, *a, **k)
+            if after:
+                ctx.guard(corrupt)(ctx, so)
+            return out
+
+        return wrapped
+
+    ctx.wrap(ctx.runner, method, make)
+
+
 class BlockTableCrossRequest(Fault[VllmInjector]):
     spec: ClassVar[FaultSpec] = FaultSpec(
         name="block_table_cross_request",
@@ -48,15 +68,7 @@ class BlockTableCrossRequest(Fault[VllmInjector]):
     )
 
     def install(self, ctx: VllmInjector) -> None:
-        def make(original: Any) -> Any:
-            def _update_states(so: Any, *a: Any, **k: Any) -> Any:
-                out = original(so, *a, **k)
-                ctx.guard(self._corrupt)(ctx, so)
-                return out
-
-            return _update_states
-
-        ctx.wrap(ctx.runner, "_update_states", make)
+        _on_runner(ctx, "_update_states", self._corrupt, after=True)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = _decode_rows(ctx, so)
@@ -120,14 +132,7 @@ class WrongTokenId(Fault[VllmInjector]):
     )
 
     def install(self, ctx: VllmInjector) -> None:
-        def make(original: Any) -> Any:
-            def _prepare_inputs(so: Any, *a: Any, **k: Any) -> Any:
-                ctx.guard(self._corrupt)(ctx, so)
-                return original(so, *a, **k)
-
-            return _prepare_inputs
-
-        ctx.wrap(ctx.runner, "_prepare_inputs", make)
+        _on_runner(ctx, "_prepare_inputs", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = _decode_rows(ctx, so)
@@ -154,14 +159,7 @@ class ResumeOntoStaleBlocks(Fault[VllmInjector]):
     )
 
     def install(self, ctx: VllmInjector) -> None:
-        def make(original: Any) -> Any:
-            def _update_states(so: Any, *a: Any, **k: Any) -> Any:
-                ctx.guard(self._corrupt)(ctx, so)
-                return original(so, *a, **k)
-
-            return _update_states
-
-        ctx.wrap(ctx.runner, "_update_states", make)
+        _on_runner(ctx, "_update_states", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
