@@ -12,6 +12,7 @@ decode step.  Results are rewritten to ``OUT_DIR/rank<RANK>.json`` after each sc
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ def scenario(loop: Any, name: str, rank: int, world: int) -> dict[str, Any]:
     logging.getLogger("kvcanary").addHandler(handler)
     canary = loop.install(MODES[name])
     faulty = 0 if name == "raise" else world - 1
-    hook = alias_first_slot if name in ("log", "fail", "raise") and rank == faulty else None
+    hook = functools.partial(alias_first_slot, loop) if name in ("log", "fail", "raise") and rank == faulty else None
     last_step_done = [time.monotonic()]
     if name == "kill" and rank == world - 1:
         die_in_host_step(loop, canary.manager)
