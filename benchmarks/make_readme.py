@@ -173,8 +173,8 @@ def _demo_section() -> list[str]:
         "`results/gpu-demo/nvidia-h200-c8acec9-host-profile.txt`. The goals are not met.",
         "",
         "Issue 14's graph workload (`scripts/gpu/cb_qwen3_workload.py`, Qwen3-0.6B-shaped, asynchronous batching), "
-        "a035a84 -> c8acec9: with CUDA graphs `host_step` no longer waits for the previous step's device work (the pump "
-        "polls, two steps behind): 16.4 -> 0.07 ms per step at batch 1 and 25.2 -> 0.08 ms at batch 32, the tap's "
+        "a035a84 -> c8acec9: with CUDA graphs `host_step` no longer waits for the previous step's device work (pump "
+        "polling, two steps behind): 16.4 -> 0.07 ms per step at batch 1 and 25.2 -> 0.08 ms at batch 32, the tap's "
         "median 19.8 -> 0.77 ms and 33.4 -> 1.28 ms; all four runs clean, verified == read "
         "(`results/cb-qwen3/nvidia-h200-c8acec9-cb_qwen3.json`).",
     ]
