@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument(
+        "--models", default="dense,hybrid",
+        help="the phases, comma-separated (default: dense,hybrid); one model per process lets a many-core host run "
+        "the phases side by side",
+    )  # fmt: skip
     add_device_options(p)
     add_output_options(p)
 
@@ -42,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"kvcanary soak: {exc}", EXIT_ENVIRONMENT)
 
     def options() -> SoakOptions:
-        return SoakOptions(steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend))
+        return SoakOptions(
+            steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend),
+            models=tuple(args.models.split(",")),
+        )  # fmt: skip
 
     return run_engine_command(args, "soak", "transformers 5.24.0 and psutil", options, run_soak, summary)
