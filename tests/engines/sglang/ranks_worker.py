@@ -42,9 +42,9 @@ def alias_first_slot(loop: Any, batch: Any) -> None:
     if loop.forwards_started != FAULT_FORWARD or not batch.forward_mode.is_decode() or len(batch.reqs) < 2:
         return
     table = loop.runner.req_to_token_pool.req_to_token
-    first, victim = batch.reqs[0], batch.reqs[-1]
-    table[victim.req_pool_idx, 0] = table[first.req_pool_idx, 0]
-    loop.features["fault_" + victim.rid] += 1
+    rows = [int(r) for r in batch.req_pool_indices.tolist()]  # the batch's table rows, in batch order
+    table[rows[-1], 0] = table[rows[0], 0]
+    loop.features["fault_" + batch.reqs[-1].rid] += 1
 
 
 def die_in_host_step(loop: Any, manager: Any) -> None:
