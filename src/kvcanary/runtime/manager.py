@@ -34,7 +34,7 @@ from kvcanary.runtime.capture import is_capturing, stream_capturing_probe
 from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
-from kvcanary.runtime.report import FailRequestCallback, StepReport
+from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -119,6 +119,12 @@ class CanaryManager:
         for i, name in enumerate(self.canaries):
             if name in built:
                 self._work.digests[i] = built[name]
+        self._decoder.locate = self._locate_digest
+
+    def _locate_digest(self, violation: Violation) -> str:
+        """The layer note of a digest mismatch row (reads the slot's bytes: only for reported rows)."""
+        digest = self.digest_of(violation.group) if violation.group in self.canaries else None
+        return "" if digest is None else digest.locate(violation.slot)
 
     def digest_of(self, group: str) -> GroupDigest | None:
         if not self._enabled:
