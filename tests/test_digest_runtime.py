@@ -22,6 +22,11 @@ CAPS = Capacities(max_batch=8, max_tokens=32, verify_entries=128, max_context=24
 HEADS, DIM, LAYERS = 2, 6, 2
 
 
+def name(i: int) -> str:
+    """Component i's name: each layer's K, then its V."""
+    return f"layer{i // 2}.{'kv'[i % 2]}"
+
+
 class KVPools:
     """K and V of LAYERS layers for both groups, written by the 'forward' from (token, position)."""
 
@@ -32,7 +37,7 @@ class KVPools:
 
     def layouts(self) -> dict[str, D.DigestLayout]:
         return {
-            "full": D.DigestLayout(tuple(D.token_major(t, f"layer{i // 2}.{'kv'[i % 2]}") for i, t in enumerate(self.full))),
+            "full": D.DigestLayout(tuple(D.token_major(t, name(i)) for i, t in enumerate(self.full))),
             "window": D.DigestLayout(tuple(D.token_major(t) for t in self.window)),
         }
 
@@ -112,8 +117,7 @@ def test_bit_flip_is_caught_at_the_next_read(layer: int) -> None:
     assert {v.group for v in bad} == {"full"} and {v.request_id for v in bad} >= {1}
     assert mgr.stats()["violations"] > 0
     # The layer is named (the single-bit search): bf16 element [1, 3] is byte 6 of head 1's second word.
-    name = f"layer{layer // 2}.{'kv'[layer % 2]}"
-    assert bad[0].note == f"digest: one flipped bit explains the mismatch: {name} head 1 byte 7 bit 1"
+    assert bad[0].note == f"digest: one flipped bit explains the mismatch: {name(layer)} head 1 byte 7 bit 1"
     assert bad[0].note in report.summary()
 
 
@@ -170,7 +174,7 @@ def test_moved_slots_are_verified_after_the_move(bytes_ok: bool) -> None:
         assert all(v.phase == "digest_verify" for v in bad)
         # The copy sources still hold the stamped bytes: the layers that differ are named exactly.
         notes = {v.slot: v.note for v in bad}
-        every = ", ".join(f"layer{i // 2}.{'kv'[i % 2]}" for i in range(2 * LAYERS))
+        every = ", ".join(name(i) for i in range(2 * LAYERS))
         s0, s1, s2 = moved
         assert notes[60] == f"digest: bytes differ from their copy source (index {s0}) in {every}"
         assert notes[62] == f"digest: bytes differ from their copy source (index {s2}) in {every}"
