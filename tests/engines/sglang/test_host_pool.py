@@ -171,7 +171,7 @@ def test_a_load_with_stale_bytes_is_caught_and_the_layer_named(digest_host_engin
 
 
 def test_device_bytes_damaged_after_the_load_are_named_against_the_host_copy(digest_host_engine) -> None:
-    eng, host, mirror = digest_host_engine
+    eng, host, _ = digest_host_engine
     a, _ = _decoding(eng)
     host_idx = _offload(eng, host, a)
     eng.running.remove(a)
