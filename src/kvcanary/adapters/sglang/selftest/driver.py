@@ -29,6 +29,7 @@ from kvcanary.selftest.read_oracle import ReadOracle
 
 _GRACE_FORWARDS = 3
 _QUIET_LOGGERS = ("kvcanary", "sglang")  # a faulted run stops this many forwards after its verdict is known
+DIGEST_BUDGET = 1.0  # the KV digest checks every read slot's bytes each forward (the byte faults, design.md §12)
 
 
 class SglangDriver:
@@ -97,7 +98,7 @@ def run_once(
     if store is not None and not isinstance(store, dict):
         raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
     loop.reset()
-    canary = loop.install("log")
+    canary = loop.install("log", kv_canary_digest_budget=DIGEST_BUDGET)
     ctx = SglangInjector(loop, mode, rng=random.Random(f"{seed}:{target}"), target=target)
     oracle = ReadOracle(store, int(loop.runner.model_config.num_hidden_layers))
     tap = AttentionTap(loop, oracle, ctx)
@@ -124,6 +125,7 @@ def run_once(
         errors.append(f"engine: {type(exc).__name__}: {exc}")
     finally:
         tap.detach()
+        ctx.patches.restore()  # the faults' wraps on engine objects (the pool's set_kv_buffer)
     seconds = time.perf_counter() - start
     if not loop.in_forward and not errors:
         _keep(reports, canary.flush())
