@@ -214,8 +214,6 @@ class WrongTokenInIds(Fault[SglangInjector]):
         ctx.injected(f"{req.rid} output_ids[-1]: {old} -> {req.output_ids[-1]}", [req.rid])
 
 
-
-
 class KVBitFlip(Fault[SglangInjector]):
     """One bit of a cached token's K flips in the pool (HBM/DRAM bit error, a stray DMA): every record and
     table entry stays correct, only the KV digest (run at budget 1.0 here) can see it."""
