@@ -68,6 +68,9 @@ class GroupDigest:
         self.workspace = DigestWorkspace.allocate(entries, canary.device)
         self._kernels = uses_kernels(canary.backend, canary.device)
         self.sources = MoveSources()  # the last few moves' sources, read only by locate()
+        # False: the adapter stamps after its engine's forward itself (CanaryManager.stamp_digests), because
+        # its before/after calls both run before the forward (vLLM's passes); after_forward then skips it.
+        self.stamp_after_forward = True
         self._device_layout = None
         self._kernel_kw: dict[str, object] = {}
         if self._kernels:

@@ -141,6 +141,19 @@ class CanaryManager:
             raise RuntimeError("verify_moved called between before_forward and after_forward")
         digest.verify_slots(slots, self._work.logs[list(self.canaries).index(group)])
 
+    def stamp_digests(self, batches: Mapping[str, StepBatch]) -> None:
+        """Digest the slots ``batches`` wrote, for groups whose digest is stamped by the adapter
+        (``GroupDigest.stamp_after_forward`` False): after the engine's forward wrote them, outside
+        before/after.  The batches must be ones this step's ``before_forward`` validated (all rows)."""
+        if not self._enabled:
+            return
+        if self._open:
+            raise RuntimeError("stamp_digests called between before_forward and after_forward")
+        for i, name in enumerate(self.canaries):
+            digest = self._work.digests[i]
+            if digest is not None and not digest.stamp_after_forward and name in batches:
+                digest.stamp(batches[name], self._work.logs[i])
+
     # ------------------------------------------------------------------ per-step device work
 
     def before_forward(self, batches: Mapping[str, StepBatch]) -> None:

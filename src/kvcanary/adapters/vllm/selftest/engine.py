@@ -23,7 +23,7 @@ from kvcanary.adapters.vllm.selftest.context import OracleTap, VllmInjector
 from kvcanary.adapters.vllm.selftest.cow import install_relocations
 from kvcanary.adapters.vllm.selftest.faults import FAULTS
 from kvcanary.adapters.vllm.workload import make_workload
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
 from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
 from kvcanary.selftest.read_oracle import ReadOracle
@@ -32,6 +32,7 @@ GRACE_STEPS = 3
 MAX_STEPS = 3000  # a clean run takes 100-300 steps; more means the engine stopped making progress
 NUM_REQUESTS = 20
 NUM_LAYERS = 2
+DIGEST_BUDGET = 1.0  # the KV digest checks every read slot's bytes each step (the byte faults, design.md §12)
 
 
 class VllmDriver:
@@ -114,7 +115,7 @@ def run_engine(
     from kvcanary.adapters.vllm.attach import install
 
     llm.reset_prefix_cache()
-    canary = install(llm, CanaryConfig(mode=Mode.LOG))
+    canary = install(llm, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=DIGEST_BUDGET)))
     assert canary is not None
     oracle = ReadOracle(store, NUM_LAYERS)
     ctx = VllmInjector(mode, rng=random.Random(f"{seed}:{target}"), target=target, llm=llm, canary=canary)
