@@ -31,6 +31,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument(
+        "--models", default="dense,hybrid",
+        help="the phases, comma-separated (default: dense,hybrid); one model per process lets a many-core host run "
+        "the phases side by side",
+    )  # fmt: skip
     add_device_options(p)
     add_output_options(p)
 
@@ -54,7 +59,10 @@ def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment:
         print(f"kvcanary soak: {refusal[1]}", file=sys.stderr)
         return refusal[0]
     try:
-        options = SoakOptions(steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend))
+        options = SoakOptions(
+            steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend),
+            models=tuple(args.models.split(",")),
+        )  # fmt: skip
     except ValueError as exc:
         print(f"kvcanary soak: {exc}", file=sys.stderr)
         return usage

@@ -9,10 +9,10 @@ Per engine step::
 
 The first two may be captured once in a CUDA graph and replayed (inputs refilled in place); the
 manager then sees only ``host_step`` calls and relies on the device phase marks to notice a replay
-that lacks its work.  A violation of host step k is decoded and acted upon by host step k + 1 (or
-:meth:`CanaryManager.flush`).  One before/after pair per host step gives exact attribution; several
-are allowed (warm-up forwards, for instance): counts stay exact, rows of all but the last are dropped
-and reported as such.
+that lacks its work.  A violation of host step k is decoded and acted upon by host step k + 1 (k + 2
+when the device runs behind: see :mod:`~kvcanary.runtime.pump`) or by :meth:`CanaryManager.flush`.
+One before/after pair per host step gives exact attribution; several are allowed (warm-up forwards,
+for instance): counts stay exact, rows of all but the last are dropped and reported as such.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from kvcanary.runtime.validation import (
     request_id_tuple,
     validate_step,
 )
+from kvcanary.runtime.verdict import merge_reports
 from kvcanary.workspace import Capacities
 
 
@@ -49,7 +50,7 @@ class CanaryManager:
     """Canary state and reporting for one KV pool (one or more groups).
 
     Everything is allocated here, once: each group's records and plan workspace, the live log, the
-    outbox and two host buffers (pinned on CUDA).  In ``off`` mode nothing is allocated, every
+    outbox and three host buffers (pinned on CUDA).  In ``off`` mode nothing is allocated, every
     method is a no-op and :attr:`canaries` is empty.  Decoding and acting on a step's copy is
     :class:`~kvcanary.runtime.decode.StepDecoder`'s job.
     """
@@ -212,11 +213,13 @@ class CanaryManager:
     # ------------------------------------------------------------------ host side
 
     def host_step(self, request_ids: Sequence[object] | None = None) -> StepReport | None:
-        """Decode the previous step's copy, stage this step's, then act (outside any graph).
+        """Decode the oldest step not yet decoded if its copy landed, stage this step's, then act (outside any
+        graph).  Never waits on the device on the clean path (see :mod:`~kvcanary.runtime.pump`).
 
-        ``request_ids[r]`` is the engine's id of batch row r in this step's batches.  Returns the
-        report of the previous step when it had violations (``log`` and ``fail-request`` modes), or
-        None; raises :class:`CanaryViolation` in ``raise`` mode.
+        ``request_ids[r]`` is the engine's id of batch row r in this step's batches.  Returns the report
+        of the step decoded (normally the previous one, at most two back on a device that runs behind)
+        when it had violations (``log`` and ``fail-request`` modes), or None; raises
+        :class:`CanaryViolation` in ``raise`` mode.
         """
         if not self._enabled:
             return None
@@ -229,7 +232,7 @@ class CanaryManager:
         ids = request_id_tuple(request_ids)
         self._eager_forwards = 0
         step = self._step
-        prev = self._pump.take()
+        prev = self._pump.take_due(step)  # the oldest undecoded step whose copy landed (or is two steps old)
         outcome = None if prev is None else self._decoder.decode(prev, reported_at=step)
         # Stage this step before acting: a raise below must not lose this step's copy.
         self._pump.stage(step, ids)
@@ -237,17 +240,21 @@ class CanaryManager:
         return None if outcome is None else self._decoder.act(*outcome)
 
     def flush(self) -> StepReport | None:
-        """Synchronously decode the last staged step (end of a run)."""
+        """Synchronously decode the steps not yet decoded (end of a run: at most two, oldest first, each acted
+        on by mode); returns their reports as one (:func:`~kvcanary.runtime.verdict.merge_reports`), or None."""
         if not self._enabled:
             return None
         self._check_host_call("flush")
         if self._eager_forwards:
             raise RuntimeError("flush: a forward ran after the last host_step; call host_step(request_ids) first")
-        buf = self._pump.take()
-        outcome = None if buf is None else self._decoder.decode(buf, reported_at=self._step)
-        report = None if outcome is None else self._decoder.act(*outcome)
+        reports = []
+        for buf in self._pump.take_all():
+            outcome = self._decoder.decode(buf, reported_at=self._step)
+            acted = None if outcome is None else self._decoder.act(*outcome)
+            if acted is not None:
+                reports.append(acted)
         self._decoder.log_suppressed()
-        return report
+        return merge_reports(reports) if reports else None
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""
