@@ -223,13 +223,14 @@ class VllmCanary:
         candidates = [i for i, rid in enumerate(req_ids) if rid in self._candidates]
         plan = translate.passes(views, candidates, [g.canary.page_size for g in self.groups])
         self.features_.add("steps")
-        if self.options.config.digest is not None:
+        if plan is None:
+            batches = self._run_pass(views, inputs, None)
+            self._written = batches if self.options.config.digest is not None else None
+            return req_ids
+        if self.options.config.digest is not None:  # every row's writes, stamped after the forward
             self._written = {
                 g.canary.name: translate.batch_for(v, inputs, None) for g, v in zip(self.groups, views, strict=True)
             }
-        if plan is None:
-            self._run_pass(views, inputs, None)
-            return req_ids
         self.features_.add("same_step_readers", sum(len(p) for p in plan[1:]))
         for rows in plan[:-1]:
             self._run_pass(views, inputs, rows)
@@ -237,12 +238,15 @@ class VllmCanary:
         self._run_pass(views, inputs, plan[-1])
         return [req_ids[i] for i in plan[-1]]
 
-    def _run_pass(self, views: list[translate.GroupView], inputs: translate.StepInputs, rows: list[int] | None) -> None:
+    def _run_pass(
+        self, views: list[translate.GroupView], inputs: translate.StepInputs, rows: list[int] | None
+    ) -> dict[str, Any]:
         batches = {g.canary.name: translate.batch_for(v, inputs, rows) for g, v in zip(self.groups, views, strict=True)}
         start = time.perf_counter()
         self.manager.before_forward(batches)
         self.manager.after_forward()
         self.features_.core_seconds += time.perf_counter() - start
+        return batches
 
     def _count_rows(self, view: translate.GroupView, req_ids: list[str]) -> None:
         reqs = self.runner.requests
