@@ -17,6 +17,7 @@ for instance): counts stay exact, rows of all but the last are dropped and repor
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -35,6 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
+from kvcanary.runtime.step_graphs import StepGraphs, batch_key, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -44,6 +46,8 @@ from kvcanary.runtime.validation import (
 )
 from kvcanary.runtime.verdict import merge_reports
 from kvcanary.workspace import Capacities
+
+logger = logging.getLogger("kvcanary")
 
 
 class CanaryManager:
@@ -102,6 +106,10 @@ class CanaryManager:
         self._work = StepWork(list(self.canaries.values()), layout, self.device)
         self._pump = LaggedPump(self._work.outbox, layout)
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
+        # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
+        self._graphs: StepGraphs | None = None
+        if self._cuda and self._kernels and not config.check_values:
+            self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
 
     # ------------------------------------------------------------------ the KV digest
@@ -117,6 +125,8 @@ class CanaryManager:
         if unknown:
             raise ValueError(f"attach_digests: unknown groups {unknown}; groups are {sorted(self.canaries)}")
         built = {name: GroupDigest(self.canaries[name], layout, self.config.digest) for name, layout in layouts.items()}
+        if self._graphs is not None:
+            self._graphs.clear()  # graphs captured before hold no digest work
         for i, name in enumerate(self.canaries):
             if name in built:
                 self._work.digests[i] = built[name]
@@ -196,6 +206,42 @@ class CanaryManager:
             self._graph_captured = True
         else:
             self._eager_forwards += 1
+
+    def forward_step(self, batches: Mapping[str, StepBatch]) -> None:
+        """``before_forward(batches)`` then ``after_forward()``, for a tap that runs once the forward is enqueued.
+
+        On CUDA, outside any capture, the pair's device work is replayed from the canary's own CUDA graph
+        when this step's batch tensors sit where those of a captured step sat (same addresses, shapes,
+        dtypes): one launch instead of several per group (see :mod:`~kvcanary.runtime.step_graphs`).
+        """
+        graphs = self._graphs
+        if graphs is None or self._open or is_capturing(self.device):
+            self.before_forward(batches)
+            self.after_forward()
+            return
+        ordered = ordered_batches(batches, self.canaries)
+        key = batch_key(ordered)
+        if graphs.replay(key):
+            self._eager_forwards += 1
+            return
+        self.before_forward(batches)
+        self.after_forward()
+        work = self._work
+
+        def step_work() -> None:
+            work.before(ordered)
+            work.after()
+
+        try:
+            graphs.ran_eagerly(key, step_work)
+        except Exception:  # a capture the driver refused: the step ran eagerly already; stay eager from now on
+            logger.exception("kvcanary: capturing the canary's step graph failed; the canary runs eagerly from now on")
+            self._graphs = None
+
+    def graph_stats(self) -> dict[str, int]:
+        """Steps replayed from the canary's own graphs and graphs captured (zero where not in use)."""
+        g = self._graphs
+        return {"graph_replays": 0 if g is None else g.replays, "graph_captures": 0 if g is None else g.captures}
 
     def abandon_forward(self) -> None:
         """Close a before_forward whose model forward raised, so the next step starts clean.

@@ -8,18 +8,15 @@ They act on vLLM's own cache tensors (``runner.kv_caches``: per layer ``[blocks,
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
-from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+from kvcanary.selftest.protocol import Fault
+from kvcanary.selftest.specs import load_specs
 
-_DIGEST = frozenset({("digest_verify", "digest_mismatch")})
-
-
-def _spec(name: str, bug_class: str, catalogue: str, mechanism: str, check: str) -> FaultSpec:
-    return FaultSpec(name, bug_class, catalogue, mechanism, "dense", Expect.DETECT, check, _DIGEST)
+SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
 def flip_k_sign(kv: torch.Tensor, block: int, offset: int) -> int:
@@ -44,14 +41,7 @@ def _live_position(ctx: VllmInjector, so: Any) -> tuple[str, int, int, int] | No
 
 
 class KVBitFlip(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = _spec(
-        "kv_bit_flip",
-        "bit flip in a live slot's K bytes",
-        "silent data corruption in accelerator/host memory; vLLM's CRC32C offload tier exists for it",
-        "after _update_states, the sign bit of one cached token's largest K element, in one layer, is flipped "
-        "in vLLM's cache tensor; no record, table entry or slot mapping changes",
-        "digest_verify: digest_mismatch",
-    )
+    spec = SPECS["kv_bit_flip"]
 
     def install(self, ctx: VllmInjector) -> None:
         on_runner(ctx, "_update_states", self._corrupt, after=True)
@@ -67,14 +57,7 @@ class KVBitFlip(Fault[VllmInjector]):
 
 
 class PaddingWriteLiveSlot(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = _spec(
-        "padding_write_live_slot",
-        "padding token's K/V written into a live slot",
-        "padded-batch write-location bugs (CUDA-graph padding rows writing real slots)",
-        "in one forward, CPU_ATTN's do_kv_cache_update of every layer also writes the step's last K/V row into "
-        "the slot of a cached position of a decoding request; no record, table entry or slot mapping changes",
-        "digest_verify: digest_mismatch (the next forward that reads the slot)",
-    )
+    spec = SPECS["padding_write_live_slot"]
 
     def __init__(self) -> None:
         self.victim: int | None = None  # the live slot the next forward's layers also write
@@ -110,14 +93,7 @@ class PaddingWriteLiveSlot(Fault[VllmInjector]):
 
 
 class CowCopyCorruptsBytes(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = _spec(
-        "cow_copy_corrupts_bytes",
-        "copy-on-write block copy lands damaged bytes",
-        "vLLM #45704 (restored KV without the copy having landed); LMCache #4463; partial DMA copies",
-        "vLLM's copy_kv_cache_blocks_inplace copies a relocated prefix block, then one bit of the "
-        "destination's first K element of layer 0 flips; the block table and the records are right",
-        "digest_verify: digest_mismatch (verified right after the copy)",
-    )
+    spec = SPECS["cow_copy_corrupts_bytes"]
 
     def install(self, ctx: VllmInjector) -> None:
         import vllm.v1.worker.gpu_model_runner as gmr
