@@ -26,7 +26,7 @@ from kvcanary.adapters.vllm.workload import generate, make_workload
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.digest import DigestWorkspace
 from kvcanary.ops import digest_reference as dref
-from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.protocol import InjectMode, RunSpec
 
 SEED = 5
 NUM_REQUESTS = 10
@@ -96,13 +96,13 @@ def test_clean_workload_is_silent_with_copies_verified_and_every_write_digested(
 
 @pytest.mark.parametrize("fault", [KVBitFlip, PaddingWriteLiveSlot, CowCopyCorruptsBytes])
 def test_byte_faults_are_caught_with_the_layer_named(llm: Any, fault: Any) -> None:
-    probe = run_engine(llm, SEED, [fault()], mode=InjectMode.PROBE, num_requests=NUM_REQUESTS)
+    probe = run_engine(llm, RunSpec("dense", SEED, [fault()]), num_requests=NUM_REQUESTS)
     assert probe.violations == 0 and not probe.errors and not probe.reports  # the clean side
     steps = probe.opportunities[fault.spec.name]
     assert steps, "the workload offers this fault no step"
     target = (fault.spec.name, steps[len(steps) // 2])
-    out = run_engine(llm, SEED, [fault()], mode=InjectMode.INJECT, target=target, store=probe.store,
-                     num_requests=NUM_REQUESTS)  # fmt: skip
+    spec = RunSpec("dense", SEED, [fault()], InjectMode.INJECT, target, probe.store)
+    out = run_engine(llm, spec, num_requests=NUM_REQUESTS)
     assert out.injection is not None and not out.errors
     first = out.reports[0]
     assert first.step >= out.injection.step and "digest_mismatch" in first.counts
