@@ -62,11 +62,11 @@ def _median_us(record, replays: int) -> float:  # type: ignore[no-untyped-def]
 
 TUNINGS = [
     dl.DEFAULT_TUNING,
-    dl.DigestTuning(comps_per_unit=2, block_words=64, warps=8, programs_per_sm=8),
-    dl.DigestTuning(comps_per_unit=8, block_words=32, warps=8, programs_per_sm=8),
-    dl.DigestTuning(comps_per_unit=4, block_words=128, warps=8, programs_per_sm=4),
-    dl.DigestTuning(comps_per_unit=4, block_words=64, warps=4, programs_per_sm=16),
-    dl.DigestTuning(comps_per_unit=1, block_words=128, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=256, warps=8, programs_per_sm=2),
+    dl.DigestTuning(block_words=256, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=256, warps=16, programs_per_sm=2),
+    dl.DigestTuning(block_words=128, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=512, warps=8, programs_per_sm=2),
 ]
 
 

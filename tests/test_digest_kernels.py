@@ -134,7 +134,7 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     assert caught >= 12
 
 
-TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(comps_per_unit=2, block_words=8, warps=2)}
+TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(block_words=4, warps=2)}
 
 
 @pytest.mark.parametrize("tuning", list(TUNINGS))

@@ -17,6 +17,7 @@ import torch
 from kvcanary.batch import StepBatch
 from kvcanary.digest import TILE_TOKENS, WORD_BYTES, DigestLayout, DigestWorkspace, KVComponent
 from kvcanary.layout import CanaryGroup
+from kvcanary.ops.digest_reference import word_keys
 from kvcanary.ops.kernels.digest import digest_kernel
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import PlanWorkspace, ViolationLog
@@ -27,21 +28,29 @@ _ELEMENT_BLOCK_W = {4: 64, 2: 32, 1: 16}
 
 @dataclasses.dataclass(frozen=True)
 class DigestTuning:
-    """Tile shape and grid of the word path (components read as 64-bit words): each work unit reads
-    ``comps_per_unit`` components x 16 entries x ``block_words`` words a step."""
+    """Tile shape and grid of the word path (components read as 64-bit words): a work unit is one
+    component of 16 entries, read ``block_words`` words per entry a step (whole head rows where they fit)
+    by ``warps`` warps; ``programs_per_sm`` persistent programs per SM share the units."""
 
-    comps_per_unit: int = 4
-    block_words: int = 64
+    block_words: int = 256
     warps: int = 8
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("comps_per_unit", "block_words"):
-            v = getattr(self, name)
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
+        v = self.block_words
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"block_words must be a power of two, got {v}")
         if self.warps <= 0 or self.programs_per_sm <= 0:
             raise ValueError("warps and programs_per_sm must be positive")
+
+    def tile(self, heads: int, words_per_head: int) -> tuple[int, int]:
+        """(heads, words of a head) a step reads: a whole head row if it fits, as many heads as fit."""
+        bj = min(_pow2(words_per_head), self.block_words)
+        return min(_pow2(heads), self.block_words // bj), bj
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 DEFAULT_TUNING = DigestTuning()
@@ -70,7 +79,9 @@ class DeviceLayout:
 
     layout: DigestLayout
     table: torch.Tensor  # int64 [components, 10], rows grouped by element size
+    keys: torch.Tensor  # int64 [layout.words]: key(i) of every word index (the reference's word_keys)
     classes: tuple[tuple[int, int, int], ...]  # (element size, first row, rows)
+    shapes: tuple[tuple[int, int], ...]  # per class: (most heads, most words per head) of its rows
 
     @classmethod
     def build(cls, layout: DigestLayout) -> DeviceLayout:
@@ -79,12 +90,14 @@ class DeviceLayout:
             es, row = _row(comp, base)
             rows.setdefault(es, []).append(row)
         flat: list[list[int]] = []
-        classes = []
+        classes, shapes = [], []
         for es in sorted(rows):
             classes.append((es, len(flat), len(rows[es])))
+            shapes.append((max(r[6] for r in rows[es]), max(r[8] for r in rows[es])))
             flat.extend(rows[es])
         table = torch.tensor(flat, dtype=torch.int64, device=layout.device)
-        return cls(layout, table, tuple(classes))
+        keys = word_keys(layout.words, layout.device)
+        return cls(layout, table, keys, tuple(classes), tuple(shapes))
 
 
 def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog) -> None:
@@ -139,11 +152,10 @@ def _launch(
     max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
-    for k, (es, c_begin, n_cls) in enumerate(dl.classes):
-        cb = tuning.comps_per_unit if es == WORD_BYTES else 1
-        units = max_tiles * -(-n_cls // cb)
-        digest_kernel[(_programs(units, dl.layout.device, tuning),)](
-            dl.table, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
+    for k, ((es, c_begin, n_cls), (heads, wph)) in enumerate(zip(dl.classes, dl.shapes, strict=True)):
+        hb, bj = tuning.tile(heads, wph)
+        digest_kernel[(_programs(max_tiles * n_cls, dl.layout.device, tuning),)](
+            dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
             rows if b else dummy, table, starts, voff, state, pepoch, wmarks,
             digests, ws.acc, ws.entry_slots, ws.entry_info, ws.sync, ws.epoch, ws.stats,
             log.first, log.last, log.counters,
@@ -152,8 +164,8 @@ def _launch(
             log.capacity, group.group_id, *_reserved(group),
             FROM_PLAN=batch is not None, STAMP=stamp, HAS_LOOKUP=has_lookup, PAGED=group.page_size > 1,
             REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
-            G=TILE_TOKENS, BLOCK_W=tuning.block_words if es == WORD_BYTES else _ELEMENT_BLOCK_W[es],
-            BLOCK_B=block_b, CB=cb, num_warps=tuning.warps if es == WORD_BYTES else 4,
+            G=TILE_TOKENS, BLOCK_W=_ELEMENT_BLOCK_W.get(es, 1), BLOCK_B=block_b, HB=hb, BJ=bj,
+            num_warps=tuning.warps if es == WORD_BYTES else 4,
         )  # fmt: skip
 
 

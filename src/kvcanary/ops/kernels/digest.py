@@ -3,7 +3,7 @@
 
 Work units are (tile, component): a tile is G entries (G list indices, or G consecutive positions of one
 row's budgeted verify span), a component one strided tensor of the layout (its address and strides come
-from a device table, so one launch reads every layer).  Each unit sums its words' terms per entry and adds
+from a device table, so one launch reads every layer; the word keys from a key table built with it).  Each unit sums its words' terms per entry and adds
 them into ``acc`` (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever
 the schedule).  Components of one element size share a launch; the last launch's last program (a
 ticket) finalizes every entry in order: stores digests or compares them, then writes violation rows
@@ -21,8 +21,6 @@ from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, st
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
 
-SEED = tl.constexpr(spec.DIGEST_SEED)
-GAMMA = tl.constexpr(spec.DIGEST_GAMMA)
 C1 = tl.constexpr(0xBF58476D1CE4E5B9)
 C2 = tl.constexpr(0x94D049BB133111EB)
 MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
@@ -115,44 +113,46 @@ def _tile_entries(
 
 
 @triton.jit
-def _unit_words(comp_ptr, c0, c_end, slot, usable, G: tl.constexpr, BLOCK_W: tl.constexpr, CB: tl.constexpr):
-    """Sum of the terms of components [c0, min(c0 + CB, c_end)) read as 64-bit words, for G slots.
+def _unit_words(comp_ptr, keys_ptr, c, slot, usable, G: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr):
+    """Sum of component ``c``'s terms for G slots (uint64 [G]), read as 64-bit words.
 
-    One [CB, G, BLOCK_W] tile a step: the components' loads are independent, so CB of them are in
-    flight together; terms accumulate elementwise and are reduced once at the end.
+    One [G, HB, BJ] tile (slots x heads x words of a head) a step: its loads are independent, so the
+    whole tile is in flight at once.  Keys come from the layout's key table (a few KB, cached), loaded
+    once per (head, word) and shared by the G slots; addresses need no division per word.
     """
-    cc = c0 + tl.arange(0, CB)
-    cm = cc < c_end
-    row = comp_ptr + cc * COMP_WIDTH
-    addr = tl.load(row, mask=cm, other=0)
-    s_block = tl.load(row + 1, mask=cm, other=0)
-    s_off = tl.load(row + 2, mask=cm, other=0)
-    s_head = tl.load(row + 3, mask=cm, other=0)
-    s_dim = tl.load(row + 4, mask=cm, other=0)
-    bsize = tl.load(row + 5, mask=cm, other=1)
-    wph = tl.load(row + 8, mask=cm, other=1).to(tl.int32)
-    n_words = tl.load(row + 6, mask=cm, other=0).to(tl.int32) * wph
-    word_base = tl.load(row + 9, mask=cm, other=0)
+    row = comp_ptr + c * COMP_WIDTH
+    addr = tl.load(row)
+    s_block = tl.load(row + 1)
+    s_off = tl.load(row + 2)
+    s_head = tl.load(row + 3)
+    s_dim = tl.load(row + 4)
+    bsize = tl.load(row + 5)
+    heads = tl.load(row + 6).to(tl.int32)
+    wph = tl.load(row + 8).to(tl.int32)
+    word_base = tl.load(row + 9)
     base = addr.to(tl.pointer_type(tl.uint64))
     s = tl.where(usable, slot, 0)
-    row_off = (s[None, :] // bsize[:, None]) * s_block[:, None] + (s[None, :] % bsize[:, None]) * s_off[:, None]
-    total = tl.zeros((CB, G, BLOCK_W), tl.uint64)
-    for w0 in range(0, tl.max(n_words), BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        wm = w[None, :] < n_words[:, None]
-        h = w[None, :] // wph[:, None]
-        j = w[None, :] % wph[:, None]
-        key = fmix64(((word_base[:, None] + w[None, :] + 1).to(tl.uint64) * GAMMA) + SEED)
-        woff = h.to(tl.int64) * s_head[:, None] + j.to(tl.int64) * s_dim[:, None]
-        valid = usable[None, :, None] & wm[:, None, :]
-        word = tl.load(base[:, None, None] + row_off[:, :, None] + woff[:, None, :], mask=valid, other=0)
-        total += tl.where(valid, fmix64(word.to(tl.uint64) ^ key[:, None, :]), 0)
-    return tl.sum(tl.sum(total, axis=2), axis=0)
+    row_off = (s // bsize) * s_block + (s % bsize) * s_off
+    hh = tl.arange(0, HB)
+    jj = tl.arange(0, BJ)
+    total = tl.zeros((G,), tl.uint64)
+    for h0 in range(0, heads, HB):
+        h = h0 + hh
+        for j0 in range(0, wph, BJ):
+            j = j0 + jj
+            m2 = (h < heads)[:, None] & (j < wph)[None, :]
+            key = tl.load(keys_ptr + word_base + (h * wph)[:, None] + j[None, :], mask=m2, other=0)
+            woff = h.to(tl.int64)[:, None] * s_head + j.to(tl.int64)[None, :] * s_dim
+            valid = usable[:, None, None] & m2[None, :, :]
+            word = tl.load(base + row_off[:, None, None] + woff[None, :, :], mask=valid, other=0)
+            term = fmix64(word.to(tl.uint64) ^ key.to(tl.uint64)[None, :, :])
+            total += tl.sum(tl.sum(tl.where(valid, term, 0), axis=2), axis=1)
+    return total
 
 
 @triton.jit
 def _unit(
-    comp_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
+    comp_ptr, keys_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """Sum of one component's terms for G slots (uint64 [G]), elements assembled into words; unusable
     lanes read nothing and add 0."""
@@ -171,10 +171,8 @@ def _unit(
         base = addr.to(tl.pointer_type(tl.uint8))
     elif ESIZE == 2:
         base = addr.to(tl.pointer_type(tl.uint16))
-    elif ESIZE == 4:
-        base = addr.to(tl.pointer_type(tl.uint32))
     else:
-        base = addr.to(tl.pointer_type(tl.uint64))
+        base = addr.to(tl.pointer_type(tl.uint32))
     s = tl.where(usable, slot, 0)
     row_off = (s // bsize) * s_block + (s % bsize) * s_off
     total = tl.zeros((G,), tl.uint64)
@@ -183,19 +181,15 @@ def _unit(
         wm = w < n_words
         h = w // wph
         j = w % wph
-        key = fmix64(((word_base + w + 1).to(tl.uint64) * GAMMA) + SEED)
+        key = tl.load(keys_ptr + word_base + w, mask=wm, other=0).to(tl.uint64)
         valid = usable[:, None] & wm[None, :]
-        if ESIZE == 8:
-            ptrs = base + row_off[:, None] + (h * s_head + j * s_dim)[None, :]
-            word = tl.load(ptrs, mask=valid, other=0).to(tl.uint64)
-        else:
-            EPW: tl.constexpr = 8 // ESIZE
-            k = tl.arange(0, EPW)
-            d = j[:, None] * EPW + k[None, :]
-            off = h[:, None] * s_head + d * s_dim
-            m3 = valid[:, :, None] & (d < dim)[None, :, :]
-            el = tl.load(base + row_off[:, None, None] + off[None, :, :], mask=m3, other=0).to(tl.uint64)
-            word = tl.sum(el << (k * (8 * ESIZE)).to(tl.uint64)[None, None, :], axis=2)
+        EPW: tl.constexpr = 8 // ESIZE
+        k = tl.arange(0, EPW)
+        d = j[:, None] * EPW + k[None, :]
+        off = h[:, None] * s_head + d * s_dim
+        m3 = valid[:, :, None] & (d < dim)[None, :, :]
+        el = tl.load(base + row_off[:, None, None] + off[None, :, :], mask=m3, other=0).to(tl.uint64)
+        word = tl.sum(el << (k * (8 * ESIZE)).to(tl.uint64)[None, None, :], axis=2)
         term = fmix64(word ^ key[None, :])
         total += tl.sum(tl.where(valid, term, 0), axis=1)
     return total
@@ -277,13 +271,13 @@ def _finalize(
     "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
 ])  # fmt: skip
 def digest_kernel(
-    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
+    comp_ptr, keys_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
     REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
-    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, CB: tl.constexpr,
+    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -303,10 +297,9 @@ def digest_kernel(
         ends = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
-    n_chunks = (n_cls + CB - 1) // CB  # units per tile: CB components each
-    for u in range(pid, n_tiles * n_chunks, n_programs):
-        tile = u // n_chunks
-        chunk = u % n_chunks
+    for u in range(pid, n_tiles * n_cls, n_programs):  # units: (tile, component), components inner
+        tile = u // n_cls
+        chunk = u % n_cls
         e, marker, info = _tile_entries(
             tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
             first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
@@ -317,9 +310,9 @@ def digest_kernel(
             tl.store(einfo_ptr + e, info)
         usable = marker >= 0
         if ESIZE == 8:
-            part = _unit_words(comp_ptr, c_begin + chunk * CB, c_begin + n_cls, marker, usable, G, BLOCK_W, CB)
+            part = _unit_words(comp_ptr, keys_ptr, c_begin + chunk, marker, usable, G, HB, BJ)
         else:
-            part = _unit(comp_ptr, c_begin + chunk, marker, usable, ESIZE, G, BLOCK_W)
+            part = _unit(comp_ptr, keys_ptr, c_begin + chunk, marker, usable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
         ticket = tl.atomic_add(sync_ptr + TICKET, 1)
