@@ -3,7 +3,8 @@
 
 Work units are (tile, component): a tile is G entries (G list indices, or G consecutive positions of one
 row's budgeted verify span), a component one strided tensor of the layout (its address and strides come
-from a device table, so one launch reads every layer; the word keys from a key table built with it).  Each unit sums its words' terms per entry and adds
+from a device table, so one launch reads every layer; the word keys from a key table built with it).
+Each unit sums its words' terms per entry and adds
 them into ``acc`` (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever
 the schedule).  Components of one element size share a launch; the last launch's last program (a
 ticket) finalizes every entry in order: stores digests or compares them, then writes violation rows
@@ -271,7 +272,8 @@ def _finalize(
     "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
 ])  # fmt: skip
 def digest_kernel(
-    comp_ptr, keys_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
+    comp_ptr, keys_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr,
+    wmarks_ptr,
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
