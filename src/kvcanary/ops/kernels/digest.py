@@ -37,7 +37,9 @@ STAT_STAMPED = tl.constexpr(spec.DigestWorkspace.STAT_STAMPED)
 STAT_VERIFIED = tl.constexpr(spec.DigestWorkspace.STAT_VERIFIED)
 STAT_SKIPPED = tl.constexpr(spec.DigestWorkspace.STAT_SKIPPED_TILES)
 STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
-COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size, heads, dim, words/head, word base
+# A table row: offset from the table (words; bytes below 8-byte elements), s_block, s_off, s_head, s_dim,
+# block_size, heads, dim, words per head, word base.
+COMP_WIDTH = tl.constexpr(10)
 FIN = tl.constexpr(512)  # entries per step of the finalize
 POS_BITS = tl.constexpr(32)
 POS_MASK = tl.constexpr((1 << 32) - 1)
@@ -114,40 +116,60 @@ def _tile_entries(
 
 
 @triton.jit
-def _unit_words(comp_ptr, keys_ptr, c, slot, usable, G: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr):
+def _unit_words(
+    comp_ptr, keys_ptr, c, blk, off, usable, G: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
+    EXACT: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
     """Sum of component ``c``'s terms for G slots (uint64 [G]), read as 64-bit words.
 
-    One [G, HB, BJ] tile (slots x heads x words of a head) a step: its loads are independent, so the
-    whole tile is in flight at once.  Keys come from the layout's key table (a few KB, cached), loaded
-    once per (head, word) and shared by the G slots; addresses need no division per word.
+    Slot ``s`` is at block ``blk``, offset ``off`` of the component.  One [G, HB, BJ] tile (slots x heads
+    x words of a head) a step, all its loads in flight together; keys come from the layout's key table
+    (cached, shared by the G slots).  Words are addressed from the table's own pointer (the component's
+    word offset from it is in the table), so ``VEC`` (every offset and stride even) lets the compiler
+    read two words per load.  ``EXACT``: the tile divides every head row (BJ = words per head, HB divides
+    the heads), so nothing is masked: unusable lanes read slot 0 (in bounds) and the caller drops them.
     """
     row = comp_ptr + c * COMP_WIDTH
-    addr = tl.load(row)
+    word_off = tl.load(row)
     s_block = tl.load(row + 1)
     s_off = tl.load(row + 2)
     s_head = tl.load(row + 3)
     s_dim = tl.load(row + 4)
-    bsize = tl.load(row + 5)
     heads = tl.load(row + 6).to(tl.int32)
     wph = tl.load(row + 8).to(tl.int32)
     word_base = tl.load(row + 9)
-    base = addr.to(tl.pointer_type(tl.uint64))
-    s = tl.where(usable, slot, 0)
-    row_off = (s // bsize) * s_block + (s % bsize) * s_off
+    if VEC:
+        word_off = tl.multiple_of(word_off, 2)
+        s_block = tl.multiple_of(s_block, 2)
+        s_off = tl.multiple_of(s_off, 2)
+        s_head = tl.multiple_of(s_head, 2)
+        word_base = tl.multiple_of(word_base, 2)
+    # Tiles are [heads, slots, words]: the compiler spreads slots over warps, so per-slot values (row
+    # offsets, sums) cost few registers, and the head sum stays inside a thread.
+    row_off = word_off + blk.to(tl.int64) * s_block + off.to(tl.int64) * s_off
     hh = tl.arange(0, HB)
     jj = tl.arange(0, BJ)
     total = tl.zeros((G,), tl.uint64)
-    for h0 in range(0, heads, HB):
-        h = h0 + hh
-        for j0 in range(0, wph, BJ):
-            j = j0 + jj
-            m2 = (h < heads)[:, None] & (j < wph)[None, :]
-            key = tl.load(keys_ptr + word_base + (h * wph)[:, None] + j[None, :], mask=m2, other=0)
-            woff = h.to(tl.int64)[:, None] * s_head + j.to(tl.int64)[None, :] * s_dim
-            valid = usable[:, None, None] & m2[None, :, :]
-            word = tl.load(base + row_off[:, None, None] + woff[None, :, :], mask=valid, other=0)
-            term = fmix64(word.to(tl.uint64) ^ key.to(tl.uint64)[None, :, :])
-            total += tl.sum(tl.sum(tl.where(valid, term, 0), axis=2), axis=1)
+    if EXACT:
+        for h0 in range(0, heads, HB):
+            h = h0 + hh
+            key = tl.load(keys_ptr + word_base + (h * BJ)[:, None] + jj[None, :]).to(tl.uint64, bitcast=True)
+            woff = h.to(tl.int64)[:, None] * s_head + jj[None, :]
+            word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :]).to(tl.uint64, bitcast=True)
+            term = fmix64(word ^ key[:, None, :])
+            total += tl.sum(tl.sum(term, axis=0), axis=1)
+    else:
+        for h0 in range(0, heads, HB):
+            h = h0 + hh
+            for j0 in range(0, wph, BJ):
+                j = j0 + jj
+                m2 = (h < heads)[:, None] & (j < wph)[None, :]
+                key = tl.load(keys_ptr + word_base + (h * wph)[:, None] + j[None, :], mask=m2, other=0)
+                woff = h.to(tl.int64)[:, None] * s_head + j.to(tl.int64)[None, :] * s_dim
+                valid = m2[:, None, :] & usable[None, :, None]
+                word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :], mask=valid, other=0)
+                term = fmix64(word.to(tl.uint64, bitcast=True) ^ key.to(tl.uint64, bitcast=True)[:, None, :])
+                total += tl.sum(tl.sum(tl.where(valid, term, 0), axis=0), axis=1)
     return total
 
 
@@ -158,7 +180,7 @@ def _unit(
     """Sum of one component's terms for G slots (uint64 [G]), elements assembled into words; unusable
     lanes read nothing and add 0."""
     row = comp_ptr + c * COMP_WIDTH
-    addr = tl.load(row)
+    addr = tl.load(row) + comp_ptr.to(tl.int64, bitcast=True)  # the table holds byte offsets from itself
     s_block = tl.load(row + 1)
     s_off = tl.load(row + 2)
     s_head = tl.load(row + 3)
@@ -280,6 +302,7 @@ def digest_kernel(
     FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
     REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
     G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
+    CPU: tl.constexpr, BS_LOG: tl.constexpr, EXACT: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -299,9 +322,10 @@ def digest_kernel(
         ends = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
-    for u in range(pid, n_tiles * n_cls, n_programs):  # units: (tile, component), components inner
-        tile = u // n_cls
-        chunk = u % n_cls
+    n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
+    for u in range(pid, n_tiles * n_chunks, n_programs):
+        tile = u // n_chunks
+        chunk = u % n_chunks
         e, marker, info = _tile_entries(
             tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
             first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
@@ -311,10 +335,25 @@ def digest_kernel(
             tl.store(eslot_ptr + e, marker)
             tl.store(einfo_ptr + e, info)
         usable = marker >= 0
+        c0 = c_begin + chunk * CPU
+        c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
+        part = tl.zeros((G,), tl.uint64)
         if ESIZE == 8:
-            part = _unit_words(comp_ptr, keys_ptr, c_begin + chunk, marker, usable, G, HB, BJ)
+            s = tl.where(usable, marker, 0).to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
+            if BS_LOG >= 0:  # every component of the launch has block size 2**BS_LOG
+                blk = s >> BS_LOG
+                off = s & ((1 << BS_LOG) - 1)
+                for c in range(c0, c1):
+                    part += _unit_words(comp_ptr, keys_ptr, c, blk, off, usable, G, HB, BJ, EXACT, VEC)
+            else:
+                for c in range(c0, c1):
+                    bsize = tl.load(comp_ptr + c * COMP_WIDTH + 5)
+                    part += _unit_words(
+                        comp_ptr, keys_ptr, c, s // bsize, s % bsize, usable, G, HB, BJ, EXACT, VEC
+                    )  # fmt: skip
         else:
-            part = _unit(comp_ptr, keys_ptr, c_begin + chunk, marker, usable, ESIZE, G, BLOCK_W)
+            for c in range(c0, c1):
+                part += _unit(comp_ptr, keys_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
         ticket = tl.atomic_add(sync_ptr + TICKET, 1)
