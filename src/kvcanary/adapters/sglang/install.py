@@ -29,9 +29,10 @@ from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
+from kvcanary.adapters.sglang.ranks import build_manager
 from kvcanary.adapters.sglang.translate import EXTEND_MODES, ForwardTranslator, mode_name
 from kvcanary.adapters.sglang.version import check_version
-from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, FailRequestCallback, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport
 from kvcanary.runtime.capture import is_capturing
 
 logger = logging.getLogger("kvcanary")
@@ -103,7 +104,7 @@ class SglangCanary:
                 for g in self.attached.groups
             }
             self.caps = caps
-            self.manager = CanaryManager(
+            self.manager = build_manager(  # ranked on sglang's TP/PP group when there are several ranks
                 self.attached.groups,
                 caps,
                 options.config,

@@ -41,11 +41,14 @@ class TruthUpdate:
 
 
 class TruthStore:
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, device: torch.device, *, static_out: bool = False) -> None:
+        """``static_out``: each step's truth is gathered into one persistent buffer at full width (a fixed address
+        and shape for a given batch size; the valid lengths bound every read, so the width changes nothing)."""
         if rows <= 0 or width <= 0:
             raise ValueError(f"rows and width must be positive, got {rows} and {width}")
         self.width = width
         self.table = torch.full((rows + 1, width), UNKNOWN_TOKEN, dtype=torch.int32, device=device)
+        self._out = torch.empty_like(self.table) if static_out else None
         self._flat = self.table.view(-1)
         self._sent: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # id -> [row, sent]
         self._free = list(range(rows, 0, -1))
@@ -90,6 +93,8 @@ class TruthStore:
         """Write the update (its arrays on the device) and return the step's truth, ``(b + 1, width)``."""
         if update.cells.shape[0]:
             self._flat.index_copy_(0, cells, tokens)
+        if self._out is not None:
+            return torch.index_select(self.table, 0, gather, out=self._out[: int(gather.shape[0])])
         return torch.index_select(self.table[:, : update.width], 0, gather)
 
     def _take_row(self, in_batch: set[str]) -> int:

@@ -27,9 +27,10 @@ from kvcanary.adapters.vllm import failing, moves, translate
 from kvcanary.adapters.vllm.features import Features
 from kvcanary.adapters.vllm.groups import capacities, vllm_groups
 from kvcanary.adapters.vllm.options import VllmCanaryOptions
+from kvcanary.adapters.vllm.ranks import build_manager
 from kvcanary.adapters.vllm.truth import TruthTable
 from kvcanary.config import Mode
-from kvcanary.runtime import CanaryHealthError, CanaryManager, CanaryViolation, FailRequestCallback, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport
 
 logger = logging.getLogger("kvcanary")
 
@@ -67,7 +68,7 @@ class VllmCanary:
         caps = {g.canary.name: capacities(runner, g.canary, options.config.log_rows) for g in self.groups}
         self.caps = caps
         self._user_callback = on_fail_request
-        self.manager = CanaryManager(
+        self.manager = build_manager(  # ranked on vLLM's TP/PP group when there are several ranks
             [g.canary for g in self.groups], caps, options.config, device=self.device,
             on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None,
         )  # fmt: skip
