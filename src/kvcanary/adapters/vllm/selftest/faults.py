@@ -9,16 +9,14 @@ copy-on-write block copy that never happens (the relocation itself is vLLM's CoW
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from kvcanary.adapters.vllm.selftest.context import VllmInjector
 from kvcanary.adapters.vllm.tiny import VOCAB
-from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+from kvcanary.selftest.protocol import Fault
+from kvcanary.selftest.specs import load_specs
 
-_READ_CHECKS = frozenset(
-    {("verify", "link_mismatch"), ("verify", "token_mismatch"), ("verify", "position_mismatch"),
-     ("verify", "never_written"), ("stamp", "write_into_live_slot")}
-)  # fmt: skip
+SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
 def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
@@ -55,17 +53,7 @@ def _on_runner(
 
 
 class BlockTableCrossRequest(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="block_table_cross_request",
-        bug_class="block table row points into another request's block",
-        catalogue="vLLM #53912 (prefix caching + MTP corrupts hybrid models); TensorRT-LLM #15018",
-        mechanism="after _update_states, one full block of a decoding request's persistent block-table row is "
-        "replaced by a block of another running request",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token/position mismatch",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["block_table_cross_request"]
 
     def install(self, ctx: VllmInjector) -> None:
         _on_runner(ctx, "_update_states", self._corrupt, after=True)
@@ -83,16 +71,7 @@ class BlockTableCrossRequest(Fault[VllmInjector]):
 
 
 class SlotMappingOffByOne(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="slot_mapping_off_by_one",
-        bug_class="slot mapping off by one",
-        catalogue="vLLM #54498 (EAGLE/MTP drafter writes the wrong slots); sglang #25015",
-        mechanism="after compute_slot_mapping, the last token's slot_mapping entry is moved one slot on",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: new_read_mismatch",
-        checks=frozenset({("stamp", "new_read_mismatch"), ("stamp", "write_into_live_slot"), *_READ_CHECKS}),
-    )
+    spec = SPECS["slot_mapping_off_by_one"]
 
     def install(self, ctx: VllmInjector) -> None:
         table = ctx.runner.input_batch.block_table.block_tables[0]
@@ -119,17 +98,7 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
 
 
 class WrongTokenId(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="wrong_token_id",
-        bug_class="wrong token id fed to the forward",
-        catalogue="vLLM #47466 (prompt tail token overwritten); sglang #26329",
-        mechanism="before _prepare_inputs, a decoding request's input token in input_batch.token_ids_cpu "
-        "is replaced (the request's own token list keeps the sampled one)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: write_token_mismatch",
-        checks=frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
-    )
+    spec = SPECS["wrong_token_id"]
 
     def install(self, ctx: VllmInjector) -> None:
         _on_runner(ctx, "_prepare_inputs", self._corrupt)
@@ -146,17 +115,7 @@ class WrongTokenId(Fault[VllmInjector]):
 
 
 class ResumeOntoStaleBlocks(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="resume_onto_stale_blocks",
-        bug_class="preempted request resumed onto stale blocks",
-        catalogue="sglang #28254 (retract/resume indexes the wrong sequence); TensorRT-LLM #15018",
-        mechanism="a request resumed after preemption is not flagged as resumed to the worker, which appends its "
-        "new blocks to the block list it had before preemption (freed blocks, since reused)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch, stamp: write_into_live_slot",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["resume_onto_stale_blocks"]
 
     def install(self, ctx: VllmInjector) -> None:
         _on_runner(ctx, "_update_states", self._corrupt)
@@ -180,17 +139,7 @@ class ResumeOntoStaleBlocks(Fault[VllmInjector]):
 
 
 class StalePrefixHash(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="stale_prefix_hash",
-        bug_class="prefix-cache hash kept after its block was evicted and reused",
-        catalogue="sglang #22819 (radix cache corrupts KV); vLLM #53912; TensorRT-LLM #15018",
-        mechanism="when the block pool evicts a cached block, its hash entry is put back: a later request "
-        "with that prefix hits the block, which now holds another request's KV",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["stale_prefix_hash"]
 
     def install(self, ctx: VllmInjector) -> None:
         pool = ctx.block_pool
@@ -219,17 +168,7 @@ class StalePrefixHash(Fault[VllmInjector]):
 
 
 class CowCopyDropped(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="cow_copy_dropped",
-        bug_class="copy-on-write copy that never happens",
-        catalogue="vLLM #45704 (restored KV without the copy having landed); LMCache #4463",
-        mechanism="a prefix-hit block relocated by vLLM's copy-on-write path is given to the request, but the "
-        "(src, dst) pair is dropped from kv_cache_block_copies: the destination keeps its old bytes",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch or never_written",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["cow_copy_dropped"]
 
     def install(self, ctx: VllmInjector) -> None:
         ctx.cow_filters.append(self._drop)
