@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from digest_readme import digest_section
+
 HERE = Path(__file__).resolve().parent
 PLOT = "per_step_time.png"
 # The original sglang canary's kernels on an H200, per step (microseconds), as quoted in the top README's
@@ -99,6 +101,7 @@ def render() -> str:
     lines += _e2e_section()
     lines += _demo_section()
     lines += _host_section()
+    lines += digest_section()
     return "\n".join(lines) + "\n"
 
 
