@@ -4,14 +4,16 @@ Worker side (model runner): a block-table row pointing into another request's bl
 entry off by one, a wrong input token id, a preempted request resumed onto its stale blocks.  Engine-core
 side (scheduler, block pool): a prefix-cache hash kept after its block was evicted and reused, and a
 copy-on-write block copy that never happens (the relocation itself is vLLM's CoW path, :mod:`.cow`).
+Byte faults (:mod:`.bytes`, seen only by the KV digest): a flipped bit, a stray write into a live slot, a
+copy-on-write copy that lands damaged bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from kvcanary.adapters.vllm.selftest.context import VllmInjector
+from kvcanary.adapters.vllm.selftest.bytes import CowCopyCorruptsBytes, KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
 from kvcanary.adapters.vllm.tiny import VOCAB
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
@@ -19,47 +21,14 @@ from kvcanary.selftest.specs import load_specs
 SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
-def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
-    """(row, request) of rows that decode one token this step and hold at least one full block."""
-    r = ctx.runner
-    ids = list(r.input_batch.req_ids[: r.input_batch.num_reqs])
-    out = []
-    for row, rid in enumerate(ids):
-        state = r.requests.get(rid)
-        if state is None or so.num_scheduled_tokens.get(rid) != 1:
-            continue
-        if state.num_computed_tokens >= ctx.block_size and state.num_computed_tokens >= len(state.prompt_token_ids):
-            out.append((row, rid))
-    return out
-
-
-def _on_runner(
-    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
-) -> None:
-    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
-
-    def make(original: Any) -> Any:
-        def wrapped(so: Any, *a: Any, **k: Any) -> Any:
-            if not after:
-                ctx.guard(corrupt)(ctx, so)
-            out = original(so, *a, **k)
-            if after:
-                ctx.guard(corrupt)(ctx, so)
-            return out
-
-        return wrapped
-
-    ctx.wrap(ctx.runner, method, make)
-
-
 class BlockTableCrossRequest(Fault[VllmInjector]):
     spec = SPECS["block_table_cross_request"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt, after=True)
+        on_runner(ctx, "_update_states", self._corrupt, after=True)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if len(rows) < 2 or not ctx.take(self.name):
             return
         (victim, vid), (donor, did) = ctx.rng.sample(rows, 2)
@@ -101,10 +70,10 @@ class WrongTokenId(Fault[VllmInjector]):
     spec = SPECS["wrong_token_id"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_prepare_inputs", self._corrupt)
+        on_runner(ctx, "_prepare_inputs", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if not rows or not ctx.take(self.name):
             return
         row, rid = ctx.rng.choice(rows)
@@ -118,7 +87,7 @@ class ResumeOntoStaleBlocks(Fault[VllmInjector]):
     spec = SPECS["resume_onto_stale_blocks"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt)
+        on_runner(ctx, "_update_states", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
@@ -185,6 +154,6 @@ FAULTS: dict[str, type[Fault[Any]]] = {
     f.spec.name: f
     for f in (
         BlockTableCrossRequest, SlotMappingOffByOne, StalePrefixHash, CowCopyDropped, ResumeOntoStaleBlocks,
-        WrongTokenId,
+        WrongTokenId, KVBitFlip, PaddingWriteLiveSlot, CowCopyCorruptsBytes,
     )
 }  # fmt: skip
