@@ -108,14 +108,20 @@ class Twin:
         self.group, self.caps, self.tuning = world.group, caps, tuning
         self.ref = _State.make(world.group, caps, torch.device("cpu"))
         self.dev = _State.make(world.group, caps, DEVICE)
+        self.steps = 0
 
     def step(self, batch: StepBatch) -> ViolationLog:
         """One step; returns the log of the step's violations (reference side)."""
         before = self.ref.log.total()
         dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
-        for phase in ("plan", "verify", "stamp"):
-            args = (self.caps.verify_entries,) if phase == "verify" else ()
-            getattr(ref, phase)(self.group, batch, self.ref.records, self.ref.ws, self.ref.log, *args)
+        # Every other step runs plan and verify in one launch (GroupCanary.step's path), the others as two.
+        self.steps += 1
+        for phase in ("plan_verify", "stamp") if self.steps % 2 else ("plan", "verify", "stamp"):
+            args = (self.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
+            ref_phases = ("plan", "verify") if phase == "plan_verify" else (phase,)
+            for p in ref_phases:
+                p_args = (self.caps.verify_entries,) if p == "verify" else ()
+                getattr(ref, p)(self.group, batch, self.ref.records, self.ref.ws, self.ref.log, *p_args)
             getattr(launchers, phase)(
                 self.group, dev_batch, self.dev.records, self.dev.ws, self.dev.log, *args, tuning=self.tuning
             )

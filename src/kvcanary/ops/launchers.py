@@ -32,7 +32,8 @@ from kvcanary.workspace import PlanWorkspace, ViolationLog
 _SYNC_WORDS = 4  # per phase: the sync scratch words of one kernel (see kernels/log.py)
 _VERIFY_SYNC = 0
 _STAMP_SYNC = _SYNC_WORDS
-SYNC_CLEAR = [0, 1, 4, 5]  # sync words that are 0 whenever no call runs (pending and ticket of each phase)
+# Sync words that are 0 whenever no call runs: pending and ticket of each phase, verify's plan pending.
+SYNC_CLEAR = [0, 1, 3, 4, 5]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,16 +241,64 @@ def verify(
 ) -> None:
     """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
     dev = _checked_device(group, batch, records, ws, log, checked)
+    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+
+
+def fuses_plan(ws: PlanWorkspace, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether :func:`plan_verify` is one launch: every batch the workspace admits fits one row block."""
+    return int(ws.row_state.shape[0]) <= _row_block(ws, tuning)
+
+
+def plan_verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
+) -> None:
+    """reference.plan then reference.verify, in one launch where :func:`fuses_plan` (else two): the same
+    workspace, records and log as the two calls (the plan's log rows before verify's)."""
+    dev = _checked_device(group, batch, records, ws, log, checked)
+    if not fuses_plan(ws, tuning):
+        _check_capacity(ws, group, capacity, tuning)  # before the plan changes anything
+        plan(group, batch, records, ws, log, tuning=tuning, checked=True)
+        _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+        return
+    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=True)
+
+
+def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning: KernelTuning) -> int:
+    """Verify items the capacity allows, after checking that the workspace's scratch holds them."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    block = verify_block(group, tuning)
     max_b = int(ws.row_state.shape[0])
-    max_items = -(-capacity // block) + max_b
+    max_items = -(-capacity // verify_block(group, tuning)) + max_b
     if max_items > ws.verify_counts.shape[0]:
         raise ValueError(
             f"capacity {capacity} exceeds the workspace's verify scratch (allocated for "
             f"{(ws.verify_counts.shape[0] - max_b) * PlanWorkspace.SCRATCH_BLOCK} entries)"
         )
+    return max_items
+
+
+def _launch_verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+    tuning: KernelTuning,
+    dev: torch.device,
+    *,
+    fused: bool,
+) -> None:
+    max_items = _check_capacity(ws, group, capacity, tuning)
+    max_b = int(ws.row_state.shape[0])
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
@@ -262,11 +311,14 @@ def verify(
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
         log.first, log.last, log.counters,
         _ptr(batch.out_cache_loc, dummy), ws.write_offsets, ws.write_items, ws.epoch, ws.read_marks, ws.write_marks,
-        ws.write_old_positions,
+        ws.write_old_positions, _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy), ws.seed_links,
+        ws.row_state,
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
-        group.window, PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
-        BLOCK=block, BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block, num_warps=tuning.verify_warps,
+        group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        BLOCK=verify_block(group, tuning), BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
+        FUSED=fused, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
 
