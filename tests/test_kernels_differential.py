@@ -156,8 +156,8 @@ def _run_chunk(first_seed: int, chunk: int, corrupt: bool) -> None:
         problems = compare_step(case, tuning=tuning, index_dtype=_index_dtype(chunk, i), fused=fused)
         if problems:
             failures.append(f"{case.describe()}\n  " + "\n  ".join(problems))
-    assert not failures, (
-        f"{len(failures)} of {CHUNK} cases differ ({tuning}, fused={fused}):\n" + "\n".join(failures[:3])
+    assert not failures, f"{len(failures)} of {CHUNK} cases differ ({tuning}, fused={fused}):\n" + "\n".join(
+        failures[:3]
     )
 
 

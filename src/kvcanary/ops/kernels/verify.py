@@ -329,7 +329,7 @@ def verify_kernel(
             plan_total = tl.zeros((), tl.int64)
         if total + plan_total > 0:
             base = tl.atomic_add(counters_ptr + VIOLATIONS, total + plan_total)
-            if FUSED:
+            if FUSED:  # noqa: SIM102  (a static test: Triton does not mix it with a runtime one in `and`)
                 if plan_total > 0:
                     log_plan_rows(
                         first_ptr, last_ptr, log_k, base, plan_total, group_id, rows_ptr, pre_ptr, ext_ptr, table_ptr,
