@@ -18,7 +18,15 @@ import triton.language as tl
 
 from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR, link_step
-from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
+from kvcanary.ops.kernels.indexing import (
+    expected_token,
+    find_row,
+    in_pool,
+    is_reserved,
+    pick,
+    table_entry,
+    translate,
+)
 from kvcanary.ops.kernels.log import (
     CALLS,
     COUNTER_LANES,
@@ -60,12 +68,6 @@ READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
 
 
 @triton.jit
-def _pick(sel, values):
-    """The element of ``values`` where ``sel`` (one lane) holds, as a scalar."""
-    return tl.sum(tl.where(sel, values, 0))
-
-
-@triton.jit
 def _verify_row(
     item, row_ends, rb, first_v, begin_v, end_v, rows_v, starts_v, rows_ptr, voff_ptr, starts_ptr, vitems_ptr,
     b, n_verify, BLOCK_B: tl.constexpr, FUSED: tl.constexpr,
@@ -76,11 +78,11 @@ def _verify_row(
     if FUSED:
         r = tl.sum((row_ends <= item).to(tl.int64))
         sel = rb == tl.zeros_like(rb) + r  # widened before comparing (interpreter, see indexing.py)
-        first = _pick(sel, first_v)
-        e_begin = _pick(sel, begin_v)
-        e_end = _pick(sel, end_v)
-        trow = _pick(sel, rows_v)
-        start = _pick(sel, starts_v)
+        first = pick(sel, first_v)
+        e_begin = pick(sel, begin_v)
+        e_end = pick(sel, end_v)
+        trow = pick(sel, rows_v)
+        start = pick(sel, starts_v)
     else:
         if b <= BLOCK_B:
             r = tl.sum((row_ends <= item).to(tl.int64))
@@ -163,9 +165,9 @@ def _write_row(item, w_row_ends, rb, wfirst_v, tbegin_v, tend_v, woff_ptr, witem
     """Stamp item ``item``'s row: (first item of the row, its tokens [begin, end))."""
     if FUSED:
         sel = rb == tl.zeros_like(rb) + tl.sum((w_row_ends <= item).to(tl.int64))
-        first = _pick(sel, wfirst_v)
-        t_begin = _pick(sel, tbegin_v)
-        t_end = _pick(sel, tend_v)
+        first = pick(sel, wfirst_v)
+        t_begin = pick(sel, tbegin_v)
+        t_end = pick(sel, tend_v)
     else:
         r = find_row(witems_ptr, b, item, BLOCK_B)
         first = tl.load(witems_ptr + r)
