@@ -20,7 +20,6 @@ from kvcanary.ops.kernels.indexing import (
     in_pool,
     is_reserved,
     pick,
-    table_entry,
     translate,
 )
 from kvcanary.ops.kernels.log import (
@@ -40,6 +39,7 @@ from kvcanary.ops.kernels.log import (
     select_items,
     store_rows,
 )
+from kvcanary.ops.kernels.marks import same_step_reasons
 from kvcanary.ops.kernels.plan import row_spans
 from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
@@ -50,12 +50,7 @@ LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
 RESERVED = const(int(Reason.RESERVED_SLOT))
 WRITE_POSITION_BAD = const(int(Reason.WRITE_POSITION_MISMATCH))
 WRITE_TOKEN_BAD = const(int(Reason.WRITE_TOKEN_MISMATCH))
-INTO_LIVE = const(int(Reason.WRITE_INTO_LIVE_SLOT))
-DUPLICATE = const(int(Reason.DUPLICATE_WRITE))
-NEW_READ_BAD = const(int(Reason.NEW_READ_MISMATCH))
 MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
-READER_BITS = const(PlanWorkspace.READER_BITS)
-READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
 PHASE = const(int(Phase.STAMP))
 NOT_STORED = const(_NOT_STORED)
 FINAL_LANES = const(128)  # tokens per sub-block when the finalize re-derives an item
@@ -120,39 +115,6 @@ def _carry(
         block_begin = t_begin + (item - first_item) * BLOCK
         carry = _block_sum(ids_ptr, positions_ptr, inv_ptr, t_begin, block_begin, n_tokens, n_powers, CARRY_BLOCK)
     return carry
-
-
-@triton.jit
-def _same_step(
-    slot, writable, t, exp_pos, pre, trow, batch_row, mark, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr,
-    table_ptr, lookup_ptr,
-    n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
-    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, CHECK_NEW: tl.constexpr,
-):  # fmt: skip
-    """reference same_step.write_reasons: the marks verify left, the ring exception, the new token's entry."""
-    rmark = tl.load(read_marks_ptr + slot, mask=writable, other=0)
-    live = writable & ((rmark >> READER_BITS) == step_epoch)
-    reader = READER_LIMIT - 1 - (rmark & (READER_LIMIT - 1))
-    # A window's ring: the slot held a position of the writer's own window that this token no longer sees.
-    zero = tl.zeros_like(exp_pos)
-    ring = live & (zero + window > 0)
-    q = tl.load(old_pos_ptr + t, mask=ring, other=0).to(tl.int64)  # as verify saw it (see verify.py)
-    ring = ring & (q >= zero + tl.maximum(pre - window, 0)) & (q < zero + pre) & (q < exp_pos - window)
-    qfull = table_entry(table_ptr, trow, q, n_rows, n_cols, page, ring, PAGED)
-    qslot, qbad = translate(lookup_ptr, n_lookup, qfull, ring, HAS_LOOKUP)
-    live = live & ~(ring & ~qbad & in_pool(qslot, num_slots) & (qslot == slot))
-    dup = writable & (tl.load(write_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == 2 * mark + 1)
-    reasons = tl.where(live, INTO_LIVE, 0) | tl.where(dup, DUPLICATE, 0)
-    new_index = tl.zeros_like(slot) - 1
-    if CHECK_NEW:
-        nfull = table_entry(table_ptr, trow, exp_pos, n_rows, n_cols, page, writable, PAGED)
-        nslot, nbad = translate(lookup_ptr, n_lookup, nfull, writable, HAS_LOOKUP)
-        nres = ~nbad & in_pool(nslot, num_slots) & is_reserved(nslot, res0, res1, res2, res3, res4, res5, res6, res7)
-        new_bad = writable & ~nres & (nslot != slot)
-        reasons = reasons | tl.where(new_bad, NEW_READ_BAD, 0)
-        new_index = tl.where(new_bad, nfull, new_index)
-    # A live write's row names the request whose read it hits; BAD_INDEX the writing row (see same_step.py).
-    return reasons, tl.where(live, zero + batch_row, new_index), tl.where(live, reader, zero + batch_row)
 
 
 @triton.jit
@@ -238,7 +200,7 @@ def _stamp_item(
     exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, exp_pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
     wpos_bad = m & (pos64 != exp_pos)
     wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
-    same, same_index, named = _same_step(
+    same, same_index, named = same_step_reasons(
         slot, writable, t, exp_pos, pre, trow, r, 1 + step_epoch % MARK_PERIOD, step_epoch, read_marks_ptr,
         write_marks_ptr, old_pos_ptr, table_ptr,
         lookup_ptr,

@@ -46,6 +46,7 @@ from kvcanary.ops.kernels.log import (
     select_items,
     store_rows,
 )
+from kvcanary.ops.kernels.marks import mark_writes
 from kvcanary.ops.kernels.plan import log_plan_rows, row_spans, store_plan
 from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
@@ -159,57 +160,6 @@ def _verify_item(
     return trow, live, slot, pred, pos, stored_pos, exp_tok, stored_tok, exp_link, stored_link, bad_index, reasons
 
 
-@triton.jit
-def _write_row(item, w_row_ends, rb, wfirst_v, tbegin_v, tend_v, woff_ptr, witems_ptr, b,
-               BLOCK_B: tl.constexpr, FUSED: tl.constexpr):  # fmt: skip
-    """Stamp item ``item``'s row: (first item of the row, its tokens [begin, end))."""
-    if FUSED:
-        sel = rb == tl.zeros_like(rb) + tl.sum((w_row_ends <= item).to(tl.int64))
-        first = pick(sel, wfirst_v)
-        t_begin = pick(sel, tbegin_v)
-        t_end = pick(sel, tend_v)
-    else:
-        r = find_row(witems_ptr, b, item, BLOCK_B)
-        first = tl.load(witems_ptr + r)
-        t_begin = tl.load(woff_ptr + r)
-        t_end = tl.load(woff_ptr + r + 1)
-    return first, t_begin, t_end
-
-
-@triton.jit
-def _mark_writes(
-    pid, n_programs, n_witems, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup,
-    num_slots, mark, positions_ptr, old_pos_ptr, window, res0, res1, res2, res3, res4, res5, res6, res7,
-    w_row_ends, rb, wfirst_v, tbegin_v, tend_v,
-    HAS_LOOKUP: tl.constexpr, STAMP_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, FUSED: tl.constexpr,
-):  # fmt: skip
-    """reference same_step.mark_step's writes: 2 * mark on every slot stored this step, + 1 when twice.
-
-    The last of several writers to swap the mark in sees it already set and adds the 1 after its swap,
-    so the bit survives whatever the order.  Window groups also keep the position each written slot holds
-    now, before stamp overwrites it, for stamp's ring test.  Items are dealt from the last program down, so
-    that a small step's writes and its verify items run on different programs.
-    """
-    for item in range(n_programs - 1 - pid, n_witems, n_programs):
-        first, t_begin, t_end = _write_row(
-            item, w_row_ends, rb, wfirst_v, tbegin_v, tend_v, woff_ptr, witems_ptr, b, BLOCK_B, FUSED
-        )
-        t = t_begin + (item - first) * STAMP_BLOCK + tl.arange(0, STAMP_BLOCK)
-        m = t < tl.minimum(t_end, n_tokens)
-        full = tl.load(loc_ptr + t, mask=m, other=NOT_STORED).to(tl.int64)
-        stored = m & (full != NOT_STORED)
-        slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
-        ok = stored & ~lookup_bad & in_pool(slot, num_slots)
-        writable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
-        old = tl.atomic_xchg(
-            write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 2 * mark, mask=writable, sem="relaxed"
-        )
-        twice = writable & ((old >> 1) == mark)
-        tl.atomic_or(write_marks_ptr + slot, tl.zeros_like(slot).to(tl.int32) + 1, mask=twice, sem="relaxed")
-        keep = writable & (tl.zeros_like(slot) + window > 0)
-        tl.store(old_pos_ptr + t, tl.load(positions_ptr + slot, mask=keep, other=0), mask=keep)
-
-
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
 @triton.jit(
     do_not_specialize=[
@@ -311,7 +261,7 @@ def verify_kernel(
             tl.atomic_xchg(counts_ptr + item, n_hit)
             bits += reason_counts(reasons)
             found += n_hit
-    _mark_writes(
+    mark_writes(
         pid, n_programs, n_witems, b, loc_ptr, lookup_ptr, woff_ptr, witems_ptr, write_marks_ptr, n_tokens, n_lookup,
         num_slots, mark, positions_ptr, old_pos_ptr, window, res0, res1, res2, res3, res4, res5, res6, res7,
         w_row_ends, rb, wfirst_v, tbegin_v, write_end, HAS_LOOKUP, STAMP_BLOCK, BLOCK_B, FUSED,
