@@ -243,7 +243,7 @@ def stamp_kernel(
     n_programs = tl.num_programs(0)
     rb = tl.arange(0, BLOCK_B)
     if ROWS:  # the batch fits one row block: the plan's row spans again, from one coalesced load
-        _r, m_v, rows_v, pre_v, ext_v, ext_sat, active, write_end, _s, _c, _st, _rb, _lb = row_spans(
+        _rows_r, m_v, rows_v, pre_v, ext_v, ext_sat, active, write_end, _s, _c, _st, _rb, _lb = row_spans(
             rows_ptr, pre_ptr, ext_ptr, 0, b, tl.zeros((), tl.int64), n_rows, width, n_tokens, window, has_pad,
             pad_row, BLOCK_B,
         )  # fmt: skip
