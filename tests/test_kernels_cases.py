@@ -445,9 +445,27 @@ def test_launchers_refuse_bad_metadata_before_running() -> None:
         launchers.verify(world.group, batch, st.records, st.ws, st.log, 10**9)
     with pytest.raises(ValueError, match="capacity"):
         launchers.verify(world.group, batch, st.records, st.ws, st.log, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        launchers.plan_verify(world.group, batch, st.records, st.ws, st.log, 10**9)
     short = dataclasses.replace(batch, positions=batch.positions[:1])
     with pytest.raises(ValueError, match="positions"):
         launchers.stamp(world.group, short, st.records, st.ws, st.log)
     with pytest.raises(ValueError, match="verify_block"):
         launchers.KernelTuning(verify_block=100)
     assert torch.equal(st.log.counters, counters)
+
+
+def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
+    """A static choice from the capacities: small workspaces fuse, large ones (or fuse_max_batch=0) don't."""
+    group = CanaryGroup(num_slots=64)
+
+    def fuses(max_batch: int, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> bool:
+        caps = _caps(max_batch=max_batch)
+        ws = PlanWorkspace.allocate(caps, DEVICE, num_slots=group.num_slots)
+        return launchers.fuses_plan(group, ws, caps.verify_entries, tuning)
+
+    assert fuses(8)
+    assert not fuses(8, launchers.KernelTuning(fuse_max_batch=0))
+    assert not fuses(launchers.DEFAULT_TUNING.fuse_max_batch + 1)
+    with pytest.raises(ValueError, match="fuse_max_batch"):
+        launchers.KernelTuning(fuse_max_batch=-1)

@@ -51,6 +51,7 @@ class KernelTuning:
     programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
     interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
     interpreter_polls: int = 2  # the interpreter runs programs one after another: polling cannot help there
+    fuse_max_batch: int = 32  # plan_verify is one launch up to this many rows (see fuses_plan)
 
     def __post_init__(self) -> None:
         for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
@@ -60,7 +61,7 @@ class KernelTuning:
         for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stamp_polls", "interpreter_polls"):
+        for name in ("stamp_polls", "interpreter_polls", "fuse_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -244,9 +245,33 @@ def verify(
     _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
 
 
-def fuses_plan(ws: PlanWorkspace, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
-    """Whether :func:`plan_verify` is one launch: every batch the workspace admits fits one row block."""
-    return int(ws.row_state.shape[0]) <= _row_block(ws, tuning)
+def fuses_plan(group: CanaryGroup, ws: PlanWorkspace, capacity: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether :func:`plan_verify` is one launch: the workspace admits at most ``fuse_max_batch`` rows and
+    the verify launch's grid fits one wave (one program per SM; always under the interpreter).
+
+    Static (capacities only), so a captured graph keeps its launches.  Larger workspaces keep the plan
+    launch: the fused kernel holds every row's spans in registers (198 per thread on Triton 3.6, one
+    block per SM) and pays block-wide reductions per item, which measured slower beyond small steps
+    (benchmarks/README.md, commit 49ac254: decode b32 x 16k 33.9 us fused against 26.4 us in three launches).
+    """
+    max_b = int(ws.row_state.shape[0])
+    verify_items = -(-capacity // verify_block(group, tuning)) + max_b
+    return _small_step(ws, max(verify_items, _write_items(ws, tuning)), tuning)
+
+
+def _write_items(ws: PlanWorkspace, tuning: KernelTuning) -> int:
+    """Stamp items of the largest step the workspace admits."""
+    return -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + int(ws.row_state.shape[0])
+
+
+def _small_step(ws: PlanWorkspace, items: int, tuning: KernelTuning) -> bool:
+    """Few rows (one row block, at most fuse_max_batch) and a grid of one wave: kernels may derive the row
+    spans from the lengths in registers instead of reading the plan's."""
+    max_b = int(ws.row_state.shape[0])
+    if max_b > tuning.fuse_max_batch or max_b > _row_block(ws, tuning):
+        return False
+    dev = ws.sync.device
+    return dev.type != "cuda" or items <= torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def plan_verify(
@@ -263,8 +288,8 @@ def plan_verify(
     """reference.plan then reference.verify, in one launch where :func:`fuses_plan` (else two): the same
     workspace, records and log as the two calls (the plan's log rows before verify's)."""
     dev = _checked_device(group, batch, records, ws, log, checked)
-    if not fuses_plan(ws, tuning):
-        _check_capacity(ws, group, capacity, tuning)  # before the plan changes anything
+    _check_capacity(ws, group, capacity, tuning)  # before the plan changes anything
+    if not fuses_plan(group, ws, capacity, tuning):
         plan(group, batch, records, ws, log, tuning=tuning, checked=True)
         _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
         return
@@ -298,14 +323,12 @@ def _launch_verify(
     fused: bool,
 ) -> None:
     max_items = _check_capacity(ws, group, capacity, tuning)
-    max_b = int(ws.row_state.shape[0])
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
     # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
-    max_write_items = -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + max_b
-    verify_kernel[_grid(max(max_items, max_write_items), dev, tuning)](
+    verify_kernel[_grid(max(max_items, _write_items(ws, tuning)), dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
@@ -361,7 +384,7 @@ def stamp(
         n_rows, n_cols, group.page_size, group.window, _ptr(batch.extend_lens, dummy), n_cols * group.page_size,
         int(group.padding_row is not None), group.padding_row or 0,
         HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth, PAGED=group.page_size > 1, CHECK_NEW=group.checks_new_reads,
-        ROWS=fuses_plan(ws, tuning),
+        ROWS=_small_step(ws, max_items, tuning),
         BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
         POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
         num_warps=tuning.stamp_warps,
