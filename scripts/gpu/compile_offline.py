@@ -92,7 +92,7 @@ def main() -> int:
         except Exception as exc:
             failures += 1
             print(f"FAIL {kname} warps={warps} {dict(consts)}: {str(exc)[-600:]}", flush=True)
-    print(f"{len(seen)} variants, {failures} failed")
+    print(f"triton {triton.__version__}, target sm_90: {len(seen)} variants, {failures} failed")
     return 1 if failures else 0
 
 
