@@ -19,11 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcanary import CanaryConfig, CanaryGroup, Mode
+from kvcanary import digest as D
+from kvcanary.config import DigestConfig
+from kvcanary.runtime import ranked
 from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedHealthError, RankedViolation
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
@@ -99,25 +103,54 @@ def drive(
     return {"seen": seen, "flushed": flushed}
 
 
+def digest_shards(rank: int, world: int) -> dict[str, Any]:
+    """An adapter's manager through ``ranked.build_manager`` with the KV digest on each rank's own shard
+    (its heads' bytes differ per rank); the faulty rank's shard has one byte flipped under a live slot."""
+    group = ranked.EngineGroup(dist.group.WORLD, "tp", world, lag=1)  # type: ignore[arg-type]
+    config = CanaryConfig(mode=Mode.LOG, health_every=0, digest=DigestConfig(1.0))
+    groups = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
+    manager = ranked.build_manager(groups, CAPS, config, group=group, timeout_s=PEER_TIMEOUT_S)
+    shard = torch.zeros(NUM_SLOTS, 2, 4, dtype=torch.bfloat16)
+    manager.attach_digests({"full": D.DigestLayout((D.token_major(shard),))})
+    wl, seen = Workload(), []
+    for k in range(STEPS):
+        if rank == world - 1 and k == FAULT_AT:
+            shard.view(torch.int16)[int(wl.table[2, 0]), 1, 3] ^= 1  # req-b's first token, this shard only
+        batch = wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)])
+        manager.before_forward({"full": batch})
+        for loc, tok in zip(batch.out_cache_loc.tolist(), batch.input_ids.tolist(), strict=True):
+            shard[loc] = torch.full((2, 4), float(tok % 97 + rank), dtype=torch.bfloat16)  # "this rank's heads"
+        manager.after_forward()
+        report = manager.host_step(IDS)
+        seen.append(None if report is None else {"step": report.step, "lines": report.lines(), "block": report.block()})
+    return {"seen": seen, "flushed": manager.flush() is not None, "kind": type(manager).__name__}
+
+
 def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
     handler = Counting()
     logging.getLogger("kvcanary").addHandler(handler)
     calls: list[Any] = []
-    faulty_rank = world - 1 if name != "raise" else 0
     mode = {
         "clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE,
         "health-fail": Mode.FAIL_REQUEST, "health-raise": Mode.RAISE,
     }  # fmt: skip
-    canary = make(mode.get(name, Mode.LOG), calls, lag=2 if name == "lag2" else 1, every=3 if name == "every3" else 1)
-    if name in ("kill", "stall"):
-        out = drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
-    elif name.startswith("health"):
-        out = drive(canary, faulty=False, unhealthy=rank == faulty_rank)
+    if name == "digest":
+        out = digest_shards(rank, world)
     else:
-        out = drive(canary, faulty=name != "clean" and rank == faulty_rank)
+        out = run_scenario(name, rank, world, mode.get(name, Mode.LOG), calls)
     logging.getLogger("kvcanary").removeHandler(handler)
     out.update(callbacks=calls, warnings=handler.messages)
     return out
+
+
+def run_scenario(name: str, rank: int, world: int, mode: Mode, calls: list[Any]) -> dict[str, Any]:
+    faulty_rank = world - 1 if name != "raise" else 0
+    canary = make(mode, calls, lag=2 if name == "lag2" else 1, every=3 if name == "every3" else 1)
+    if name in ("kill", "stall"):
+        return drive(canary, faulty=False, exit_at=FAULT_AT if rank == world - 1 else None, stall=name == "stall")
+    if name.startswith("health"):
+        return drive(canary, faulty=False, unhealthy=rank == faulty_rank)
+    return drive(canary, faulty=name != "clean" and rank == faulty_rank)
 
 
 def main() -> None:

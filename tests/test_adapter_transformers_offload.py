@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 import torch
 
 from kvcanary.adapters.transformers_cb.selftest import FAULTS
-from kvcanary.adapters.transformers_cb.selftest.driver import WORKLOADS, run_engine
+from kvcanary.adapters.transformers_cb.selftest.driver import run_engine
 from kvcanary.adapters.transformers_cb.selftest.workload import build_model
-from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.protocol import InjectMode, RunSpec
 from kvcanary.selftest.runner import judge
 
 FAULT = "offload-restore-wrong-host-block"
@@ -33,15 +33,14 @@ def test_a_restore_from_the_wrong_host_block_is_caught_at_its_first_read(
     dense_model: torch.nn.Module, seed: int
 ) -> None:
     fault = FAULTS[FAULT]
-    control = run_engine(dense_model, WORKLOADS["dense"], seed, [fault()], mode=InjectMode.PROBE)
+    control = run_engine(dense_model, RunSpec("dense", seed, [fault()]))
     assert control.violations == 0 and control.errors == []
     chances = control.opportunities[FAULT]
     assert chances, "the workload never restored a request of two or more blocks"
     target = chances[len(chances) // 2]
     out = run_engine(
-        dense_model, WORKLOADS["dense"], seed, [fault()], mode=InjectMode.INJECT,
-        target=(FAULT, target), store=control.store,
-    )  # fmt: skip
+        dense_model, RunSpec("dense", seed, [fault()], InjectMode.INJECT, target=(FAULT, target), store=control.store)
+    )
     trial = judge(fault.spec, seed, target, out)
     assert trial.injection is not None and trial.affected is not None, trial
     assert trial.outcome == "caught" and trial.steps is not None and trial.steps <= 0, trial

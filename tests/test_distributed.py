@@ -19,7 +19,7 @@ import pytest
 from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
 
 WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
-SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise,every3"
+SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise,every3,digest"
 RUN_LIMIT_S = 240.0  # a whole world of scenarios; about 20 s on 2 idle cores, far more on a loaded host
 
 
@@ -169,3 +169,20 @@ def test_a_dead_or_stuck_peer_gives_a_clear_error_within_the_timeout(how: str, t
     assert "dead or stuck" in lost["message"] and f"within {PEER_TIMEOUT_S:g} s" in lost["message"]
     assert f"host step {lost['peer_error_at'] - 1} " in lost["message"] and "rank 0 of 2" in lost["message"]
     assert lost["waited_s"] < PEER_TIMEOUT_S + 2.0
+
+
+def test_an_adapters_manager_names_the_rank_whose_shard_digest_mismatched(world: dict[int, dict[str, Any]]) -> None:
+    """ranked.build_manager (what the sglang and vLLM adapters call) with the KV digest on each rank's shard:
+    one byte flipped in the last rank's shard is reported by every rank, at the same step, naming that rank."""
+    faulty = len(world) - 1
+    for res in world.values():
+        digest = res["digest"]
+        assert digest["kind"] == "RankedManager"
+        hits = [k for k, v in enumerate(digest["seen"]) if v is not None]
+        assert hits and hits[0] == FAULT_AT + 2, digest["seen"]
+        first = digest["seen"][hits[0]]
+        assert first["step"] == FAULT_AT and first["lines"]
+        assert all("reasons=digest_mismatch" in line and line.endswith(f" rank={faulty}") for line in first["lines"])
+        assert f"[full] on rank {faulty} request 'req-b'" in first["block"]
+        assert any(f"rank {faulty}: " in m and "digest_mismatch" in m for m in res["digest"]["warnings"])
+    assert len({json.dumps(res["digest"]["seen"]) for res in world.values()}) == 1

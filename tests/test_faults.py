@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("transformers")
 
 from kvcanary.adapters.transformers_cb.selftest import FAULTS, TransformersDriver
-from kvcanary.adapters.transformers_cb.selftest.driver import WORKLOAD_KINDS, WORKLOADS, run_engine
+from kvcanary.adapters.transformers_cb.selftest.driver import WORKLOAD_KINDS, run_engine
 from kvcanary.adapters.transformers_cb.selftest.workload import build_model
 from kvcanary.schema import Reason
 from kvcanary.selftest import Expect, run_selftest
-from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.protocol import InjectMode, RunSpec
 from kvcanary.selftest.runner import SelftestResult, Trial, judge
 
 REASONS = {str(r.name).lower() for r in Reason}
@@ -76,12 +76,11 @@ def dense_model() -> torch.nn.Module:
 
 
 def test_oracle_is_silent_on_a_clean_rerun(dense_model: torch.nn.Module) -> None:
-    control = run_engine(dense_model, WORKLOADS["dense"], 3, [], mode=InjectMode.PROBE)
+    control = run_engine(dense_model, RunSpec("dense", 3, []))
     assert control.violations == 0 and control.errors == [] and control.store
     rerun = run_engine(
-        dense_model, WORKLOADS["dense"], 3, [], mode=InjectMode.INJECT, target=("none", 0), store=control.store,
-        check_from=0,
-    )  # fmt: skip
+        dense_model, RunSpec("dense", 3, [], InjectMode.INJECT, target=("none", 0), store=control.store), check_from=0
+    )
     assert rerun.affected is None and rerun.violations == 0 and rerun.errors == []
 
 
@@ -91,14 +90,14 @@ def test_a_blinded_canary_misses_what_the_oracle_sees(
     from kvcanary.ops import reference
 
     fault = FAULTS["use-after-free"]
-    control = run_engine(dense_model, WORKLOADS["dense"], 5, [fault()], mode=InjectMode.PROBE)
+    control = run_engine(dense_model, RunSpec("dense", 5, [fault()]))
     target = control.opportunities[fault.spec.name][len(control.opportunities[fault.spec.name]) // 3]
 
     def run() -> Trial:
         out = run_engine(
-            dense_model, WORKLOADS["dense"], 5, [fault()], mode=InjectMode.INJECT,
-            target=(fault.spec.name, target), store=control.store,
-        )  # fmt: skip
+            dense_model,
+            RunSpec("dense", 5, [fault()], InjectMode.INJECT, target=(fault.spec.name, target), store=control.store),
+        )
         return judge(fault.spec, 5, target, out)
 
     seen = run()

@@ -76,3 +76,18 @@ def test_every_registered_engine_loads_or_says_why_not() -> None:
             continue
         assert driver.name and driver.faults and driver.workloads
         assert {cls.spec.model for cls in driver.faults.values()} <= set(driver.workloads)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_each_engine_spec_file_names_its_fault_classes_in_matrix_order(engine: str) -> None:
+    """The fault modules import without their engine: their faults.toml must match the classes one to one."""
+    import importlib
+
+    from kvcanary.selftest.specs import load_specs
+
+    package = f"kvcanary.adapters.{engine}.selftest"
+    faults = importlib.import_module(f"{package}.faults").FAULTS
+    specs, classes = load_specs(package)
+    assert list(specs) == list(faults) == list(classes)
+    for name, cls in faults.items():
+        assert cls.spec == specs[name] and classes[name] == f"faults.{cls.__name__}"

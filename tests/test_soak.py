@@ -45,7 +45,11 @@ def test_slower_steps_under_outside_load_pass() -> None:
     assert dataclasses.replace(STEADY, step_us_end=6000.0, share_end=0.3).failures() == []
 
 
-@pytest.mark.parametrize("argv", [["--steps", "3"], ["--device", "tpu"], ["--engine", "vllm"], ["--bogus"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--steps", "3"], ["--device", "tpu"], ["--engine", "vllm"], ["--bogus"], ["--models", "dense,moe"],
+     ["--models", "dense,dense"], ["--models", ""]],
+)  # fmt: skip
 def test_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     try:
         rc = cli.main(["soak", "--quiet", *argv])

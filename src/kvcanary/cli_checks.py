@@ -1,5 +1,6 @@
-"""Shared subcommand setup (parser, device and output options), and refusals before any work starts:
-combinations the machine or model cannot honour.
+"""What every ``kvcanary`` subcommand shares: the exit codes, its parser (from its module's ``HELP``,
+``DESCRIPTION``, ``EPILOG`` and ``add_arguments``), the device and output options, the refusals before any
+work starts (combinations the machine or model cannot honour) and the frame of an engine-running command.
 
 Each check answers with the documented exit code (2: usage, 3: environment) and a message naming the
 problem and the way out, so a user never waits minutes for a run that could not do what was asked.
@@ -9,21 +10,48 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENVIRONMENT = 3
+EXIT_CODES = """exit codes:
+  0  success (demo: the clean run raised no violation and the injected fault was caught;
+     selftest: every 'detect' fault caught in every trial and the clean controls silent)
+  1  the check failed (a violation in a clean run, a fault missed or caught late, a run failed;
+     report: the event log records violations or failed health checks)
+  2  bad command-line usage (unknown option or value, an option combination that cannot work,
+     report: the file is missing or not an event log of schema version 1)
+  3  the environment cannot run it (engine missing or unsupported, no CUDA device, triton missing,
+     --plot without matplotlib)
+"""
 # What every engine-running subcommand says when its engine is missing (the README's Install section).
 INSTALL_HINT = "see the README's Install section: pip install -e '.[transformers]' after a CPU or CUDA torch"
 
 
-def add_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, *, help: str, description: str, epilog: str
-) -> argparse.ArgumentParser:
-    """A subcommand of ``kvcanary``; its epilog (the exit codes) keeps its line breaks."""
-    return sub.add_parser(
-        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, command: ModuleType) -> None:
+    """Subcommand ``name`` of ``kvcanary`` from its module: ``HELP``, ``DESCRIPTION``, ``EPILOG`` (the exit
+    codes, line breaks kept) and ``add_arguments(parser)``."""
+    parser = sub.add_parser(
+        name,
+        help=command.HELP,
+        description=command.DESCRIPTION,
+        epilog=command.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    command.add_arguments(parser)
+
+
+def fail(message: str, code: int) -> int:
+    """``message`` on stderr; ``code``, the exit code to return."""
+    print(message, file=sys.stderr)
+    return code
 
 
 def add_output_options(parser: argparse.ArgumentParser, progress: str = "progress lines") -> None:
@@ -51,15 +79,16 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def demo_refusal(args: argparse.Namespace) -> tuple[int, str] | None:
-    """``(exit code, message)`` when the demo's options cannot work here, else ``None``."""
+def refusal(args: argparse.Namespace) -> tuple[int, str] | None:
+    """``(exit code, message)`` when an engine-running command's options cannot work here, else ``None``
+    (``--async-batching`` and ``--cuda-graphs`` only where the command has them)."""
     on_cuda = str(args.device).startswith("cuda")
     if not on_cuda and str(args.device) != "cpu":
         return EXIT_USAGE, f"--device must be cpu or cuda[:N], got {args.device!r}"
     if on_cuda and not _cuda_available():
         return EXIT_ENVIRONMENT, "--device cuda: torch sees no CUDA device here (run with --device cpu)"
-    for flag, wanted in (("--async-batching", args.async_batching), ("--cuda-graphs", args.cuda_graphs)):
-        if wanted and not on_cuda:
+    for flag in ("--async-batching", "--cuda-graphs"):
+        if getattr(args, flag[2:].replace("-", "_"), False) and not on_cuda:
             return EXIT_USAGE, f"{flag} needs --device cuda (transformers runs it on CUDA only)"
     if args.backend == "triton":
         if importlib.util.find_spec("triton") is None:
@@ -70,3 +99,32 @@ def demo_refusal(args: argparse.Namespace) -> tuple[int, str] | None:
                 "or use --backend reference"
             )
     return None
+
+
+def run_engine_command(
+    args: argparse.Namespace,
+    prog: str,
+    needs: str,
+    options: Callable[[], Any],
+    execute: Callable[..., Any],
+    summary: Callable[[Any], str],
+) -> int:
+    """The frame of a command that runs an engine (the demo, the soak): refuse what cannot work here, build
+    the ``options()`` (a ValueError is a usage error), ``execute(options, progress=...)`` (progress on stderr
+    unless --quiet; an engine missing or unsupported is the environment's), print the result's JSON or
+    ``summary`` and exit by whether it passed."""
+    from kvcanary.adapters.base import UnsupportedEngineVersion
+
+    refused = refusal(args)
+    if refused is not None:
+        return fail(f"kvcanary {prog}: {refused[1]}", refused[0])
+    try:
+        built = options()
+    except ValueError as exc:
+        return fail(f"kvcanary {prog}: {exc}", EXIT_USAGE)
+    try:
+        result = execute(built, progress=None if args.quiet else sys.stderr)
+    except (ImportError, UnsupportedEngineVersion) as exc:
+        return fail(f"kvcanary {prog} needs {needs} ({INSTALL_HINT}): {exc}", EXIT_ENVIRONMENT)
+    print(json.dumps(result.as_json()) if args.json else summary(result))
+    return EXIT_OK if result.passed else EXIT_CHECK_FAILED

@@ -58,6 +58,10 @@ class SoakOptions:
     models: tuple[str, ...] = PHASE_MODELS
 
     def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in PHASE_MODELS]
+        if unknown or not self.models or len(set(self.models)) != len(self.models):
+            names = ", ".join(PHASE_MODELS)
+            raise ValueError(f"--models takes distinct names from {names}, got {','.join(self.models)!r}")
         if self.steps < 20 * len(self.models):
             raise ValueError(f"--steps must be at least {20 * len(self.models)}, got {self.steps}")
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 ENGINES = ("transformers",)
 EPILOG = """exit codes:
@@ -16,52 +14,42 @@ EPILOG = """exit codes:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvcanary.cli_checks import add_command, add_device_options, add_output_options
+HELP = "a long randomized clean workload on a real engine: silent, and steady in memory and step time"
+DESCRIPTION = (
+    "Requests arrive, finish and are cancelled continuously on the engine (prefix reuse, forks, "
+    "CPU offload/restore, chunked prefill, sliding rings), the steps split between a dense and a hybrid "
+    "model, until the canary ran --steps steps; then checks silence and steadiness (see exit codes)."
+)
 
-    p = add_command(
-        sub,
-        "soak",
-        help="a long randomized clean workload on a real engine: silent, and steady in memory and step time",
-        description="Requests arrive, finish and are cancelled continuously on the engine (prefix reuse, forks, "
-        "CPU offload/restore, chunked prefill, sliding rings), the steps split between a dense and a hybrid "
-        "model, until the canary ran --steps steps; then checks silence and steadiness (see exit codes).",
-        epilog=EPILOG,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvcanary.cli_checks import add_device_options, add_output_options
+
     p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    p.add_argument(
+        "--models", default="dense,hybrid",
+        help="the phases, comma-separated (default: dense,hybrid); one model per process lets a many-core host run "
+        "the phases side by side",
+    )  # fmt: skip
     add_device_options(p)
     add_output_options(p)
 
 
-def run(args: argparse.Namespace, ok: int, failed: int, usage: int, environment: int) -> int:
-    from kvcanary.adapters.base import UnsupportedEngineVersion
-    from kvcanary.cli_checks import INSTALL_HINT, demo_refusal
+def run(args: argparse.Namespace) -> int:
+    from kvcanary.cli_checks import EXIT_ENVIRONMENT, fail, run_engine_command
     from kvcanary.ops import Backend
 
     try:
         from kvcanary.soak import SoakOptions, run_soak, summary
     except ImportError as exc:  # psutil (the RSS readings) is missing
-        print(f"kvcanary soak: {exc}", file=sys.stderr)
-        return environment
-    checked = argparse.Namespace(
-        device=args.device, backend=args.backend, async_batching=False, cuda_graphs=False, model="dense",
-        fault_group=None,
-    )  # fmt: skip
-    refusal = demo_refusal(checked)  # the same device/backend refusals as the demo
-    if refusal is not None:
-        print(f"kvcanary soak: {refusal[1]}", file=sys.stderr)
-        return refusal[0]
-    try:
-        options = SoakOptions(steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend))
-    except ValueError as exc:
-        print(f"kvcanary soak: {exc}", file=sys.stderr)
-        return usage
-    try:
-        result = run_soak(options, progress=None if args.quiet else sys.stderr)
-    except (ImportError, UnsupportedEngineVersion) as exc:
-        print(f"kvcanary soak needs transformers 5.24.0 and psutil ({INSTALL_HINT}): {exc}", file=sys.stderr)
-        return environment
-    print(json.dumps(result.as_json()) if args.json else summary(result))
-    return ok if result.passed else failed
+        return fail(f"kvcanary soak: {exc}", EXIT_ENVIRONMENT)
+
+    def options() -> SoakOptions:
+        return SoakOptions(
+            steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend),
+            models=tuple(args.models.split(",")),
+        )  # fmt: skip
+
+    return run_engine_command(args, "soak", "transformers 5.24.0 and psutil", options, run_soak, summary)

@@ -9,14 +9,15 @@ Per engine step::
 
 The first two may be captured once in a CUDA graph and replayed (inputs refilled in place); the
 manager then sees only ``host_step`` calls and relies on the device phase marks to notice a replay
-that lacks its work.  A violation of host step k is decoded and acted upon by host step k + 1 (or
-:meth:`CanaryManager.flush`).  One before/after pair per host step gives exact attribution; several
-are allowed (warm-up forwards, for instance): counts stay exact, rows of all but the last are dropped
-and reported as such.
+that lacks its work.  A violation of host step k is decoded and acted upon by host step k + 1 (k + 2
+when the device runs behind: see :mod:`~kvcanary.runtime.pump`) or by :meth:`CanaryManager.flush`.
+One before/after pair per host step gives exact attribution; several are allowed (warm-up forwards,
+for instance): counts stay exact, rows of all but the last are dropped and reported as such.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -34,7 +35,8 @@ from kvcanary.runtime.capture import is_capturing, stream_capturing_probe
 from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
-from kvcanary.runtime.report import FailRequestCallback, StepReport
+from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
+from kvcanary.runtime.step_graphs import StepGraphs, batch_key, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -42,14 +44,17 @@ from kvcanary.runtime.validation import (
     request_id_tuple,
     validate_step,
 )
+from kvcanary.runtime.verdict import merge_reports
 from kvcanary.workspace import Capacities
+
+logger = logging.getLogger("kvcanary")
 
 
 class CanaryManager:
     """Canary state and reporting for one KV pool (one or more groups).
 
     Everything is allocated here, once: each group's records and plan workspace, the live log, the
-    outbox and two host buffers (pinned on CUDA).  In ``off`` mode nothing is allocated, every
+    outbox and three host buffers (pinned on CUDA).  In ``off`` mode nothing is allocated, every
     method is a no-op and :attr:`canaries` is empty.  Decoding and acting on a step's copy is
     :class:`~kvcanary.runtime.decode.StepDecoder`'s job.
     """
@@ -101,6 +106,10 @@ class CanaryManager:
         self._work = StepWork(list(self.canaries.values()), layout, self.device)
         self._pump = LaggedPump(self._work.outbox, layout)
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
+        # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
+        self._graphs: StepGraphs | None = None
+        if self._cuda and self._kernels and not config.check_values:
+            self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
 
     # ------------------------------------------------------------------ the KV digest
@@ -116,9 +125,17 @@ class CanaryManager:
         if unknown:
             raise ValueError(f"attach_digests: unknown groups {unknown}; groups are {sorted(self.canaries)}")
         built = {name: GroupDigest(self.canaries[name], layout, self.config.digest) for name, layout in layouts.items()}
+        if self._graphs is not None:
+            self._graphs.clear()  # graphs captured before hold no digest work
         for i, name in enumerate(self.canaries):
             if name in built:
                 self._work.digests[i] = built[name]
+        self._decoder.locate = self._locate_digest
+
+    def _locate_digest(self, violation: Violation) -> str:
+        """The layer note of a digest mismatch row (reads the slot's bytes: only for reported rows)."""
+        digest = self.digest_of(violation.group) if violation.group in self.canaries else None
+        return "" if digest is None else digest.locate(violation.slot)
 
     def digest_of(self, group: str) -> GroupDigest | None:
         if not self._enabled:
@@ -134,6 +151,19 @@ class CanaryManager:
         if self._open:
             raise RuntimeError("verify_moved called between before_forward and after_forward")
         digest.verify_slots(slots, self._work.logs[list(self.canaries).index(group)])
+
+    def stamp_digests(self, batches: Mapping[str, StepBatch]) -> None:
+        """Digest the slots ``batches`` wrote, for groups whose digest is stamped by the adapter
+        (``GroupDigest.stamp_after_forward`` False): after the engine's forward wrote them, outside
+        before/after.  The batches must be ones this step's ``before_forward`` validated (all rows)."""
+        if not self._enabled:
+            return
+        if self._open:
+            raise RuntimeError("stamp_digests called between before_forward and after_forward")
+        for i, name in enumerate(self.canaries):
+            digest = self._work.digests[i]
+            if digest is not None and not digest.stamp_after_forward and name in batches:
+                digest.stamp(batches[name], self._work.logs[i])
 
     # ------------------------------------------------------------------ per-step device work
 
@@ -177,6 +207,42 @@ class CanaryManager:
         else:
             self._eager_forwards += 1
 
+    def forward_step(self, batches: Mapping[str, StepBatch]) -> None:
+        """``before_forward(batches)`` then ``after_forward()``, for a tap that runs once the forward is enqueued.
+
+        On CUDA, outside any capture, the pair's device work is replayed from the canary's own CUDA graph
+        when this step's batch tensors sit where those of a captured step sat (same addresses, shapes,
+        dtypes): one launch instead of several per group (see :mod:`~kvcanary.runtime.step_graphs`).
+        """
+        graphs = self._graphs
+        if graphs is None or self._open or is_capturing(self.device):
+            self.before_forward(batches)
+            self.after_forward()
+            return
+        ordered = ordered_batches(batches, self.canaries)
+        key = batch_key(ordered)
+        if graphs.replay(key):
+            self._eager_forwards += 1
+            return
+        self.before_forward(batches)
+        self.after_forward()
+        work = self._work
+
+        def step_work() -> None:
+            work.before(ordered)
+            work.after()
+
+        try:
+            graphs.ran_eagerly(key, step_work)
+        except Exception:  # a capture the driver refused: the step ran eagerly already; stay eager from now on
+            logger.exception("kvcanary: capturing the canary's step graph failed; the canary runs eagerly from now on")
+            self._graphs = None
+
+    def graph_stats(self) -> dict[str, int]:
+        """Steps replayed from the canary's own graphs and graphs captured (zero where not in use)."""
+        g = self._graphs
+        return {"graph_replays": 0 if g is None else g.replays, "graph_captures": 0 if g is None else g.captures}
+
     def abandon_forward(self) -> None:
         """Close a before_forward whose model forward raised, so the next step starts clean.
 
@@ -193,11 +259,13 @@ class CanaryManager:
     # ------------------------------------------------------------------ host side
 
     def host_step(self, request_ids: Sequence[object] | None = None) -> StepReport | None:
-        """Decode the previous step's copy, stage this step's, then act (outside any graph).
+        """Decode the oldest step not yet decoded if its copy landed, stage this step's, then act (outside any
+        graph).  Never waits on the device on the clean path (see :mod:`~kvcanary.runtime.pump`).
 
-        ``request_ids[r]`` is the engine's id of batch row r in this step's batches.  Returns the
-        report of the previous step when it had violations (``log`` and ``fail-request`` modes), or
-        None; raises :class:`CanaryViolation` in ``raise`` mode.
+        ``request_ids[r]`` is the engine's id of batch row r in this step's batches.  Returns the report
+        of the step decoded (normally the previous one, at most two back on a device that runs behind)
+        when it had violations (``log`` and ``fail-request`` modes), or None; raises
+        :class:`CanaryViolation` in ``raise`` mode.
         """
         if not self._enabled:
             return None
@@ -210,7 +278,7 @@ class CanaryManager:
         ids = request_id_tuple(request_ids)
         self._eager_forwards = 0
         step = self._step
-        prev = self._pump.take()
+        prev = self._pump.take_due(step)  # the oldest undecoded step whose copy landed (or is two steps old)
         outcome = None if prev is None else self._decoder.decode(prev, reported_at=step)
         # Stage this step before acting: a raise below must not lose this step's copy.
         self._pump.stage(step, ids)
@@ -218,17 +286,21 @@ class CanaryManager:
         return None if outcome is None else self._decoder.act(*outcome)
 
     def flush(self) -> StepReport | None:
-        """Synchronously decode the last staged step (end of a run)."""
+        """Synchronously decode the steps not yet decoded (end of a run: at most two, oldest first, each acted
+        on by mode); returns their reports as one (:func:`~kvcanary.runtime.verdict.merge_reports`), or None."""
         if not self._enabled:
             return None
         self._check_host_call("flush")
         if self._eager_forwards:
             raise RuntimeError("flush: a forward ran after the last host_step; call host_step(request_ids) first")
-        buf = self._pump.take()
-        outcome = None if buf is None else self._decoder.decode(buf, reported_at=self._step)
-        report = None if outcome is None else self._decoder.act(*outcome)
+        reports = []
+        for buf in self._pump.take_all():
+            outcome = self._decoder.decode(buf, reported_at=self._step)
+            acted = None if outcome is None else self._decoder.act(*outcome)
+            if acted is not None:
+                reports.append(acted)
         self._decoder.log_suppressed()
-        return report
+        return merge_reports(reports) if reports else None
 
     def stats(self) -> dict[str, int]:
         """Cumulative counts as of the last decoded step."""

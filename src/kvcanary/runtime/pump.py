@@ -1,14 +1,28 @@
-"""The lagged device-to-host pump: each host step copies the outbox into one of two host buffers.
+"""The lagged device-to-host pump: each host step copies the outbox into one of three host buffers.
 
-Host step k first decodes step k - 1 (waiting on its event: long done in a serving loop, which
-synchronises on its sampled tokens anyway), then enqueues an asynchronous copy of the outbox into
-host buffer ``k % 2`` (pinned memory on CUDA, an ordinary copy on CPU) and records an event.  Two
-buffers, so step k's copy never lands in the buffer just decoded: the manager keeps reading its
-totals (as of step k - 1) until the next decode, without copying them.
+Host step k enqueues an asynchronous copy of the outbox into host buffer ``k % 3`` (pinned memory on
+CUDA, an ordinary copy on CPU) and records an event on the current stream -- the engine's compute
+stream, behind the canary's work.  Decoding runs at most two steps behind and never waits on the clean
+path: before staging step k, host step k decodes the oldest step not yet decoded when
+
+* its event has completed (polled with ``Event.query``, no wait): normally step k - 1, reported at k; or
+* it is step k - 2 or older: it must be decoded now (waiting on its event if it has not completed, which
+  in a serving loop it has: the engine synchronised on step k - 1's tokens since), so that staging never
+  runs more than two steps ahead of decoding.
+
+At most one step is decoded per host step, so each host step returns at most one step's report, and
+steps are decoded in order, each exactly once.  Three buffers: after step k is staged, the steps not yet
+decoded are among k - 1 and k, and the last one decoded is at least k - 2; those three buffers are
+distinct, so a copy never lands in a buffer still to be decoded or in the one the decoder keeps reading
+its totals from (as of the last decoded step, without copying them).
+
+On CPU there is no event: every copy has landed when it is taken, so step k - 1 is always decoded by
+host step k.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -18,6 +32,9 @@ import torch
 from kvcanary.runtime.buffers import Layout
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import ViolationLog
+
+NUM_BUFFERS = 3
+MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
 
 
 @dataclasses.dataclass
@@ -32,6 +49,10 @@ class HostBuffer:
     step: int = -1
     request_ids: tuple[object, ...] | None = None
 
+    def landed(self) -> bool:
+        """Whether the copy has completed (never waits)."""
+        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]
+
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
@@ -42,8 +63,8 @@ class LaggedPump:
         self._outbox = outbox
         self._cuda = outbox.device.type == "cuda"
         self.phase_offset = layout.phase_offset
-        self.buffers = [self._allocate(layout) for _ in range(2)]
-        self._pending: HostBuffer | None = None
+        self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
+        self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
 
     def _allocate(self, layout: Layout) -> HostBuffer:
         t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
@@ -52,17 +73,35 @@ class LaggedPump:
         event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event)
 
+    @property
+    def pending_steps(self) -> tuple[int, ...]:
+        """Steps staged and not yet taken, oldest first."""
+        return tuple(b.step for b in self._pending)
+
     def stage(self, step: int, request_ids: tuple[object, ...] | None) -> None:
-        """Start copying step ``step``'s outbox (the previous staged buffer must have been taken)."""
-        buf = self.buffers[step & 1]
+        """Start copying step ``step``'s outbox; steps up to ``step - MAX_LAG`` must have been taken."""
+        if self._pending and self._pending[0].step <= step - MAX_LAG:
+            raise RuntimeError(f"step {self._pending[0].step} was not decoded before staging step {step}")
+        buf = self.buffers[step % NUM_BUFFERS]
         buf.tensor.copy_(self._outbox, non_blocking=self._cuda)
         if buf.event is not None:
             buf.event.record()
         buf.step = step
         buf.request_ids = request_ids
-        self._pending = buf
+        self._pending.append(buf)
 
-    def take(self) -> HostBuffer | None:
-        """The staged buffer not yet decoded (not waited on), and forget it."""
-        prev, self._pending = self._pending, None
-        return prev
+    def take_due(self, step: int) -> HostBuffer | None:
+        """For host step ``step``: the oldest staged buffer if its copy has landed or it is ``MAX_LAG`` or more
+        steps old (then the decoder waits on it), else None; at most one a call."""
+        if not self._pending:
+            return None
+        oldest = self._pending[0]
+        if oldest.step > step - MAX_LAG and not oldest.landed():
+            return None
+        return self._pending.popleft()
+
+    def take_all(self) -> list[HostBuffer]:
+        """Every staged buffer not yet taken, oldest first (the end of a run)."""
+        out = list(self._pending)
+        self._pending.clear()
+        return out

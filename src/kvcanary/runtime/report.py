@@ -4,9 +4,10 @@ One-line format (stable; one line per violation row, parsed by tools, never rewo
 
     kvcanary violation: step=<S> group=<G> phase=<P> reasons=<r1+r2> request=<ID> batch_row=<B> \
 table_row=<T> slot=<N> pred=<N> position=<expected> stored_position=<stored> token=<expected> \
-stored_token=<stored> link=0x<16 hex> stored_link=0x<16 hex> bad_index=<N>
+stored_token=<stored> link=0x<16 hex> stored_link=0x<16 hex> bad_index=<N>[ rank=<R>]
 
-(one line; wrapped here).  ``step`` is the host step the violation happened at, ``group`` the group's
+(one line; wrapped here; `` rank=<R>`` only in a verdict shared by several ranks, naming the rank that
+found the row).  ``step`` is the host step the violation happened at, ``group`` the group's
 name, ``phase`` one of ``plan``/``verify``/``stamp``, ``reasons`` the lower-case reason names joined
 by ``+`` (:func:`kvcanary.schema.reason_names`), ``request`` the engine's request id (``repr`` of
 the object; ``-`` when unknown).  Numbers are decimal, ``-1`` means "none/unknown" (see
@@ -58,6 +59,7 @@ class Violation:
     stored_link: int  # unsigned 64-bit
     bad_index: int
     note: str = ""  # the report's reading of the row (runtime.culprit), free text; "" when none
+    rank: int | None = None  # the process group rank that found the row, when several ranks share a verdict
 
     def line(self, step: int) -> str:
         """The stable one-line format (module docstring)."""
@@ -69,12 +71,14 @@ class Violation:
             f"position={self.expected_position} stored_position={self.stored_position} "
             f"token={self.expected_token} stored_token={self.stored_token} "
             f"link=0x{self.expected_link:016x} stored_link=0x{self.stored_link:016x} bad_index={self.bad_index}"
+            + ("" if self.rank is None else f" rank={self.rank}")
         )
 
     def describe(self) -> str:
         """A few human-readable lines for the log block; values that were not computed are left out."""
         who = "unknown request" if self.request_id is None else f"request {self.request_id!r}"
-        where = f"  [{self.group}] {who} (batch row {self.batch_row}, table row {self.table_row}): "
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        where = f"  [{self.group}]{on} {who} (batch row {self.batch_row}, table row {self.table_row}): "
         reasons = ", ".join(self.reasons)
         if self.phase == "plan":
             lengths = f"prefix_len={self.expected_position} prefix_len+extend_len={self.stored_position}"
@@ -158,7 +162,7 @@ class StepReport:
         notes = [
             f"  {v.group} request {v.request_id!r} position {v.expected_position}: {v.note}"
             for v in self.violations
-            if v.note.startswith("likely culprit")
+            if v.note.startswith(("likely culprit", "digest:"))
         ]
         return "\n".join([self._header(), *notes, self._counts()])
 

@@ -104,6 +104,18 @@ def merge_reports(reports: Sequence[StepReport]) -> StepReport:
     )
 
 
+def verdict_report(verdict: RankVerdict) -> StepReport | None:
+    """The verdict's violations as one report, every row naming the rank that found it (None: health only)."""
+    if not verdict.reports:
+        return None
+    ranked = [
+        dataclasses.replace(rep, violations=tuple(dataclasses.replace(v, rank=r) for v in rep.violations))
+        for r, rep in sorted(verdict.reports.items())
+    ]
+    merged = merge_reports(ranked)
+    return dataclasses.replace(merged, step=verdict.step, reported_at=verdict.reported_at)
+
+
 def portable_bytes(report: StepReport | None) -> bytes:
     """The report pickled for the peers; request ids that do not pickle travel as their ``repr``."""
     try:

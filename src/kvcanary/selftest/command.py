@@ -31,20 +31,19 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from kvcanary.cli_checks import add_command, add_output_options
+HELP = "inject the fault library into a real engine and print the detection matrix"
+DESCRIPTION = (
+    "Runs every fault of the library (or the ones named) on a real engine with the canary on, "
+    "each in N randomized trials (random workload, fault injected at a random eligible step), plus clean "
+    "controls with the same seeds, and prints which faults were caught, by which check and how fast. "
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvcanary.cli_checks import add_output_options
     from kvcanary.selftest.registry import DEFAULT_ENGINE, ENGINES
 
-    p = add_command(
-        sub,
-        "selftest",
-        help="inject the fault library into a real engine and print the detection matrix",
-        description="Runs every fault of the library (or the ones named) on a real engine with the canary on, "
-        "each in N randomized trials (random workload, fault injected at a random eligible step), plus clean "
-        "controls with the same seeds, and prints which faults were caught, by which check and how fast. "
-        + _default_faults(DEFAULT_ENGINE),
-        epilog=EPILOG,
-    )
+    p.description = DESCRIPTION + _default_faults(DEFAULT_ENGINE)
     p.add_argument(
         "--engine",
         choices=list(ENGINES),
@@ -121,31 +120,29 @@ class ProgressBar:
         self.stream.flush()
 
 
-def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: int, exit_env: int) -> int:
+def run(args: argparse.Namespace) -> int:
+    from kvcanary.cli_checks import EXIT_CHECK_FAILED, EXIT_ENVIRONMENT, EXIT_OK, EXIT_USAGE, INSTALL_HINT, fail
     from kvcanary.selftest.protocol import EngineUnavailable
     from kvcanary.selftest.registry import load_driver
 
     try:
         driver = load_driver(args.engine)
     except EngineUnavailable as exc:
-        print(f"kvcanary selftest --engine {args.engine}: {exc}", file=sys.stderr)
-        return exit_env
+        return fail(f"kvcanary selftest --engine {args.engine}: {exc}", EXIT_ENVIRONMENT)
     if args.list:
         print(fault_list(driver.faults))
-        return exit_ok
+        return EXIT_OK
     try:
         names = fault_names(args.faults, driver.faults)
     except ValueError as exc:
-        print(f"kvcanary selftest: {exc}", file=sys.stderr)
-        return exit_usage
+        return fail(f"kvcanary selftest: {exc}", EXIT_USAGE)
     if args.plot:  # refuse before the runs, not after minutes of them
         from kvcanary.plots import PlotsUnavailable, require_matplotlib
 
         try:
             require_matplotlib()
         except PlotsUnavailable as exc:
-            print(f"kvcanary selftest: {exc}", file=sys.stderr)
-            return exit_env
+            return fail(f"kvcanary selftest: {exc}", EXIT_ENVIRONMENT)
     try:
         from kvcanary.selftest.report import as_json, table
         from kvcanary.selftest.runner import run_selftest
@@ -153,17 +150,13 @@ def run(args: argparse.Namespace, exit_ok: int, exit_failed: int, exit_usage: in
         progress = None if args.quiet else ProgressBar(sys.stderr)
         result = run_selftest(driver, names, trials=args.trials, seed=args.seed, progress=progress)
     except (ImportError, EngineUnavailable) as exc:
-        from kvcanary.cli_checks import INSTALL_HINT
-
-        print(f"kvcanary selftest --engine {args.engine} cannot run here ({INSTALL_HINT}): {exc}", file=sys.stderr)
-        return exit_env
-    if args.json:
-        print(json.dumps(as_json(result, args.seed)))
-    else:
-        print(table(result, args.seed))
+        return fail(
+            f"kvcanary selftest --engine {args.engine} cannot run here ({INSTALL_HINT}): {exc}", EXIT_ENVIRONMENT
+        )
+    print(json.dumps(as_json(result, args.seed)) if args.json else table(result, args.seed))
     if args.plot and not _plot(result, args.plot):
-        return exit_usage
-    return exit_ok if result.passed else exit_failed
+        return EXIT_USAGE
+    return EXIT_OK if result.passed else EXIT_CHECK_FAILED
 
 
 def _plot(result: Any, path: str) -> bool:

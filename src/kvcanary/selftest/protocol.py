@@ -22,10 +22,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import importlib
 import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from kvcanary.adapters.patching import PatchSet, Wrapper
 from kvcanary.runtime import StepReport
@@ -168,54 +169,63 @@ class RunOutcome:
         return int(self.stats.get("violations", 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run as the runner asks a driver for it.
+
+    PROBE: the clean control (faults record opportunities, the read oracle records its reference into the
+    outcome's ``store``); INJECT: ``target = (fault name, step)``, and the oracle checks reads against
+    ``store`` (the control's reference) from the injection on.
+    """
+
+    kind: str  # the workload kind (one of the driver's ``workloads``)
+    seed: int
+    faults: Sequence[Fault[Any]]
+    mode: InjectMode = InjectMode.PROBE
+    target: tuple[str, int] | None = None
+    store: object = None  # INJECT: the probe run's ``RunOutcome.store``, passed through untouched
+
+    def rng(self) -> random.Random:
+        """The faults' random choices: the same for the same seed and target."""
+        return random.Random(f"{self.seed}:{self.target}")
+
+
 class EngineUnavailable(RuntimeError):
     """The engine (or its self-test) cannot run here: not installed, unsupported version, no device."""
 
 
-def engine_version(check_version: Callable[[], str], needs: str) -> str:
-    """``check_version()``; :class:`EngineUnavailable` saying what the self-test ``needs`` when the engine is missing
-    (ImportError) or of an unsupported version."""
-    from kvcanary.adapters.base import UnsupportedEngineVersion
-
-    try:
-        return check_version()
-    except (ImportError, UnsupportedEngineVersion) as exc:
-        raise EngineUnavailable(f"{needs}: {exc}") from exc
-
-
-class EngineDriver(Protocol):
+class EngineDriver(abc.ABC):
     """What ``kvcanary selftest --engine NAME`` needs from an engine (see docs/architecture.md).
 
-    The engine's package ``kvcanary.adapters.<engine>.selftest`` exposes ``driver() -> EngineDriver``.
+    The engine's package ``kvcanary.adapters.<engine>.selftest`` exposes ``driver() -> EngineDriver``.  A
+    driver names its engine, fault library and workloads, says where its version check lives and how the
+    matrix's title reads; it implements :meth:`session` and :meth:`run`.
     """
 
-    name: str  # the engine, as reports name it
-    faults: Mapping[str, type[Fault[Any]]]  # the engine's fault library, in matrix order
-    workloads: Sequence[str]  # workload kinds, in matrix order; every fault's ``spec.model`` is one of them
+    name: ClassVar[str]  # the engine, as reports name it
+    faults: ClassVar[Mapping[str, type[Fault[Any]]]]  # the engine's fault library, in matrix order
+    workloads: ClassVar[Sequence[str]]  # workload kinds, in matrix order; every fault's ``spec.model`` is one
+    version_module: ClassVar[str]  # the adapter's module whose ``check_version()`` names the engine's version
+    needs: ClassVar[str]  # what the self-test needs, as :class:`EngineUnavailable` says it
+    title: ClassVar[str]  # the matrix's title, ``{version}`` filled in
 
     def check(self) -> str:
-        """The engine's version; raise :class:`EngineUnavailable` (or ImportError) when it cannot run."""
-        ...
+        """The engine's version; :class:`EngineUnavailable` when it cannot run here."""
+        from kvcanary.adapters.base import UnsupportedEngineVersion
+
+        try:
+            return str(importlib.import_module(self.version_module).check_version())
+        except (ImportError, UnsupportedEngineVersion) as exc:
+            raise EngineUnavailable(f"{self.needs}: {exc}") from exc
 
     def describe(self, version: str) -> str:
         """The engine as the matrix's title names it, e.g. ``transformers 5.24.0 continuous batching``."""
-        ...
+        return self.title.format(version=version)
 
+    @abc.abstractmethod
     def session(self, kinds: Sequence[str]) -> AbstractContextManager[None]:
         """Set up for a series of runs of these workload kinds (models, log levels) and tear down after."""
-        ...
 
-    def run(
-        self,
-        kind: str,
-        seed: int,
-        faults: Sequence[Fault[Any]],
-        *,
-        mode: InjectMode,
-        target: tuple[str, int] | None = None,
-        store: object = None,
-    ) -> RunOutcome:
-        """Run workload ``kind`` once, deterministically for ``seed``, with every fault installed.  PROBE:
-        the clean control (faults record opportunities, the oracle records its reference into ``store``);
-        INJECT: ``target = (fault name, step)``, the oracle checks reads against ``store`` from the injection."""
-        ...
+    @abc.abstractmethod
+    def run(self, spec: RunSpec) -> RunOutcome:
+        """Run ``spec`` once, deterministically for its seed, with every fault installed (see :class:`RunSpec`)."""

@@ -43,6 +43,7 @@ from kvcanary.selftest.protocol import (
     Injection,
     InjectMode,
     RunOutcome,
+    RunSpec,
 )
 
 Progress = Callable[[int, int, str], None]  # (runs done, runs planned, what runs now)
@@ -288,7 +289,7 @@ class _Plan:
     def run_seed(self, kind: str, run_seed: int, need: list[str]) -> None:
         faults = self.driver.faults
         self.tick(f"{kind} control, seed {run_seed}")
-        control = self.driver.run(kind, run_seed, [faults[n]() for n in need], mode=InjectMode.PROBE)
+        control = self.driver.run(RunSpec(kind, run_seed, [faults[n]() for n in need]))
         self.controls.append(
             Control(
                 kind, run_seed, control.stats["steps"], control.violations, tuple(control.errors),
@@ -305,7 +306,7 @@ class _Plan:
             target = rng.choice(steps)
             self.tick(f"{name}, seed {run_seed}, step {target}")
             run = self.driver.run(
-                kind, run_seed, [faults[name]()], mode=InjectMode.INJECT, target=(name, target), store=control.store
+                RunSpec(kind, run_seed, [faults[name]()], InjectMode.INJECT, target=(name, target), store=control.store)
             )
             trial = judge(faults[name].spec, run_seed, target, run)
             self.done += 1

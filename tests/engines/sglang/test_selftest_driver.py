@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from kvcanary.adapters.sglang.selftest import FAULTS, SglangDriver
 from kvcanary.adapters.sglang.selftest.driver import run_once
+from kvcanary.adapters.sglang.selftest.faults import WORKLOAD
 from kvcanary.adapters.sglang.selftest.workload import standard_workload
-from kvcanary.selftest.protocol import InjectMode
+from kvcanary.selftest.protocol import RunSpec
 from kvcanary.selftest.runner import run_selftest
 
 
@@ -33,9 +34,9 @@ def test_every_fault_is_caught_within_one_step_and_the_controls_are_silent(loop)
 
 def test_a_clean_control_offers_every_fault_a_step_and_changes_nothing(loop) -> None:
     faults = [cls() for cls in FAULTS.values()]
-    control = run_once(loop, standard_workload(2), 2, faults, mode=InjectMode.PROBE)
+    control = run_once(loop, standard_workload(2), RunSpec(WORKLOAD, 2, faults))
     assert not control.errors and control.violations == 0 and control.injection is None
     assert set(control.opportunities) == set(FAULTS), control.opportunities
     assert control.store  # the oracle recorded its clean reference
-    plain = run_once(loop, standard_workload(2), 2, [], mode=InjectMode.PROBE)
+    plain = run_once(loop, standard_workload(2), RunSpec(WORKLOAD, 2, []))
     assert plain.stats == control.stats  # probing hooks do not perturb sglang

@@ -152,11 +152,10 @@ class StepTap:
             return None
         translated = time.perf_counter_ns()
         try:
-            binding.manager.before_forward(tr.batches)
+            binding.manager.forward_step(tr.batches)  # on CUDA: one replay of the canary's own step graph
         except Exception as exc:
             self._adapter_error("the canary refused the step's batch", exc)
             return None
-        binding.manager.after_forward()
         self.timer.add("translate", translated - start)
         self.timer.add("launch", time.perf_counter_ns() - translated)
         self._count(tr)

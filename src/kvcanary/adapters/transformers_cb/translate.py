@@ -38,7 +38,7 @@ from typing import Any
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.transformers_cb import step_plan
+from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
@@ -93,7 +93,9 @@ class StepTranslator:
         max_batch: int,
         max_context: int,
         device: torch.device | str,
+        kernel: bool | None = None,
     ) -> None:
+        """``kernel``: translate the read-index path with one Triton launch a group (default: on CUDA)."""
         if max_batch <= 0 or max_context <= 0:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
@@ -104,7 +106,12 @@ class StepTranslator:
         self.tables = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in self.geometries}
         self._cells = {name: t.view(-1) for name, t in self.tables.items()}  # the scatter target
         self._staging = Staging(self.device)
-        self._truth = TruthStore(max_batch, max_context, self.device)  # each request's truth, kept between steps
+        # On CUDA every batch tensor keeps its address for a given batch shape, so the canary's own step graphs
+        # (kvcanary.runtime.step_graphs) replay instead of launching each kernel: static outputs.
+        static = self.device.type == "cuda"
+        self._truth = TruthStore(max_batch, max_context, self.device, static_out=static)  # kept between steps
+        self._stable = StableWrites(self.device) if static else None
+        self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
 
     # ------------------------------------------------------------------ entry point
 
@@ -127,14 +134,16 @@ class StepTranslator:
         rows = step_plan.RowPlan.of(host, self.width)
         pack = _Pack()
         truth = self._truth.plan(host, rows.live)
+        # The per-row arrays first: their device views then sit at offsets that depend on the batch size
+        # only, so a step's batch tensors keep their addresses from step to step (see stable_writes).
         common = {
             "rows": pack.add(rows.table_rows()),
             "prefix": pack.add(rows.past),
             "extend": pack.add(rows.query),
+            "truth_lens": pack.add(truth.lens),
             "truth_gather": pack.add(truth.gather),
             "truth_cells": pack.add(truth.cells),
             "truth_tokens": pack.add(truth.tokens),
-            "truth_lens": pack.add(truth.lens),
         }
         work = [self._plan_group(g, rows, kwargs, pack, n_tok, host.num_tokens) for g in self.geometries]
         dev = self._staging.send(pack.arrays)
@@ -144,10 +153,7 @@ class StepTranslator:
 
         batches: dict[str, StepBatch] = {}
         for w in work:
-            if block_table is not None:
-                out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
-            else:
-                out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
+            out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
             batches[w.geometry.name] = StepBatch(
                 rows=dev[common["rows"]],
                 prefix_lens=dev[common["prefix"]],
@@ -213,6 +219,40 @@ class StepTranslator:
 
     # ------------------------------------------------------------------ device work
 
+    def _group_writes(
+        self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
+    ) -> torch.Tensor:
+        """Fill the group's table cells for this step; return its out_cache_loc (in its own buffer on CUDA)."""
+        block_table = kwargs.get("block_table")
+        if block_table is not None:
+            out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
+        elif self.kernel and _kernel_covers(w, kwargs, b):
+            out_loc = self._launch(w, kwargs, dev, n_tok)
+        else:
+            out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
+        return out_loc if self._stable is None else self._stable.writes(w.geometry.name, out_loc)
+
+    def _launch(self, w: _GroupWork, kwargs: Mapping[str, Any], dev: list[torch.Tensor], n_tok: int) -> torch.Tensor:
+        """:meth:`_from_read_index` in one kernel launch (see :mod:`.translate_kernel`)."""
+        g, a = w.geometry, w.arrays
+        if self._stable is not None:
+            out = self._stable.view(g.name, n_tok)
+        else:
+            out = torch.empty(n_tok, dtype=torch.int64, device=self.device)
+        names = ("expected", "row", "offset", "cells")
+        translate_kernel.launch(
+            g,
+            write=kwargs["write_index"][g.index].reshape(-1)[: w.n_write],
+            trash=dev[a["trash"]] if "trash" in a else None,
+            out=out,
+            read=kwargs["read_index"][g.index].reshape(-1),
+            cu_k=kwargs["cu_seq_lens_k"][g.name].reshape(-1),
+            entries={k: dev[a[k]] for k in names} if w.entries.count else None,
+            edges=dev[a["edges"]] if "edges" in a else None,
+            cells=self._cells[g.name],
+        )
+        return out
+
     def _from_read_index(
         self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
     ) -> torch.Tensor:
@@ -268,6 +308,14 @@ class StepTranslator:
         return _pad_writes(slots[: w.n_write], n_tok)
 
 
+def _kernel_covers(w: _GroupWork, kwargs: Mapping[str, Any], b: int) -> bool:
+    """The kernel's case: no verified entry, or read segments to gather them from (see :mod:`.translate_kernel`)."""
+    if not w.entries.count:
+        return True
+    g = w.geometry
+    return int(kwargs["cu_seq_lens_k"][g.name].shape[-1]) >= b + 1 and int(kwargs["read_index"][g.index].numel()) > 0
+
+
 def _pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
     """out_cache_loc for every token of the forward: tokens past the translated writes are not stored."""
     if int(out.shape[0]) == n_tok:
@@ -275,3 +323,27 @@ def _pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
     full = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=out.device)
     full[: out.shape[0]] = out
     return full
+
+
+class StableWrites:
+    """Each group's ``out_cache_loc`` copied into a buffer of its own (one copy a step), so that its address
+    depends on nothing but the group: what the step graphs key on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str, n: int) -> torch.Tensor:
+        """The group's buffer as ``n`` int64 writes (grown to the next power of two when short)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < n:
+            size = max(64, 1 << max(n - 1, 0).bit_length())
+            buf = self._buffers[name] = torch.empty(size, dtype=torch.int64, device=self.device)
+        return buf[:n]
+
+    def writes(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``out`` copied into the group's buffer (when it is not there already)."""
+        view = self.view(name, int(out.shape[0]))
+        if out.data_ptr() != view.data_ptr():
+            view.copy_(out)
+        return view

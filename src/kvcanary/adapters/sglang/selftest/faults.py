@@ -7,19 +7,16 @@ never touches the canary.  Probe runs only record where each fault *could* strik
 from __future__ import annotations
 
 from array import array
-from typing import Any, ClassVar
+from typing import Any
+
+import torch
 
 from kvcanary.adapters.sglang.selftest.context import SglangInjector
-from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+from kvcanary.selftest.protocol import Fault
+from kvcanary.selftest.specs import load_specs
 
 WORKLOAD = "llama"
-_VERIFY_READ = frozenset({("verify", "link_mismatch"), ("verify", "token_mismatch"), ("verify", "position_mismatch")})
-
-
-def _spec(
-    name: str, bug_class: str, catalogue: str, mechanism: str, check: str, checks: frozenset[tuple[str, str]]
-) -> FaultSpec:
-    return FaultSpec(name, bug_class, catalogue, mechanism, WORKLOAD, Expect.DETECT, check, checks)
+SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
 def _rows(batch: Any) -> list[int]:
@@ -34,19 +31,20 @@ def _prefix_lens(batch: Any) -> list[int]:
     return [int(s) - 1 for s in batch.seq_lens_cpu.tolist()]
 
 
+def _live_reader(ctx: SglangInjector, batch: Any) -> tuple[int, int] | None:
+    """(batch row, a cached position it reads) drawn from the rows with a prefix in the pool, or None."""
+    readers = [i for i, p in enumerate(_prefix_lens(batch)[: len(batch.reqs)]) if p > 0]
+    if not readers:
+        return None
+    i = ctx.rng.choice(readers)
+    return i, ctx.rng.randrange(_prefix_lens(batch)[i])
+
+
 class ReqToTokenForeign(Fault[SglangInjector]):
     """One ``req_to_token`` entry of a request points into another request's slot (sglang#25015-style index
     bug: the row of a neighbour in the batch)."""
 
-    spec: ClassVar[FaultSpec] = _spec(
-        "req-to-token-foreign",
-        "req_to_token entry points into another request's slot",
-        "sglang KV index bugs (req_to_token rows written from the wrong request); vllm-project/vllm#54296",
-        "before a forward, one cached position of a batch request's req_to_token row is set to the slot "
-        "another request of the batch holds at a different position",
-        "verify: token/position/link mismatch",
-        _VERIFY_READ,
-    )
+    spec = SPECS["req-to-token-foreign"]
 
     def install(self, ctx: SglangInjector) -> None:
         ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
@@ -69,15 +67,7 @@ class RadixNodeStale(Fault[SglangInjector]):
     """A radix-cache node keeps its slots after they were freed and handed out again (sglang#38319-style:
     the tree still serves a prefix whose KV was released)."""
 
-    spec: ClassVar[FaultSpec] = _spec(
-        "radix-node-stale",
-        "radix node kept after its slots were freed and reused",
-        "sgl-project/sglang#38319; vllm-project/vllm#4761 (evicted block still tracked as cached)",
-        "after a step, the slots of a cached prefix the radix tree holds go back to the allocator while the "
-        "tree keeps them; later allocations overwrite them and later prefix hits read them",
-        "verify: token/position/link mismatch, or stamp: write_into_live_slot",
-        _VERIFY_READ | {("stamp", "write_into_live_slot"), ("verify", "never_written")},
-    )
+    spec = SPECS["radix-node-stale"]
 
     def install(self, ctx: SglangInjector) -> None:
         ctx.after_step_hooks.append(lambda: self._strike(ctx))
@@ -110,15 +100,7 @@ class OutCacheLocOffByOne(Fault[SglangInjector]):
     """The write locations of a forward are off by one from the ``req_to_token`` entries (the KV of position p
     lands in the slot after the one the table gives it; sglang#26329 / #28254-style output-region bugs)."""
 
-    spec: ClassVar[FaultSpec] = _spec(
-        "out-cache-loc-off-by-one",
-        "out_cache_loc off by one from req_to_token",
-        "sgl-project/sglang EAGLE chunked-prefill region bugs (#26329, #28254); vllm-project/vllm#54296",
-        "before a forward, every entry of the batch's out_cache_loc is incremented by one; req_to_token keeps "
-        "the slots the allocator gave",
-        "stamp: new_read_mismatch, or verify: mismatch at the next forward",
-        _VERIFY_READ | {("stamp", "new_read_mismatch"), ("stamp", "write_into_live_slot"), ("verify", "never_written")},
-    )
+    spec = SPECS["out-cache-loc-off-by-one"]
 
     def install(self, ctx: SglangInjector) -> None:
         ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
@@ -136,15 +118,7 @@ class ResumeOntoStaleSlots(Fault[SglangInjector]):
     """A request retracted under memory pressure resumes with its ``req_to_token`` row pointing at the slots it
     held before the retraction, which were freed and handed to others (sglang#28254-style resume bug)."""
 
-    spec: ClassVar[FaultSpec] = _spec(
-        "resume-onto-stale-slots",
-        "retracted request resumed onto stale slots",
-        "sgl-project/sglang#28254 (chunked prefill after retract/resume lands in the wrong region)",
-        "when a retracted request's first prefill after resuming is scheduled, its req_to_token row is set back "
-        "to the slots it held before the retraction (some since reused by other requests)",
-        "verify: token/position/link mismatch (this forward's prefix or the next forward)",
-        _VERIFY_READ | {("stamp", "new_read_mismatch"), ("verify", "never_written")},
-    )
+    spec = SPECS["resume-onto-stale-slots"]
 
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
@@ -179,15 +153,7 @@ class WrongTokenInIds(Fault[SglangInjector]):
     """A request's token ids disagree with what was computed: the latest sampled token in ``output_ids`` is
     replaced after its KV-producing token was scheduled (upstream's next-token swap perturbation)."""
 
-    spec: ClassVar[FaultSpec] = _spec(
-        "wrong-token-in-ids",
-        "wrong token in the request's ids",
-        "sglang KV canary next_token_swap perturbation; detokenizer/sampler id mix-ups",
-        "after a step, a running request's last output id is replaced by another token; the next forward "
-        "writes the KV of the token the sampler really produced",
-        "stamp: write_token_mismatch, or verify: token_mismatch",
-        frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
-    )
+    spec = SPECS["wrong-token-in-ids"]
 
     def install(self, ctx: SglangInjector) -> None:
         ctx.after_step_hooks.append(lambda: self._strike(ctx))
@@ -202,7 +168,74 @@ class WrongTokenInIds(Fault[SglangInjector]):
         ctx.injected(f"{req.rid} output_ids[-1]: {old} -> {req.output_ids[-1]}", [req.rid])
 
 
+class KVBitFlip(Fault[SglangInjector]):
+    """One bit of a cached token's K flips in the pool (HBM/DRAM bit error, a stray DMA): every record and
+    table entry stays correct, only the KV digest (run at budget 1.0 here) can see it."""
+
+    spec = SPECS["kv-bit-flip"]
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
+
+    def _strike(self, ctx: SglangInjector, batch: Any) -> None:
+        pick = _live_reader(ctx, batch)
+        if pick is None or not ctx.take(self.name):
+            return
+        i, pos = pick
+        slot = int(ctx.table[_rows(batch)[i], pos])
+        pool = ctx.loop.runner.token_to_kv_pool
+        layer = ctx.rng.randrange(int(pool.layer_num))
+        flat = pool.k_buffer[layer][slot].view(-1)
+        j = int(flat.abs().argmax())
+        flat.view(torch.int32)[j] ^= -(2**31)  # the float32 sign bit
+        ctx.injected(f"sign bit of K[{j}] of slot {slot} ({batch.reqs[i].rid} position {pos}), layer {layer}",
+                     [batch.reqs[i].rid])  # fmt: skip
+
+
+class PaddingWriteLiveSlot(Fault[SglangInjector]):
+    """A forward's ``set_kv_buffer`` also writes its last token's K/V into a live slot of a request in the
+    batch (a padded row whose write location was not redirected to the padding slot): the records still say
+    the slot holds its own token; only its bytes changed."""
+
+    spec = SPECS["padding-write-live-slot"]
+
+    def install(self, ctx: SglangInjector) -> None:
+        victim: dict[int, int] = {}  # step -> the live slot the stray write lands on
+        ctx.before_forward_hooks.append(lambda batch: self._pick(ctx, batch, victim))
+        pool = ctx.loop.runner.token_to_kv_pool
+
+        def make(inner: Any) -> Any:
+            def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any, **kwargs: Any) -> Any:
+                out = inner(layer, loc, cache_k, cache_v, *args, **kwargs)
+                slot = victim.get(ctx.step)
+                if slot is not None and cache_k is not None and cache_k.shape[0] > 0:
+                    where = torch.tensor([slot], dtype=torch.int64, device=cache_k.device)
+                    inner(layer, where, cache_k[-1:], cache_v[-1:], *args, **kwargs)
+                return out
+
+            return set_kv_buffer
+
+        ctx.wrap(pool, "set_kv_buffer", make)
+
+    def _pick(self, ctx: SglangInjector, batch: Any, victim: dict[int, int]) -> None:
+        pick = _live_reader(ctx, batch)
+        if pick is None or not ctx.take(self.name):
+            return
+        i, pos = pick
+        victim[ctx.step] = int(ctx.table[_rows(batch)[i], pos])
+        ctx.injected(f"the last K/V row of the forward also written into {batch.reqs[i].rid}'s position {pos} "
+                     f"(slot {victim[ctx.step]})", [batch.reqs[i].rid])  # fmt: skip
+
+
 FAULTS: dict[str, type[Fault[Any]]] = {
     f.spec.name: f
-    for f in (ReqToTokenForeign, RadixNodeStale, OutCacheLocOffByOne, ResumeOntoStaleSlots, WrongTokenInIds)
+    for f in (
+        ReqToTokenForeign,
+        RadixNodeStale,
+        OutCacheLocOffByOne,
+        ResumeOntoStaleSlots,
+        WrongTokenInIds,
+        KVBitFlip,
+        PaddingWriteLiveSlot,
+    )
 }

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.transformers_cb.selftest.catalogue import FAULTS
-from kvcanary.adapters.transformers_cb.selftest.context import FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.context import FaultContext
 from kvcanary.adapters.transformers_cb.selftest.hooks import FaultHooks
 from kvcanary.adapters.transformers_cb.selftest.workload import (
     PAGE_SIZE,
@@ -32,7 +31,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
-from kvcanary.selftest.protocol import Fault, InjectMode, RunOutcome, engine_version
+from kvcanary.selftest.protocol import EngineDriver, InjectMode, RunOutcome, RunSpec
 from kvcanary.selftest.read_oracle import ReadOracle
 
 
@@ -60,23 +59,18 @@ WORKLOAD_KINDS = ("dense", "hybrid")
 WORKLOADS: dict[str, Workload] = {k: Workload(k) for k in WORKLOAD_KINDS}
 
 
-class TransformersDriver:
+class TransformersDriver(EngineDriver):
     """The self-test of the transformers adapter (see :class:`~kvcanary.selftest.protocol.EngineDriver`)."""
 
     name = "transformers"
     faults = FAULTS
     workloads = WORKLOAD_KINDS
+    version_module = "kvcanary.adapters.transformers_cb.version"
+    needs = "the transformers self-test needs transformers 5.24.0"
+    title = "transformers {version} continuous batching"
 
     def __init__(self) -> None:
         self.models: dict[str, torch.nn.Module] = {}
-
-    def check(self) -> str:
-        from kvcanary.adapters.transformers_cb.version import check_version
-
-        return engine_version(check_version, "the transformers self-test needs transformers 5.24.0")
-
-    def describe(self, version: str) -> str:
-        return f"transformers {version} continuous batching"
 
     @contextlib.contextmanager
     def session(self, kinds: Sequence[str]) -> Iterator[None]:
@@ -90,48 +84,28 @@ class TransformersDriver:
             torch.set_num_threads(threads)
             self.models = {}
 
-    def run(
-        self,
-        kind: str,
-        seed: int,
-        faults: Sequence[Fault[Any]],
-        *,
-        mode: InjectMode,
-        target: tuple[str, int] | None = None,
-        store: object = None,
-    ) -> RunOutcome:
-        model = self.models.get(kind) or build_model(kind, seed=0)
-        return run_engine(model, WORKLOADS[kind], seed, faults, mode=mode, target=target, store=store)
+    def run(self, spec: RunSpec) -> RunOutcome:
+        return run_engine(self.models.get(spec.kind) or build_model(spec.kind, seed=0), spec)
 
 
-def run_engine(
-    model: torch.nn.Module,
-    workload: Workload,
-    seed: int,
-    faults: Sequence[TransformersFault],
-    *,
-    mode: InjectMode,
-    target: tuple[str, int] | None = None,
-    store: object = None,
-    check_from: int | None = None,
-) -> RunOutcome:
-    """Run the workload once.  ``mode`` PROBE: the clean control (faults only record opportunities, the
-    oracle records its reference); INJECT: ``target = (fault name, step)``, the oracle checks against
-    ``store`` (the control's reference) from the injection on (or from ``check_from``)."""
+def run_engine(model: torch.nn.Module, spec: RunSpec, *, check_from: int | None = None) -> RunOutcome:
+    """Run the workload of ``spec.kind`` once, as :class:`RunSpec` says; ``check_from``: the oracle checks reads
+    from this step on instead of from the injection (tests validate the oracle with it)."""
     from kvcanary.adapters.transformers_cb import install
 
-    gen, cb = workload.configs(seed)
-    prompts = build_prompts(workload.prompts, seed)
+    workload = WORKLOADS[spec.kind]
+    gen, cb = workload.configs(spec.seed)
+    prompts = build_prompts(workload.prompts, spec.seed)
     cfg: Any = getattr(model, "config", None)
-    oracle = ReadOracle(store, int(cfg.num_hidden_layers))
+    oracle = ReadOracle(spec.store, int(cfg.num_hidden_layers))
     oracle.check_from = check_from  # normally set by the injection; tests force it to validate the oracle
     # The KV digest at budget 1.0: every read slot's bytes are checked each step (the byte faults, design.md §12).
     adapter = install(model, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=1.0)), max_kept_reports=8)
-    ctx = FaultContext(adapter, mode, rng=random.Random(f"{seed}:{target}"), target=target, page_size=PAGE_SIZE)
-    hooks = FaultHooks(ctx, faults, oracle)
+    ctx = FaultContext(adapter, spec.mode, rng=spec.rng(), target=spec.target, page_size=PAGE_SIZE)
+    hooks = FaultHooks(ctx, spec.faults, oracle)
     try:
         hooks.attach()
-        if mode is InjectMode.INJECT:
+        if spec.mode is InjectMode.INJECT:
             ctx.after_update(lambda: _maybe_stop(ctx, oracle, adapter))
         start = time.perf_counter()
         results, stopped = _generate(model, prompts, gen, cb, workload.new_tokens, ctx)

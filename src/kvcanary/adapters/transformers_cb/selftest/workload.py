@@ -7,15 +7,14 @@ transformers is imported only when a function is called.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import random
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
 
 from kvcanary.adapters.transformers_cb.geometry import FULL_ATTENTION, SLIDING_ATTENTION
+from kvcanary.selftest.quiet import quiet_loggers
 
 MODEL_KINDS: tuple[str, ...] = ("dense", "hybrid", "sliding")
 SLIDING_WINDOW = 12  # smaller than most sequences, and not a multiple of the page size
@@ -103,15 +102,6 @@ def engine_configs(
     return gen, cb
 
 
-@contextlib.contextmanager
-def quiet_engine_logs() -> Iterator[None]:
+def quiet_engine_logs() -> AbstractContextManager[None]:
     """The demo and the self-test print their own report: silence transformers' and the canary's log lines."""
-    names = ("transformers", "ContinuousBatchingLogger", "kvcanary")
-    levels = {n: logging.getLogger(n).level for n in names}
-    try:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        yield
-    finally:
-        for n, level in levels.items():
-            logging.getLogger(n).setLevel(level)
+    return quiet_loggers("transformers", "ContinuousBatchingLogger", "kvcanary")

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
-import random
 import tempfile
 import time
 import warnings
@@ -23,38 +21,29 @@ from kvcanary.adapters.vllm.selftest.context import OracleTap, VllmInjector
 from kvcanary.adapters.vllm.selftest.cow import install_relocations
 from kvcanary.adapters.vllm.selftest.faults import FAULTS
 from kvcanary.adapters.vllm.workload import make_workload
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
-from kvcanary.selftest.protocol import EngineUnavailable, Fault, InjectMode, RunOutcome
+from kvcanary.selftest.protocol import EngineDriver, InjectMode, RunOutcome, RunSpec
+from kvcanary.selftest.quiet import quiet_loggers
 from kvcanary.selftest.read_oracle import ReadOracle
 
-GRACE_STEPS = 3
 MAX_STEPS = 3000  # a clean run takes 100-300 steps; more means the engine stopped making progress
 NUM_REQUESTS = 20
 NUM_LAYERS = 2
+DIGEST_BUDGET = 1.0  # the KV digest checks every read slot's bytes each step (the byte faults, design.md §12)
 
 
-class VllmDriver:
+class VllmDriver(EngineDriver):
     name = "vllm"
     faults = FAULTS
     workloads = ("dense",)
+    version_module = "kvcanary.adapters.vllm.version"
+    needs = "the vLLM self-test needs vLLM 0.32.0 (see docs/vllm.md)"
+    title = "vLLM {version} V1 engine (CPU model runner)"
 
     def __init__(self) -> None:
         self.llm: Any = None
         self.broken: str | None = None
-
-    def check(self) -> str:
-        try:
-            from kvcanary.adapters.vllm.version import check_version
-        except ImportError as exc:  # pragma: no cover - the package itself is always there
-            raise EngineUnavailable(str(exc)) from exc
-        try:
-            return check_version()
-        except ImportError as exc:
-            raise EngineUnavailable(f"vLLM is not installed ({exc}); see docs/vllm.md") from exc
-
-    def describe(self, version: str) -> str:
-        return f"vLLM {version} V1 engine (CPU model runner)"
 
     @contextlib.contextmanager
     def session(self, kinds: Sequence[str]) -> Iterator[None]:
@@ -63,33 +52,19 @@ class VllmDriver:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         with tempfile.TemporaryDirectory(prefix="kvcanary-vllm-") as tmp, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            quiet = logging.getLogger("kvcanary")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)  # every faulted run logs its violations: the matrix says it all
             try:
-                self.llm = tiny.start_engine(tiny.build_model(tmp))
-                yield
+                with quiet_loggers("kvcanary"):  # every faulted run logs its violations: the matrix says it all
+                    self.llm = tiny.start_engine(tiny.build_model(tmp))
+                    yield
             finally:
-                quiet.setLevel(level)
                 self.llm = None
 
-    def run(
-        self,
-        kind: str,
-        seed: int,
-        faults: Sequence[Fault[Any]],
-        *,
-        mode: InjectMode,
-        target: tuple[str, int] | None = None,
-        store: object = None,
-    ) -> RunOutcome:
+    def run(self, spec: RunSpec) -> RunOutcome:
         if self.llm is None:
             raise RuntimeError("VllmDriver.run outside session()")
-        if store is not None and not isinstance(store, dict):
-            raise TypeError(f"store must be the reference a probe run returned, got {type(store).__name__}")
         if self.broken is not None:  # an exception inside the engine left its state inconsistent
             return _failed_run(f"engine unusable after an earlier run failed: {self.broken}")
-        out = run_engine(self.llm, seed, faults, mode=mode, target=target, store=store)
+        out = run_engine(self.llm, spec)
         self.broken = next((e for e in out.errors if e.startswith(("engine:", "engine did not finish"))), None)
         return out
 
@@ -101,23 +76,15 @@ def _failed_run(error: str) -> RunOutcome:
     )  # fmt: skip
 
 
-def run_engine(
-    llm: Any,
-    seed: int,
-    faults: Sequence[Fault[Any]],
-    *,
-    mode: InjectMode,
-    target: tuple[str, int] | None = None,
-    store: dict[Any, Any] | None = None,
-    num_requests: int = NUM_REQUESTS,
-) -> RunOutcome:
+def run_engine(llm: Any, spec: RunSpec, *, num_requests: int = NUM_REQUESTS) -> RunOutcome:
+    """One run of the seeded workload on the live engine, as :class:`RunSpec` says."""
     from kvcanary.adapters.vllm.attach import install
 
+    oracle = ReadOracle(spec.store, NUM_LAYERS)  # before the install: a wrong store changes nothing
     llm.reset_prefix_cache()
-    canary = install(llm, CanaryConfig(mode=Mode.LOG))
+    canary = install(llm, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=DIGEST_BUDGET)))
     assert canary is not None
-    oracle = ReadOracle(store, NUM_LAYERS)
-    ctx = VllmInjector(mode, rng=random.Random(f"{seed}:{target}"), target=target, llm=llm, canary=canary)
+    ctx = VllmInjector(spec.mode, rng=spec.rng(), target=spec.target, llm=llm, canary=canary)
     ctx.oracle = oracle
     tap = OracleTap(ctx, oracle)
     errors: list[str] = []
@@ -125,10 +92,11 @@ def run_engine(
     stopped = False
     try:
         install_relocations(ctx)
-        for fault in faults:
+        for fault in spec.faults:
             fault.install(ctx)
         tap.attach()
-        stopped = _drive(llm, make_workload(seed, num_requests=num_requests), seed, ctx, oracle, canary, errors)
+        workload = make_workload(spec.seed, num_requests=num_requests)
+        stopped = _drive(llm, workload, spec.seed, ctx, oracle, canary, errors)
         canary.flush()
     except Exception as exc:  # an engine failure is a trial error, not a crash of the whole matrix
         errors.append(f"engine: {type(exc).__name__}: {exc}")
@@ -176,4 +144,4 @@ def _settled(ctx: VllmInjector, oracle: ReadOracle, canary: Any) -> bool:
     if ctx.mode is not InjectMode.INJECT:
         return False
     steps = (int(canary.engine_step_of[r.step]) for r in canary.reports)
-    return verdict_settled(ctx, oracle, ctx.step - 1, steps, GRACE_STEPS)
+    return verdict_settled(ctx, oracle, ctx.step - 1, steps)

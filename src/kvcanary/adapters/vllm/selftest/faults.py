@@ -4,74 +4,31 @@ Worker side (model runner): a block-table row pointing into another request's bl
 entry off by one, a wrong input token id, a preempted request resumed onto its stale blocks.  Engine-core
 side (scheduler, block pool): a prefix-cache hash kept after its block was evicted and reused, and a
 copy-on-write block copy that never happens (the relocation itself is vLLM's CoW path, :mod:`.cow`).
+Byte faults (:mod:`.bytes`, seen only by the KV digest): a flipped bit, a stray write into a live slot, a
+copy-on-write copy that lands damaged bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
-from kvcanary.adapters.vllm.selftest.context import VllmInjector
+from kvcanary.adapters.vllm.selftest.bytes import CowCopyCorruptsBytes, KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
 from kvcanary.adapters.vllm.tiny import VOCAB
-from kvcanary.selftest.protocol import Expect, Fault, FaultSpec
+from kvcanary.selftest.protocol import Fault
+from kvcanary.selftest.specs import load_specs
 
-_READ_CHECKS = frozenset(
-    {("verify", "link_mismatch"), ("verify", "token_mismatch"), ("verify", "position_mismatch"),
-     ("verify", "never_written"), ("stamp", "write_into_live_slot")}
-)  # fmt: skip
-
-
-def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
-    """(row, request) of rows that decode one token this step and hold at least one full block."""
-    r = ctx.runner
-    ids = list(r.input_batch.req_ids[: r.input_batch.num_reqs])
-    out = []
-    for row, rid in enumerate(ids):
-        state = r.requests.get(rid)
-        if state is None or so.num_scheduled_tokens.get(rid) != 1:
-            continue
-        if state.num_computed_tokens >= ctx.block_size and state.num_computed_tokens >= len(state.prompt_token_ids):
-            out.append((row, rid))
-    return out
-
-
-def _on_runner(
-    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
-) -> None:
-    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
-
-    def make(original: Any) -> Any:
-        def wrapped(so: Any, *a: Any, **k: Any) -> Any:
-            if not after:
-                ctx.guard(corrupt)(ctx, so)
-            out = original(so, *a, **k)
-            if after:
-                ctx.guard(corrupt)(ctx, so)
-            return out
-
-        return wrapped
-
-    ctx.wrap(ctx.runner, method, make)
+SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
 class BlockTableCrossRequest(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="block_table_cross_request",
-        bug_class="block table row points into another request's block",
-        catalogue="vLLM #53912 (prefix caching + MTP corrupts hybrid models); TensorRT-LLM #15018",
-        mechanism="after _update_states, one full block of a decoding request's persistent block-table row is "
-        "replaced by a block of another running request",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token/position mismatch",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["block_table_cross_request"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt, after=True)
+        on_runner(ctx, "_update_states", self._corrupt, after=True)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if len(rows) < 2 or not ctx.take(self.name):
             return
         (victim, vid), (donor, did) = ctx.rng.sample(rows, 2)
@@ -83,16 +40,7 @@ class BlockTableCrossRequest(Fault[VllmInjector]):
 
 
 class SlotMappingOffByOne(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="slot_mapping_off_by_one",
-        bug_class="slot mapping off by one",
-        catalogue="vLLM #54498 (EAGLE/MTP drafter writes the wrong slots); sglang #25015",
-        mechanism="after compute_slot_mapping, the last token's slot_mapping entry is moved one slot on",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: new_read_mismatch",
-        checks=frozenset({("stamp", "new_read_mismatch"), ("stamp", "write_into_live_slot"), *_READ_CHECKS}),
-    )
+    spec = SPECS["slot_mapping_off_by_one"]
 
     def install(self, ctx: VllmInjector) -> None:
         table = ctx.runner.input_batch.block_table.block_tables[0]
@@ -119,23 +67,13 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
 
 
 class WrongTokenId(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="wrong_token_id",
-        bug_class="wrong token id fed to the forward",
-        catalogue="vLLM #47466 (prompt tail token overwritten); sglang #26329",
-        mechanism="before _prepare_inputs, a decoding request's input token in input_batch.token_ids_cpu "
-        "is replaced (the request's own token list keeps the sampled one)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="stamp: write_token_mismatch",
-        checks=frozenset({("stamp", "write_token_mismatch"), ("verify", "token_mismatch")}),
-    )
+    spec = SPECS["wrong_token_id"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_prepare_inputs", self._corrupt)
+        on_runner(ctx, "_prepare_inputs", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if not rows or not ctx.take(self.name):
             return
         row, rid = ctx.rng.choice(rows)
@@ -146,20 +84,10 @@ class WrongTokenId(Fault[VllmInjector]):
 
 
 class ResumeOntoStaleBlocks(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="resume_onto_stale_blocks",
-        bug_class="preempted request resumed onto stale blocks",
-        catalogue="sglang #28254 (retract/resume indexes the wrong sequence); TensorRT-LLM #15018",
-        mechanism="a request resumed after preemption is not flagged as resumed to the worker, which appends its "
-        "new blocks to the block list it had before preemption (freed blocks, since reused)",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch, stamp: write_into_live_slot",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["resume_onto_stale_blocks"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt)
+        on_runner(ctx, "_update_states", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
@@ -180,17 +108,7 @@ class ResumeOntoStaleBlocks(Fault[VllmInjector]):
 
 
 class StalePrefixHash(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="stale_prefix_hash",
-        bug_class="prefix-cache hash kept after its block was evicted and reused",
-        catalogue="sglang #22819 (radix cache corrupts KV); vLLM #53912; TensorRT-LLM #15018",
-        mechanism="when the block pool evicts a cached block, its hash entry is put back: a later request "
-        "with that prefix hits the block, which now holds another request's KV",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["stale_prefix_hash"]
 
     def install(self, ctx: VllmInjector) -> None:
         pool = ctx.block_pool
@@ -219,17 +137,7 @@ class StalePrefixHash(Fault[VllmInjector]):
 
 
 class CowCopyDropped(Fault[VllmInjector]):
-    spec: ClassVar[FaultSpec] = FaultSpec(
-        name="cow_copy_dropped",
-        bug_class="copy-on-write copy that never happens",
-        catalogue="vLLM #45704 (restored KV without the copy having landed); LMCache #4463",
-        mechanism="a prefix-hit block relocated by vLLM's copy-on-write path is given to the request, but the "
-        "(src, dst) pair is dropped from kv_cache_block_copies: the destination keeps its old bytes",
-        model="dense",
-        expected=Expect.DETECT,
-        check="verify: link/token mismatch or never_written",
-        checks=_READ_CHECKS,
-    )
+    spec = SPECS["cow_copy_dropped"]
 
     def install(self, ctx: VllmInjector) -> None:
         ctx.cow_filters.append(self._drop)
@@ -246,6 +154,6 @@ FAULTS: dict[str, type[Fault[Any]]] = {
     f.spec.name: f
     for f in (
         BlockTableCrossRequest, SlotMappingOffByOne, StalePrefixHash, CowCopyDropped, ResumeOntoStaleBlocks,
-        WrongTokenId,
+        WrongTokenId, KVBitFlip, PaddingWriteLiveSlot, CowCopyCorruptsBytes,
     )
 }  # fmt: skip

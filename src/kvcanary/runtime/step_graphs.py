@@ -1,0 +1,117 @@
+"""The canary's own CUDA graphs of one step's device work, for engines that run eagerly.
+
+An adapter whose tap runs after the engine enqueued the forward (transformers) calls
+``before_forward`` and ``after_forward`` back to back.  Eagerly that is every group's plan, verify and
+stamp launches plus the phase marks and the log snapshot: a few Triton launches per group, each tens of
+microseconds of Python on the host, for 10-20 us of device work.  :class:`StepGraphs` captures that
+work once and replays it in one launch.
+
+A graph bakes in its kernels' arguments: the batch tensors' addresses and shapes, and the sizes and
+flags derived from them.  So a step's batches are keyed by the (address, shape, stride, dtype) of every
+tensor in them; a step whose key was captured replays the graph -- the same launches an eager run would
+issue, reading whatever the tensors hold now -- and validation, already passed by the captured step's
+identical metadata, is not repeated.  A key is captured the second time it is seen (after that step ran
+eagerly, so every kernel is compiled and the work of that step is done), since many keys are seen once
+(prefill chunks); at most :data:`MAX_GRAPHS` are kept, least recently used evicted.  Adapters raise the
+hit rate by keeping the batch tensors at stable addresses (static buffers, the engine's own).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kvcanary.batch import StepBatch
+
+MAX_GRAPHS = 64
+MAX_SEEN = 4096  # keys seen once and remembered (bounded state)
+
+Key = tuple[object, ...]
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+GraphFactory = Callable[[Callable[[], None]], Graph]
+
+
+def batch_key(batches: Sequence[StepBatch]) -> Key:
+    """Every tensor of the step's batches, by (address, shape, stride, dtype); None where absent."""
+    out: list[object] = []
+    for b in batches:
+        for t in (b.rows, b.prefix_lens, b.extend_lens, b.table, b.input_ids, b.positions, b.out_cache_loc,
+                  b.truth, b.truth_lens, b.lookup):  # fmt: skip
+            out.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
+    return tuple(out)
+
+
+class StepGraphs:
+    """Captured step graphs by key (see the module docstring); ``factory`` captures ``work`` into a graph."""
+
+    def __init__(self, factory: GraphFactory, max_graphs: int = MAX_GRAPHS) -> None:
+        self._factory = factory
+        self._max = max_graphs
+        self._graphs: collections.OrderedDict[Key, Graph] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self.replays = 0
+        self.captures = 0
+
+    def replay(self, key: Key) -> bool:
+        """Replay the graph captured for ``key``; False (nothing run) when there is none."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            return False
+        self._graphs.move_to_end(key)
+        graph.replay()
+        self.replays += 1
+        return True
+
+    def ran_eagerly(self, key: Key, work: Callable[[], None]) -> None:
+        """``key``'s step just ran eagerly: capture ``work`` for it if it was seen before."""
+        if key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > MAX_SEEN:
+                self._seen.popitem(last=False)
+            return
+        del self._seen[key]
+        self._graphs[key] = self._factory(work)
+        self.captures += 1
+        if len(self._graphs) > self._max:
+            self._graphs.popitem(last=False)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+
+
+class CudaStepGraph:
+    """``work`` captured on a side stream (ordered after the current one), replayed on the current stream.
+
+    Capture records and does not run the work; the caller ran this step eagerly already.  The capture
+    mode is thread-local: the engine may use CUDA from other threads meanwhile.
+    """
+
+    def __init__(self, work: Callable[[], None], pool: Any) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                work()
+            finally:
+                self._graph.capture_end()
+        current.wait_stream(side)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+def cuda_step_graphs() -> StepGraphs:
+    pool = torch.cuda.graph_pool_handle()
+    return StepGraphs(lambda work: CudaStepGraph(work, pool))

@@ -1,0 +1,109 @@
+"""The one-launch translation (``translate_kernel``) against the torch ops it replaces: the same batch
+tensors and table, byte for byte, on steps of full and sliding groups, prefills longer than the window,
+padded forwards, mis-delimited segments and out-of-range read indices.  Under the interpreter on CPU,
+compiled on a GPU."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from transformers_helpers import PAGE, FakeEngine, geometry
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def translators(window: int) -> tuple[StepTranslator, StepTranslator]:
+    g = geometry(window)
+    make = lambda kernel: StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, kernel=kernel)  # noqa: E731
+    return make(False), make(True)
+
+
+def engine(window: int, n: int) -> FakeEngine:
+    g = geometry(window)
+    rids = [f"r{i}" for i in range(n)]
+    tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
+    tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
+    return FakeEngine(g, tables, tokens)
+
+
+def to_device(kwargs: dict[str, Any]) -> dict[str, Any]:
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(DEVICE)
+        if isinstance(x, list):
+            return [move(v) for v in x]
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return {k: move(v) for k, v in kwargs.items()}
+
+
+def same_translation(torch_tr: StepTranslator, kernel_tr: StepTranslator, kwargs: dict[str, Any], host: Any) -> None:
+    want = torch_tr.translate(to_device(kwargs), host)
+    got = kernel_tr.translate(to_device(kwargs), host)
+    for name, wb in want.batches.items():
+        gb = got.batches[name]
+        for field, w in wb.tensors().items():
+            x = gb.tensors()[field]
+            assert (w is None) == (x is None), field
+            if w is not None and x is not None:
+                x = x.cpu()[:, : w.shape[1]] if x.dim() == 2 else x.cpu()  # CUDA: the truth at full width
+                assert w.dtype == x.dtype and torch.equal(w.cpu(), x), field
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernel_translation_equals_the_torch_ops_step_by_step(window: int) -> None:
+    rng = random.Random(window + 14)
+    eng, (plain, fused) = engine(window, 3), translators(window)
+    for step in range(7):
+        queries = {rid: (rng.choice([3, 7, 11]) if step == 0 else rng.choice([1, 1, 2, 4])) for rid in eng.tables}
+        if step == 3:
+            queries = dict(list(queries.items())[:2])  # a row leaves the batch
+        kwargs, host = eng.step(queries)
+        if step == 4:  # a padded forward: more tokens than the scheduler planned
+            kwargs["input_ids"] = torch.cat([kwargs["input_ids"], torch.zeros((1, 3), dtype=torch.int32)], 1)
+            kwargs["position_ids"] = torch.cat([kwargs["position_ids"], torch.zeros((1, 3), dtype=torch.int32)], 1)
+        same_translation(plain, fused, kwargs, host)
+        assert torch.equal(plain.tables[geometry(window).name].cpu(), fused.tables[geometry(window).name].cpu())
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_kernel_translation_equals_the_torch_ops_on_corrupt_indices(window: int) -> None:
+    g = geometry(window)
+    eng, (plain, fused) = engine(window, 3), translators(window)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 6))
+    same_translation(plain, fused, kwargs, host)
+    rng = random.Random(7)
+    for case in range(6):
+        kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+        read, write = kwargs["read_index"][0], kwargs["write_index"][0]
+        if case == 0:  # a mis-delimited segment: one row's read segment one entry short
+            cu = kwargs["cu_seq_lens_k"][g.name]
+            cu[2:] -= 1
+        elif case == 1:  # indices outside the pool, negative, inside a page's padding, the sentinel
+            read[rng.randrange(read.shape[0])] = g.num_blocks * g.stride + 3
+            read[rng.randrange(read.shape[0])] = -5
+            read[rng.randrange(read.shape[0])] = g.stride - 1
+            write[0] = g.sentinel_index
+        elif case == 2:  # the read index shorter than its segments say
+            kwargs["read_index"][0] = read[: read.shape[0] - 2].clone()
+        elif case == 3:
+            write[-1] = g.write_trash_index
+        same_translation(plain, fused, kwargs, host)
+        assert torch.equal(plain.tables[g.name].cpu(), fused.tables[g.name].cpu())
+
+
+def test_a_long_prefill_of_a_sliding_group_sends_its_oldest_writes_to_the_trash_in_both() -> None:
+    eng, (plain, fused) = engine(5, 2), translators(5)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 4))
+    same_translation(plain, fused, kwargs, host)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 13))  # longer than the window: trash writes by design
+    same_translation(plain, fused, kwargs, host)

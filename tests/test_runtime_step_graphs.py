@@ -1,0 +1,176 @@
+"""The canary's own step graphs (``CanaryManager.forward_step``): replayed only for a step whose batch
+tensors sit where a captured step's sat, and then the same results as running every launch.
+
+On the CPU a stand-in graph runs the captured work when replayed (what a CUDA graph does on the device);
+the ``gpu`` test compares real CUDA graphs with eager launches on the H200.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvcanary import CanaryGroup, Mode, StepBatch
+from kvcanary.config import CanaryConfig
+from kvcanary.ops import Backend
+from kvcanary.runtime import CanaryManager, StepReport
+from kvcanary.runtime.step_graphs import StepGraphs, batch_key
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from test_step_host_cost import counted  # noqa: F401  (the fixture)
+
+
+class FakeGraph:
+    def __init__(self, work: Callable[[], None], log: list[str]) -> None:
+        self._work = work
+        self._log = log
+        log.append("capture")  # a capture records the work without running it
+
+    def replay(self) -> None:
+        self._log.append("replay")
+        self._work()
+
+
+def with_fake_graphs(mgr: CanaryManager) -> list[str]:
+    log: list[str] = []
+    mgr._graphs = StepGraphs(lambda work: FakeGraph(work, log))
+    return log
+
+
+class StaticBatch:
+    """One step's batch copied into tensors that keep their addresses (what the adapter's buffers do)."""
+
+    def __init__(self) -> None:
+        self._static: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, b: StepBatch) -> StepBatch:
+        def keep(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or name == "table":
+                return t
+            buf = self._static.setdefault((name, t.numel()), torch.empty_like(t))
+            return buf.copy_(t)
+
+        return StepBatch(**{name: keep(name, t) for name, t in b.tensors().items()})
+
+
+def run(mgr: CanaryManager, steps: int, fault_at: int | None, static: bool) -> list[StepReport | None]:
+    wl, keep = Workload(), StaticBatch()
+    out = []
+    for k in range(steps):
+        if k == fault_at:
+            alias_first_slot(wl, victim=2, owner=1)
+        batch = wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)], truth=True)
+        mgr.forward_step({"full": keep(batch) if static else batch})
+        out.append(mgr.host_step(["req-a", "req-b"]))
+    out.append(mgr.flush())
+    return out
+
+
+def manager(backend: Backend = Backend.REFERENCE, device: str = "cpu") -> CanaryManager:
+    group = CanaryGroup(num_slots=NUM_SLOTS, name="full")
+    return CanaryManager([group], CAPS, CanaryConfig(mode=Mode.LOG), device=device, backend=backend)
+
+
+def test_a_step_is_captured_the_second_time_its_tensors_are_seen_and_replayed_after() -> None:
+    mgr = manager()
+    log = with_fake_graphs(mgr)
+    run(mgr, 6, None, static=True)
+    # steps 1.. are decode steps with the same tensors: seen at 1, captured at 2, replayed at 3, 4, 5
+    assert log == ["capture", "replay", "replay", "replay"]
+    assert mgr.graph_stats() == {"graph_replays": 3, "graph_captures": 1}
+
+
+def test_replayed_steps_find_what_launching_every_kernel_finds() -> None:
+    plain = manager()
+    want = run(plain, 12, fault_at=7, static=True)
+    mgr = manager()
+    log = with_fake_graphs(mgr)
+    got = run(mgr, 12, fault_at=7, static=True)
+    assert log.count("replay") >= 8
+    assert mgr.stats() == plain.stats() and mgr.stats()["violations"] > 0
+    assert mgr.health_failure_counts() == {"kernels_ran": 0, "phase": 0}
+
+    def found(rs: list[StepReport | None]) -> list[tuple[int, int, tuple[object, ...], int]]:
+        return [(r.step, r.reported_at, r.affected_request_ids, r.total) for r in rs if r is not None]
+
+    assert found(got) == found(want)
+
+
+def test_fresh_tensors_every_step_never_replay() -> None:
+    mgr = manager()
+    log = with_fake_graphs(mgr)
+    run(mgr, 5, None, static=False)
+    assert "replay" not in log
+
+
+def test_a_replayed_step_is_neither_validated_nor_launched_kernel_by_kernel(
+    counted: collections.Counter[str],  # noqa: F811
+) -> None:
+    mgr = manager(Backend.TRITON)
+    replays: list[str] = []
+    mgr._graphs = StepGraphs(lambda work: FakeGraphNoRun(replays))
+    keep = StaticBatch()
+    wl = Workload()
+    keys = []
+    for k in range(4):
+        batch = keep(wl.batch([(1, 4 if k == 0 else 1)], truth=True))
+        keys.append(batch_key([batch]))
+        counted.clear()
+        mgr.forward_step({"full": batch})
+        mgr.host_step(["a"])
+    assert keys[1] == keys[2] == keys[3] != keys[0]
+    assert replays == ["replay"] and counted == {}  # step 3: one replay, no validation, no launch
+
+
+class FakeGraphNoRun:
+    def __init__(self, log: list[str]) -> None:
+        self._log = log
+
+    def replay(self) -> None:
+        self._log.append("replay")
+
+
+def test_seen_keys_and_graphs_are_bounded() -> None:
+    made: list[Any] = []
+    graphs = StepGraphs(lambda work: made.append(work) or FakeGraphNoRun([]), max_graphs=2)
+    for key in range(5):
+        graphs.ran_eagerly((key,), lambda: None)
+        graphs.ran_eagerly((key,), lambda: None)
+    assert len(made) == 5 and graphs.captures == 5
+    assert not graphs.replay((0,)) and graphs.replay((4,)) and graphs.replay((3,))
+
+
+@pytest.mark.gpu
+def test_cuda_step_graphs_match_eager_launches() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    eager = manager(Backend.TRITON, "cuda")
+    eager._graphs = None
+    want = run_cuda(eager, 20, fault_at=11)
+    mgr = manager(Backend.TRITON, "cuda")
+    got = run_cuda(mgr, 20, fault_at=11)
+    assert mgr.graph_stats()["graph_replays"] >= 15
+    assert mgr.stats() == eager.stats() and mgr.stats()["violations"] > 0
+    assert mgr.health_failure_counts() == {"kernels_ran": 0, "phase": 0}
+    assert [(r.step, r.total, r.affected_request_ids) for r in got if r is not None] == [
+        (r.step, r.total, r.affected_request_ids) for r in want if r is not None
+    ]
+
+
+def run_cuda(mgr: CanaryManager, steps: int, fault_at: int) -> list[StepReport | None]:
+    wl, keep = Workload(), StaticBatch()
+    table = wl.table.cuda()
+    out = []
+    for k in range(steps):
+        if k == fault_at:
+            alias_first_slot(wl, victim=2, owner=1)
+        batch = wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)], truth=True)
+        table.copy_(wl.table)
+        fields = {n: (table if n == "table" else None if t is None else t.cuda()) for n, t in batch.tensors().items()}
+        mgr.forward_step({"full": keep(StepBatch(**fields))})
+        out.append(mgr.host_step(["req-a", "req-b"]))
+    out.append(mgr.flush())
+    return out
