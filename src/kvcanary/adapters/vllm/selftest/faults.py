@@ -33,23 +33,30 @@ def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
     return out
 
 
-def _on_runner(
-    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
+def _on_call(
+    ctx: VllmInjector, obj: Any, method: str, hook: Callable[[tuple[Any, ...], Any], None], *, after: bool = False
 ) -> None:
-    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
+    """Run ``hook(args, result)`` (guarded) before ``obj.method(*args)`` (result None), or ``after`` it."""
 
     def make(original: Any) -> Any:
-        def wrapped(so: Any, *a: Any, **k: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
             if not after:
-                ctx.guard(corrupt)(ctx, so)
-            out = original(so, *a, **k)
+                ctx.guard(hook)(a, None)
+            out = original(*a, **k)
             if after:
-                ctx.guard(corrupt)(ctx, so)
+                ctx.guard(hook)(a, out)
             return out
 
         return wrapped
 
-    ctx.wrap(ctx.runner, method, make)
+    ctx.wrap(obj, method, make)
+
+
+def _on_runner(
+    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
+) -> None:
+    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
+    _on_call(ctx, ctx.runner, method, lambda a, _: corrupt(ctx, a[0]), after=after)
 
 
 class BlockTableCrossRequest(Fault[VllmInjector]):
@@ -76,15 +83,10 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
     def install(self, ctx: VllmInjector) -> None:
         table = ctx.runner.input_batch.block_table.block_tables[0]
 
-        def make(original: Any) -> Any:
-            def compute_slot_mapping(num_reqs: int, query_start_loc: Any, positions: Any) -> Any:
-                out = original(num_reqs, query_start_loc, positions)
-                ctx.guard(self._corrupt)(ctx, table, num_reqs, int(positions.shape[0]))
-                return out
+        def hook(args: tuple[Any, ...], _: Any) -> None:  # compute_slot_mapping(num_reqs, query_start_loc, positions)
+            self._corrupt(ctx, table, args[0], int(args[2].shape[0]))
 
-            return compute_slot_mapping
-
-        ctx.wrap(table, "compute_slot_mapping", make)
+        _on_call(ctx, table, "compute_slot_mapping", hook, after=True)
 
     def _corrupt(self, ctx: VllmInjector, table: Any, num_reqs: int, num_tokens: int) -> None:
         if num_tokens == 0 or not ctx.canary._in_step:
@@ -142,20 +144,13 @@ class StalePrefixHash(Fault[VllmInjector]):
     spec = SPECS["stale_prefix_hash"]
 
     def install(self, ctx: VllmInjector) -> None:
-        pool = ctx.block_pool
-
-        def make(original: Any) -> Any:
-            def _remove_cached_block_hashes(block: Any) -> Any:
-                removed = original(block)
-                if removed:
-                    ctx.guard(self._keep)(ctx, block, removed)
-                return removed
-
-            return _remove_cached_block_hashes
-
-        ctx.wrap(pool, "_remove_cached_block_hashes", make)
+        _on_call(
+            ctx, ctx.block_pool, "_remove_cached_block_hashes", lambda a, out: self._keep(ctx, a[0], out), after=True
+        )
 
     def _keep(self, ctx: VllmInjector, block: Any, removed: list[Any]) -> None:
+        if not removed:  # nothing was cached under this block
+            return
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         # Eligible: a waiting request will look this hash up (otherwise nothing would ever read the stale entry).
