@@ -8,8 +8,9 @@ copy-on-write block copy that never happens (the relocation itself is vLLM's CoW
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcanary.adapters.vllm.selftest.context import VllmInjector
 from kvcanary.adapters.vllm.tiny import VOCAB
@@ -52,18 +53,24 @@ def _on_call(
     ctx.wrap(obj, method, make)
 
 
-def _on_runner(
-    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
-) -> None:
-    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
-    _on_call(ctx, ctx.runner, method, lambda a, _: corrupt(ctx, a[0]), after=after)
+class _RunnerFault(Fault[VllmInjector]):
+    """A fault on the model runner's state: ``_corrupt(ctx, scheduler_output)`` (guarded) runs before the runner's
+    ``method``, or ``after`` it."""
 
-
-class BlockTableCrossRequest(Fault[VllmInjector]):
-    spec = SPECS["block_table_cross_request"]
+    method: ClassVar[str]
+    after: ClassVar[bool] = False
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt, after=True)
+        _on_call(ctx, ctx.runner, self.method, lambda a, _: self._corrupt(ctx, a[0]), after=self.after)
+
+    @abc.abstractmethod
+    def _corrupt(self, ctx: VllmInjector, so: Any) -> None: ...
+
+
+class BlockTableCrossRequest(_RunnerFault):
+    spec = SPECS["block_table_cross_request"]
+    method = "_update_states"
+    after = True
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = _decode_rows(ctx, so)
@@ -99,11 +106,9 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
         ctx.injected(f"token {num_tokens - 1} of {rid} writes slot +1", [rid])
 
 
-class WrongTokenId(Fault[VllmInjector]):
+class WrongTokenId(_RunnerFault):
     spec = SPECS["wrong_token_id"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_prepare_inputs", self._corrupt)
+    method = "_prepare_inputs"
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = _decode_rows(ctx, so)
@@ -116,11 +121,9 @@ class WrongTokenId(Fault[VllmInjector]):
         ctx.injected(f"{rid} position {pos}: token id changed", [rid])
 
 
-class ResumeOntoStaleBlocks(Fault[VllmInjector]):
+class ResumeOntoStaleBlocks(_RunnerFault):
     spec = SPECS["resume_onto_stale_blocks"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        _on_runner(ctx, "_update_states", self._corrupt)
+    method = "_update_states"
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
