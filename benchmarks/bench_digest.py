@@ -62,11 +62,9 @@ def _median_us(record, replays: int) -> float:  # type: ignore[no-untyped-def]
 
 TUNINGS = [
     dl.DEFAULT_TUNING,
-    dl.DigestTuning(comps_per_unit=2, block_words=64, warps=8, programs_per_sm=8),
-    dl.DigestTuning(comps_per_unit=8, block_words=32, warps=8, programs_per_sm=8),
-    dl.DigestTuning(comps_per_unit=4, block_words=128, warps=8, programs_per_sm=4),
-    dl.DigestTuning(comps_per_unit=4, block_words=64, warps=4, programs_per_sm=16),
-    dl.DigestTuning(comps_per_unit=1, block_words=128, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=256, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=128, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=512, warps=8, programs_per_sm=4),
 ]
 
 
@@ -193,7 +191,10 @@ def main() -> int:
             print(json.dumps(rec), flush=True)
     m = meta(args.commit, dev) | {"copy_bandwidth_tb_s": round(copy_gbps / 1e3, 3), "pool_slots": pool.slots,
                                   "layers": LAYERS, "kv_heads": HEADS, "head_dim": DIM, "page": PAGE,
-                                  "tuning": dataclasses.asdict(best), "sweep_stamp_scattered_gbps": sweep}  # fmt: skip
+                                  "tuning": dataclasses.asdict(best), "sweep_stamp_scattered_gbps": sweep,
+                                  "kernel_path": [dataclasses.asdict(c) | dict(zip(("heads_per_step", "words_per_step",
+                                                  "exact", "two_word_loads"), c.path(best), strict=True))
+                                                  for c in dl.DeviceLayout.build(pool.layout).classes]}  # fmt: skip
     gpu = m["gpu"].replace(" ", "-").lower()
     out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,8 +187,9 @@ def measure(groups: int, batch: int, prefix: int, steps: int, warmup: int, devic
 
 def measure_launch(groups: int, batch: int, prefix: int, steps: int, device: str) -> dict[str, object]:
     """Host time of an eager before_forward + after_forward (what an engine without CUDA graphs pays per
-    step: one validation per group, then each group's three Triton launches and the bookkeeping ops), and
-    of one bare verify launch (``checked=True``: no host checks at all), for comparison."""
+    step: one validation per group, then each group's three Triton launches and the bookkeeping ops), of
+    one bare verify launch (``checked=True``: no host checks at all), for comparison, and of the same pair
+    through ``forward_step`` (one replay of the canary's own step graph)."""
     from kvcanary.ops import launchers
 
     built = [decode_batch(batch, prefix, page, device) for page in (1, 16)[:groups]]
@@ -207,9 +208,13 @@ def measure_launch(groups: int, batch: int, prefix: int, steps: int, device: str
         launchers.verify(canary.group, built[0][2], canary.records, canary.workspace, log, canary.caps.verify_entries,
                          checked=True)  # fmt: skip
 
+    def forward_step() -> None:  # the same pair through forward_step: on CUDA, replays the canary's own graph
+        mgr.forward_step(batches)
+
     out: dict[str, object] = {"scenario": "launch_eager" if groups == 1 else f"launch_eager_{groups}groups"}
-    for name, fn in (("step", step), ("verify_launch", verify)):
-        fn()  # compile
+    for name, fn in (("step", step), ("verify_launch", verify), ("forward_step", forward_step)):
+        fn()  # compile (forward_step: seen once)
+        fn()  # forward_step: captured (the tensors keep their addresses)
         times = []
         for i in range(steps):
             t0 = time.perf_counter_ns()

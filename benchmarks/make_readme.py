@@ -8,9 +8,13 @@ Usage: python benchmarks/make_readme.py
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import subprocess
 from pathlib import Path
+
+from digest_readme import digest_section
 
 HERE = Path(__file__).resolve().parent
 PLOT = "per_step_time.png"
@@ -99,6 +103,7 @@ def render() -> str:
     lines += _e2e_section()
     lines += _demo_section()
     lines += _host_section()
+    lines += digest_section()
     return "\n".join(lines) + "\n"
 
 
@@ -134,6 +139,13 @@ DEMO_LINE = re.compile(
 DEMO_SHARE = re.compile(r"the canary's share of step time: (?P<share>[\d.]+)%")
 
 
+@functools.cache
+def _commit_time(commit: str) -> int:
+    """When a stored run's commit was made (rows in history order, the same in every clone); 0 if unknown."""
+    out = subprocess.run(["git", "show", "-s", "--format=%ct", commit], cwd=HERE, capture_output=True, text=True)
+    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+
+
 def _demo_section() -> list[str]:
     """The GPU demo's host time per step by phase (scripts/gpu/demo_gpu.sh), one row per stored run."""
     rows = []
@@ -155,7 +167,7 @@ def _demo_section() -> list[str]:
     )
     lines += ["", "| model | commit | total us | median us | capture | translation | plan/verify/stamp | host step "
               "| share % | source |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for model, commit, m, share, f in sorted(rows, key=lambda r: (r[0], r[4].stat().st_mtime, r[1])):
+    for model, commit, m, share, f in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
         us = {k: float(v) * 1000 for k, v in m.groupdict().items()}
         lines.append(
             f"| {model} | {commit} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "

@@ -134,7 +134,7 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     assert caught >= 12
 
 
-TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(comps_per_unit=2, block_words=8, warps=2)}
+TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(block_words=4, warps=2)}
 
 
 @pytest.mark.parametrize("tuning", list(TUNINGS))
@@ -205,3 +205,56 @@ def test_launcher_refuses_misuse_before_running() -> None:
     with pytest.raises(TypeError, match="locs"):
         dl.stamp_list(group, layout, digests, ws, log, torch.zeros(1, device=DEVICE))
     assert not digests.any() and not log.counters.any()
+
+
+def _fast_case(case: str, g: torch.Generator) -> list[D.KVComponent]:
+    """Engine-shaped pools (two layers where it matters) for the kernel's fast paths."""
+    bf16, lc = torch.bfloat16, dc.layer_components
+    if case == "bf16-paged16-h8-d128":
+        return lc("paged_token_major", 3, 16, 8, 128, bf16, g) + lc("paged_token_major", 3, 16, 8, 128, bf16, g)
+    if case == "fp16-token-h2-d64":
+        return lc("token_major", 37, 1, 2, 64, torch.float16, g)
+    if case == "fp32-headmajor-h4-d32":
+        return lc("paged", 5, 4, 4, 32, torch.float32, g)
+    if case == "bf16-odd-word-offset":  # storage one word into its allocation
+        return [D.token_major(dc.random_storage((4 + 29 * 4 * 64,), bf16, g)[4:].reshape(29, 4, 64)) for _ in "kv"]
+    if case == "bf16-block3":
+        return lc("paged_token_major", 7, 3, 2, 16, bf16, g)
+    assert case == "fp8-d128-scales"
+    scales = D.scales(dc.random_storage((48, 2), torch.float32, g), 16)
+    return [*lc("paged_token_major", 3, 16, 2, 128, torch.float8_e4m3fn, g), scales]
+
+
+# The kernel path each launch takes at the default tuning: (exact tiles, two-word loads, log2 block size).
+FAST_CASES = {
+    "bf16-paged16-h8-d128": [(True, True, 4)],
+    "fp16-token-h2-d64": [(True, True, 0)],
+    "fp32-headmajor-h4-d32": [(True, True, 2)],
+    "bf16-odd-word-offset": [(True, False, 0)],
+    "bf16-block3": [(True, True, -1)],
+    "fp8-d128-scales": [(False, False, 4), (True, True, 4)],  # scales: 4-byte elements, then fp8 as words
+}
+
+
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("case", list(FAST_CASES))
+def test_engine_shaped_pools_take_the_fast_paths_and_match(case: str, tuning: str) -> None:
+    comps = _fast_case(case, torch.Generator().manual_seed(len(case)))
+    slots = min(c.num_slots for c in comps)
+    pool = _on_device(dc.Pool(D.DigestLayout(tuple(comps)), slots))
+    t = TUNINGS[tuning]
+    taken = [(*lc.path(t)[2:], lc.block_log) for lc in dl.DeviceLayout.build(pool.layout).classes]
+    if tuning == "default":
+        assert taken == FAST_CASES[case]
+    group = CanaryGroup(num_slots=slots, reserved_slots=(1,))
+    twin = Twin(group, pool.layout, entries=128, log_rows=8, tuning=t)
+    everything = torch.arange(slots, device=DEVICE)
+    twin.call("stamp_list", everything)
+    rng = random.Random(len(case))
+    flipped = set()
+    for comp in pool.layout.components:
+        s = rng.choice([0, 2, slots - 1, rng.randrange(slots)])
+        dc.flip_bit(comp, s, rng.randrange(comp.heads), rng.randrange(comp.dim), rng.randrange(8 * comp.element_size))
+        flipped.add(s)
+    twin.call("verify_list", everything)
+    assert int(twin.log.counters[16]) == len(flipped - {1})

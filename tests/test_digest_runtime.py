@@ -22,6 +22,11 @@ CAPS = Capacities(max_batch=8, max_tokens=32, verify_entries=128, max_context=24
 HEADS, DIM, LAYERS = 2, 6, 2
 
 
+def name(i: int) -> str:
+    """Component i's name: each layer's K, then its V."""
+    return f"layer{i // 2}.{'kv'[i % 2]}"
+
+
 class KVPools:
     """K and V of LAYERS layers for both groups, written by the 'forward' from (token, position)."""
 
@@ -32,7 +37,7 @@ class KVPools:
 
     def layouts(self) -> dict[str, D.DigestLayout]:
         return {
-            "full": D.DigestLayout(tuple(D.token_major(t) for t in self.full)),
+            "full": D.DigestLayout(tuple(D.token_major(t, name(i)) for i, t in enumerate(self.full))),
             "window": D.DigestLayout(tuple(D.token_major(t) for t in self.window)),
         }
 
@@ -111,6 +116,9 @@ def test_bit_flip_is_caught_at_the_next_read(layer: int) -> None:
     bad = [v for v in report.violations if "digest_mismatch" in v.reasons]
     assert {v.group for v in bad} == {"full"} and {v.request_id for v in bad} >= {1}
     assert mgr.stats()["violations"] > 0
+    # The layer is named (the single-bit search): bf16 element [1, 3] is byte 6 of head 1's second word.
+    assert bad[0].note == f"digest: one flipped bit explains the mismatch: {name(layer)} head 1 byte 7 bit 1"
+    assert bad[0].note in report.summary()
 
 
 def test_bit_flip_is_caught_within_the_budget_period() -> None:
@@ -130,20 +138,30 @@ def test_padding_write_into_a_live_slot_is_caught() -> None:
     reports, _ = run(ScriptedEngine(standard_workload()), 1.0, fault)
     _, report = _first_digest_report(reports)
     assert report.step == 7
+    bad = [v for v in report.violations if "digest_mismatch" in v.reasons]
+    assert bad[0].note.startswith("digest: layer not found")  # a whole row replaced in place: no reference
 
 
 @pytest.mark.parametrize("bytes_ok", [True, False])
 def test_moved_slots_are_verified_after_the_move(bytes_ok: bool) -> None:
-    """A copy whose records follow the bytes is silent; one whose bytes are stale is reported."""
+    """A copy whose records follow the bytes is silent; one whose bytes are stale is reported, naming the
+    layers that differ from the copy's source."""
+    moved: list[int] = []
 
     def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
         if step.index != 6:
             return
         src = torch.tensor([engine.slot_at(1, p) for p in range(3)])
+        moved.extend(src.tolist())
         dst = torch.tensor([60, 61, 62])  # free slots at the top of the pool, never handed out here
         mgr.canaries["full"].records.copy_slots(src, dst)
         for t in pools.full:
             t[dst] = t[src] if bytes_ok else t[src.flip(0)]
+        if not bytes_ok:
+            pools.full[3][61, 0, 0] += 1  # one layer of the middle slot differs too (its source row is itself)
+        digest = mgr.digest_of("full")
+        assert digest is not None
+        digest.note_move(dst, src)
         mgr.verify_moved("full", dst)
 
     reports, _ = run(ScriptedEngine(standard_workload()), 0.01, fault)
@@ -152,7 +170,15 @@ def test_moved_slots_are_verified_after_the_move(bytes_ok: bool) -> None:
     else:
         _, report = _first_digest_report(reports)
         bad = [v for v in report.violations if "digest_mismatch" in v.reasons]
-        assert report.step == 6 and {v.slot for v in bad} == {60, 62} and all(v.phase == "digest_verify" for v in bad)
+        assert report.step == 6 and {v.slot for v in bad} == {60, 61, 62}
+        assert all(v.phase == "digest_verify" for v in bad)
+        # The copy sources still hold the stamped bytes: the layers that differ are named exactly.
+        notes = {v.slot: v.note for v in bad}
+        every = ", ".join(name(i) for i in range(2 * LAYERS))
+        s0, s1, s2 = moved
+        assert notes[60] == f"digest: bytes differ from their copy source (index {s0}) in {every}"
+        assert notes[62] == f"digest: bytes differ from their copy source (index {s2}) in {every}"
+        assert notes[61] == f"digest: bytes differ from their copy source (index {s1}) in layer1.v"
 
 
 def test_attach_refuses_misuse() -> None:

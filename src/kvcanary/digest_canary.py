@@ -6,6 +6,8 @@ so they follow every record copy) from the engine's :class:`~kvcanary.digest.Dig
 attention reads (it selects from the plan's verify spans), :meth:`stamp` once the engine has written the
 step's K/V (it digests ``out_cache_loc``).  :meth:`verify_slots` checks slots whose bytes were just
 moved (copied, restored), whatever the budget.  Violations go into the group's log like the others.
+:meth:`note_move` remembers where moved bytes came from, and :meth:`locate` names the layer whose bytes
+differ in a reported slot (:mod:`kvcanary.digest_locate`; off the clean path).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary, uses_kernels
 from kvcanary.config import DigestConfig
 from kvcanary.digest import TILE_TOKENS, DigestLayout, DigestWorkspace
+from kvcanary.digest_locate import MoveSource, MoveSources, locate
 from kvcanary.ops import digest_reference as dref
 from kvcanary.workspace import ViolationLog
 
@@ -64,6 +67,10 @@ class GroupDigest:
         canary.records.enable_digests()
         self.workspace = DigestWorkspace.allocate(entries, canary.device)
         self._kernels = uses_kernels(canary.backend, canary.device)
+        self.sources = MoveSources()  # the last few moves' sources, read only by locate()
+        # False: the adapter stamps after its engine's forward itself (CanaryManager.stamp_digests), because
+        # its before/after calls both run before the forward (vLLM's passes); after_forward then skips it.
+        self.stamp_after_forward = True
         self._device_layout = None
         self._kernel_kw: dict[str, object] = {}
         if self._kernels:
@@ -106,3 +113,16 @@ class GroupDigest:
         for c0 in range(0, int(slots.shape[0]), step):
             ops.verify_list(self.canary.group, layout, self.digests, self.workspace, log,
                             slots[c0 : c0 + step].contiguous(), **kw)  # fmt: skip
+
+    def note_move(
+        self, dest: torch.Tensor, src: torch.Tensor, layout: DigestLayout | None = None, what: str = "copy source"
+    ) -> None:
+        """Remember that slots ``dest`` got the bytes of ``src`` (indices into ``layout``: default this group's
+        own), so that :meth:`locate` can compare against them.  Keeps the tensors as given: no copy, no sync."""
+        self.sources.add(MoveSource(dest, src, self.layout if layout is None else layout, what))
+
+    def locate(self, slot: int) -> str:
+        """A note naming the layer(s) whose bytes differ in ``slot`` (reads the slot: off the clean path)."""
+        if not 0 <= slot < self.layout.num_slots:
+            return ""
+        return locate(self.layout, int(self.digests[slot]), slot, self.sources)

@@ -17,6 +17,7 @@ import torch
 from kvcanary.batch import StepBatch
 from kvcanary.digest import TILE_TOKENS, WORD_BYTES, DigestLayout, DigestWorkspace, KVComponent
 from kvcanary.layout import CanaryGroup
+from kvcanary.ops.digest_reference import word_keys
 from kvcanary.ops.kernels.digest import digest_kernel
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import PlanWorkspace, ViolationLog
@@ -27,28 +28,38 @@ _ELEMENT_BLOCK_W = {4: 64, 2: 32, 1: 16}
 
 @dataclasses.dataclass(frozen=True)
 class DigestTuning:
-    """Tile shape and grid of the word path (components read as 64-bit words): each work unit reads
-    ``comps_per_unit`` components x 16 entries x ``block_words`` words a step."""
+    """Tile shape and grid of the word path (components read as 64-bit words): a work unit is one
+    component of 16 entries, read ``block_words`` words per entry a step (whole head rows where they fit)
+    by ``warps`` warps; ``programs_per_sm`` persistent programs per SM share the units."""
 
-    comps_per_unit: int = 4
-    block_words: int = 64
+    block_words: int = 256
     warps: int = 8
-    programs_per_sm: int = 8
+    programs_per_sm: int = 4
+    max_comps_per_unit: int = 8
+    vector: bool = True  # two-word loads where offsets allow (a switch for measuring them)
 
     def __post_init__(self) -> None:
-        for name in ("comps_per_unit", "block_words"):
-            v = getattr(self, name)
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        if self.warps <= 0 or self.programs_per_sm <= 0:
-            raise ValueError("warps and programs_per_sm must be positive")
+        v = self.block_words
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"block_words must be a power of two, got {v}")
+        if self.warps <= 0 or self.programs_per_sm <= 0 or self.max_comps_per_unit <= 0:
+            raise ValueError("warps, programs_per_sm and max_comps_per_unit must be positive")
+
+    def tile(self, heads: int, words_per_head: int) -> tuple[int, int]:
+        """(heads, words of a head) a step reads: a whole head row if it fits, as many heads as fit."""
+        bj = min(_pow2(words_per_head), self.block_words)
+        return min(_pow2(heads), self.block_words // bj), bj
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 DEFAULT_TUNING = DigestTuning()
 
 
 def _row(comp: KVComponent, base: int) -> tuple[int, list[int]]:
-    """(element size the kernel reads, table row) of one component."""
+    """(element size the kernel reads, table row with the component's absolute address) of one component."""
     v = comp.view
     es = v.element_size()
     s_block, s_off, s_head, s_dim = v.stride()
@@ -65,26 +76,63 @@ def _row(comp: KVComponent, base: int) -> tuple[int, list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchClass:
+    """The components one launch reads (one element size) and what the kernel may assume of them."""
+
+    element_size: int
+    first: int  # first table row
+    rows: int
+    heads: int  # most heads of a row
+    words_per_head: int  # most words per head of a row
+    block_log: int  # every row's block size is 2**block_log; -1: mixed or not a power of two
+    uniform: bool  # every row has these heads and words per head, and unit-stride words
+    even: bool  # every word offset and stride is even (two-word loads stay aligned)
+
+    @classmethod
+    def of(cls, es: int, first: int, rows: list[list[int]]) -> LaunchClass:
+        sizes = {r[5] for r in rows}
+        bs = sizes.pop() if len(sizes) == 1 else 0
+        heads, wph = max(r[6] for r in rows), max(r[8] for r in rows)
+        uniform = all(r[6] == heads and r[8] == wph and (r[4] == 1 or r[7] == 1) for r in rows)
+        even = es == WORD_BYTES and all(v % 2 == 0 for r in rows for v in (r[0], r[1], r[2], r[3], r[8], r[9]))
+        block_log = bs.bit_length() - 1 if bs and bs & (bs - 1) == 0 else -1
+        return cls(es, first, len(rows), heads, wph, block_log, uniform, even)
+
+    def path(self, tuning: DigestTuning) -> tuple[int, int, bool, bool]:
+        """(heads, words of a head) of a tile step, and whether tiles are exact and loads two words wide."""
+        hb, bj = tuning.tile(self.heads, self.words_per_head)
+        exact = self.element_size == WORD_BYTES and self.uniform and bj == self.words_per_head and self.heads % hb == 0
+        return hb, bj, exact, exact and self.even and tuning.vector
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceLayout:
     """A :class:`DigestLayout` as the kernel reads it: one table, one launch per element size."""
 
     layout: DigestLayout
-    table: torch.Tensor  # int64 [components, 10], rows grouped by element size
-    classes: tuple[tuple[int, int, int], ...]  # (element size, first row, rows)
+    table: torch.Tensor  # int64 [components, 10], rows grouped by element size; addresses relative to itself
+    keys: torch.Tensor  # int64 [layout.words]: key(i) of every word index (the reference's word_keys)
+    classes: tuple[LaunchClass, ...]
 
     @classmethod
     def build(cls, layout: DigestLayout) -> DeviceLayout:
+        if layout.num_slots >= 2**31:
+            raise ValueError(f"the digest kernel indexes slots as int32: {layout.num_slots} slots is too many")
         rows: dict[int, list[list[int]]] = {}
         for comp, base in zip(layout.components, layout.word_bases(), strict=True):
             es, row = _row(comp, base)
             rows.setdefault(es, []).append(row)
+        table = torch.empty(len(layout.components), 10, dtype=torch.int64, device=layout.device)
         flat: list[list[int]] = []
         classes = []
         for es in sorted(rows):
-            classes.append((es, len(flat), len(rows[es])))
+            for r in rows[es]:  # words (bytes below 8-byte elements) from the table's own address
+                r[0] = (r[0] - table.data_ptr()) // (WORD_BYTES if es == WORD_BYTES else 1)
+            classes.append(LaunchClass.of(es, len(flat), rows[es]))
             flat.extend(rows[es])
-        table = torch.tensor(flat, dtype=torch.int64, device=layout.device)
-        return cls(layout, table, tuple(classes))
+        table.copy_(torch.tensor(flat, dtype=torch.int64))
+        keys = word_keys(layout.words, layout.device)
+        return cls(layout, table, keys, tuple(classes))
 
 
 def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog) -> None:
@@ -139,21 +187,27 @@ def _launch(
     max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
-    for k, (es, c_begin, n_cls) in enumerate(dl.classes):
-        cb = tuning.comps_per_unit if es == WORD_BYTES else 1
-        units = max_tiles * -(-n_cls // cb)
-        digest_kernel[(_programs(units, dl.layout.device, tuning),)](
-            dl.table, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
+    for k, lc in enumerate(dl.classes):
+        es = lc.element_size
+        hb, bj, exact, vec = lc.path(tuning)
+        units = max_tiles * lc.rows
+        programs = _programs(units, dl.layout.device, tuning)
+        cpu = 1  # components per unit: more where tiles alone keep every program busy (amortizes the entries)
+        while cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
+            cpu *= 2
+        digest_kernel[(programs,)](
+            dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
             rows if b else dummy, table, starts, voff, state, pepoch, wmarks,
             digests, ws.acc, ws.entry_slots, ws.entry_info, ws.sync, ws.epoch, ws.stats,
             log.first, log.last, log.counters,
             n_list, int(lookup.shape[0]) if has_lookup and lookup is not None else 0, b, n_rows, n_cols,
-            group.page_size, min(group.num_slots, dl.layout.num_slots), period, max_tiles, c_begin, n_cls,
+            group.page_size, min(group.num_slots, dl.layout.num_slots), period, max_tiles, lc.first, lc.rows,
             log.capacity, group.group_id, *_reserved(group),
             FROM_PLAN=batch is not None, STAMP=stamp, HAS_LOOKUP=has_lookup, PAGED=group.page_size > 1,
             REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
-            G=TILE_TOKENS, BLOCK_W=tuning.block_words if es == WORD_BYTES else _ELEMENT_BLOCK_W[es],
-            BLOCK_B=block_b, CB=cb, num_warps=tuning.warps if es == WORD_BYTES else 4,
+            G=TILE_TOKENS, BLOCK_W=_ELEMENT_BLOCK_W.get(es, 1), BLOCK_B=block_b, HB=hb, BJ=bj,
+            CPU=cpu, BS_LOG=lc.block_log, EXACT=exact, VEC=vec,
+            num_warps=tuning.warps if es == WORD_BYTES else 4,
         )  # fmt: skip
 
 

@@ -97,7 +97,7 @@ class StepWork:
 
     def after(self) -> None:
         for digest, log, batch in zip(self.digests, self.logs, self._batches, strict=True):
-            if digest is not None:
+            if digest is not None and digest.stamp_after_forward:
                 digest.stamp(batch, log)  # the forward has written this step's K/V
         self._batches = ()
         self._snapshot.copy_(self.live)

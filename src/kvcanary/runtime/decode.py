@@ -8,6 +8,7 @@ staged the next copy, so a raise loses nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,7 @@ logger = logging.getLogger("kvcanary")
 
 Problem = tuple[str, str | None, str]  # a failed check: (check, group or None, detail)
 Decoded = tuple[StepReport | None, list[Problem]]
+LOCATED_PER_REPORT = 4  # digest mismatches per report whose layer is looked for (each re-reads one slot)
 
 EMPTY_STATS = {
     "steps": 0,
@@ -80,6 +82,7 @@ class StepDecoder:
         self._log_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
         self._health_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
         self._warned_skip = False
+        self.locate: Callable[[Violation], str] | None = None  # names a digest mismatch's layer (manager)
 
     def decode(self, buf: HostBuffer, reported_at: int) -> Decoded | None:
         """Decode one step's host copy and run the checks; None when there is nothing to act on."""
@@ -120,6 +123,7 @@ class StepDecoder:
                 if delta[g, r]:
                     counts[reason] = counts.get(reason, 0) + int(delta[g, r])
             violations.extend(annotate([decode_row(row, name, buf.request_ids) for row in log.rows().tolist()]))
+        violations = self._locate_layers(violations)
         return StepReport(
             step=buf.step,
             reported_at=reported_at,
@@ -130,6 +134,20 @@ class StepDecoder:
             total=total,
             rows_dropped=max(total - len(violations), 0),
         )
+
+    def _locate_layers(self, violations: list[Violation]) -> list[Violation]:
+        """The first few digest mismatches get a note naming the layer whose bytes differ (``locate``, set by
+        the manager when digests are attached; it reads the slots' bytes, so only rows of a report pay it)."""
+        if self.locate is None:
+            return violations
+        out, left = [], LOCATED_PER_REPORT
+        for v in violations:
+            if left and "digest_mismatch" in v.reasons and v.slot >= 0:
+                left -= 1
+                note = self.locate(v)
+                v = dataclasses.replace(v, note=note) if note else v
+            out.append(v)
+        return out
 
     def act(self, report: StepReport | None, problems: list[Problem]) -> StepReport | None:
         """Act on a decoded step by mode; in raise mode a violation wins over a failed check."""

@@ -35,7 +35,7 @@ from kvcanary.runtime.capture import is_capturing, stream_capturing_probe
 from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
-from kvcanary.runtime.report import FailRequestCallback, StepReport
+from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
 from kvcanary.runtime.step_graphs import StepGraphs, batch_key, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
@@ -130,6 +130,12 @@ class CanaryManager:
         for i, name in enumerate(self.canaries):
             if name in built:
                 self._work.digests[i] = built[name]
+        self._decoder.locate = self._locate_digest
+
+    def _locate_digest(self, violation: Violation) -> str:
+        """The layer note of a digest mismatch row (reads the slot's bytes: only for reported rows)."""
+        digest = self.digest_of(violation.group) if violation.group in self.canaries else None
+        return "" if digest is None else digest.locate(violation.slot)
 
     def digest_of(self, group: str) -> GroupDigest | None:
         if not self._enabled:
@@ -145,6 +151,19 @@ class CanaryManager:
         if self._open:
             raise RuntimeError("verify_moved called between before_forward and after_forward")
         digest.verify_slots(slots, self._work.logs[list(self.canaries).index(group)])
+
+    def stamp_digests(self, batches: Mapping[str, StepBatch]) -> None:
+        """Digest the slots ``batches`` wrote, for groups whose digest is stamped by the adapter
+        (``GroupDigest.stamp_after_forward`` False): after the engine's forward wrote them, outside
+        before/after.  The batches must be ones this step's ``before_forward`` validated (all rows)."""
+        if not self._enabled:
+            return
+        if self._open:
+            raise RuntimeError("stamp_digests called between before_forward and after_forward")
+        for i, name in enumerate(self.canaries):
+            digest = self._work.digests[i]
+            if digest is not None and not digest.stamp_after_forward and name in batches:
+                digest.stamp(batches[name], self._work.logs[i])
 
     # ------------------------------------------------------------------ per-step device work
 

@@ -162,7 +162,7 @@ class StepReport:
         notes = [
             f"  {v.group} request {v.request_id!r} position {v.expected_position}: {v.note}"
             for v in self.violations
-            if v.note.startswith("likely culprit")
+            if v.note.startswith(("likely culprit", "digest:"))
         ]
         return "\n".join([self._header(), *notes, self._counts()])
 

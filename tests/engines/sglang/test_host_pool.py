@@ -120,3 +120,70 @@ def test_out_of_range_host_indices_never_index_out_of_bounds(host_engine) -> Non
     assert mirror.device_records.links[4] == 0 and mirror.device_records.links[5] == 0  # no record: unknown source
     with pytest.raises(TypeError, match="1-D integer tensor"):
         mirror.save(torch.tensor([0.5]), slots)
+
+
+# --------------------------------------------------------------------------- with the KV digest
+
+
+@pytest.fixture
+def digest_host_engine(monkeypatch):
+    monkeypatch.setattr(host_mha, "transfer_kv_direct", _transfer_kv_direct, raising=False)
+    eng = Engine(pool_size=96, rows=3, chunk=32, radix=False, server_kw={"kv_canary_digest_budget": 1.0})
+    pool = eng.pool
+    host = host_mha.MHATokenToKVPoolHost(
+        pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, 1, "layer_first", pin_memory=False,
+        device_capacity_tokens=pool.size, start_layer=pool.start_layer, end_layer=pool.end_layer,
+        write_back_staging=pool.hicache_write_back_staging,
+    )  # fmt: skip
+    assert eng.canary is not None
+    mirror = attach_host_pool(eng.canary, host)
+    eng.submit("a", [3 + j for j in range(20)], max_new=12)
+    eng.submit("b", [50 + j for j in range(20)], max_new=12)
+    yield eng, host, mirror
+    mirror.detach()
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_load_with_stale_bytes_is_caught_and_the_layer_named(digest_host_engine, stale: bool) -> None:
+    """Loaded from the right host slots, one of whose bytes changed on the host (stale or damaged host bytes):
+    the records agree, the digest does not; verified once every layer landed.  The host copy is what changed,
+    so it is not used as the reference: the single-bit search names the layer.  Clean bytes: silent."""
+    eng, host, mirror = digest_host_engine
+    a, _ = _decoding(eng)
+    host_idx = _offload(eng, host, a)
+    eng.running.remove(a)
+    _churn(eng)
+    if stale:
+        host.kv_buffer[1, 1, int(host_idx[4]), 0, 2:3].view(torch.int32).bitwise_xor_(1 << 7)  # V, layer 1
+    _load_back(eng, host, a, host_idx)
+    eng.running.append(a)
+    if not stale:
+        eng.run()
+        assert eng.canary.stats()["violations"] == 0 and mirror.restores == 1 and len(eng.finished) == 3
+        return
+    with pytest.raises(CanaryViolation) as excinfo:
+        for _ in range(3):
+            eng.step()
+    bad = [v for v in excinfo.value.report.violations if "digest_mismatch" in v.reasons]
+    slot = int(eng.rtp.req_to_token[a.row, 4])
+    assert {v.slot for v in bad} == {slot}
+    assert bad[0].note == "digest: one flipped bit explains the mismatch: layer1.v head 0 byte 8 bit 7"
+
+
+def test_device_bytes_damaged_after_the_load_are_named_against_the_host_copy(digest_host_engine) -> None:
+    eng, host, _ = digest_host_engine
+    a, _ = _decoding(eng)
+    host_idx = _offload(eng, host, a)
+    eng.running.remove(a)
+    _churn(eng)
+    _load_back(eng, host, a, host_idx)
+    eng.running.append(a)
+    eng.step()  # the load is verified at this step's host step: clean
+    slot = int(eng.rtp.req_to_token[a.row, 3])
+    eng.pool.k_buffer[0][slot, 1] = 0.0  # a whole head row of layer 0's K zeroed on the device
+    with pytest.raises(CanaryViolation) as excinfo:
+        for _ in range(3):
+            eng.step()
+    bad = [v for v in excinfo.value.report.violations if "digest_mismatch" in v.reasons]
+    assert {v.slot for v in bad} == {slot}
+    assert bad[0].note == f"digest: bytes differ from their host copy (index {int(host_idx[3])}) in layer0.k"

@@ -12,8 +12,12 @@ destinations.  :class:`HostRecordMirror` wraps them on one host pool:
 
 Nothing is keyed by request, radix node or table order, so a load that reads the wrong host slots (stale
 ones, another prefix's) brings *their* records along, and the next read of the restored slots disagrees
-with them: a violation at that read (``token``/``position``/``link_mismatch``, or ``never_written``).  With
-the KV digest on, the restored slots are also re-digested at the next forward (``verify_moved``).
+with them: a violation at that read (``token``/``position``/``link_mismatch``, or ``never_written``).
+
+With the KV digest on, digests travel with the records, but a load is layer by layer and may overlap the
+forward that reads it, so a restored slot's digest is held back (0: not compared) until the canary's next
+host step, when every layer has landed: then it is put in place and the slots are verified
+(``verify_moved``), with the host copy remembered so that a mismatch names the layer that differs.
 
 Install after :func:`~kvcanary.adapters.sglang.install_canary`, where the scheduler has built its HiCache
 (``tree_cache.cache_controller.mem_pool_host``)::
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.patching import PatchSet
+from kvcanary.adapters.sglang.digest_layout import host_layout
 from kvcanary.layout import RecordStore
 
 SUPPORTED_HOST_POOLS = ("MHATokenToKVPoolHost", "MLATokenToKVPoolHost")
@@ -57,12 +62,18 @@ class HostRecordMirror:
         self.host_pool = host_pool
         self.saves = 0
         self.restores = 0
+        self._loading: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device, host) slots whose digests wait
+        digest = canary.manager.digest_of(group)
+        self.host_layout = None if digest is None else host_layout(host_pool, digest.layout)
+        canary.after_host_step.append(self.verify_loads)
         self._patches = PatchSet(exclusive=False)
         self._patches.wrap(host_pool, "backup_from_device_all_layer", self._backup)
         self._patches.wrap(host_pool, "load_to_device_per_layer", self._load)
 
     def detach(self) -> None:
         self._patches.restore()
+        if self.verify_loads in self.canary.after_host_step:
+            self.canary.after_host_step.remove(self.verify_loads)
 
     # ------------------------------------------------------------------ the wrapped transfers
 
@@ -104,11 +115,24 @@ class HostRecordMirror:
         dev_ok = (dev_all >= 0) & (dev_all < self.device_records.num_slots)
         self.device_records.clear_slots(dev_all[dev_ok])
         host, dev = self._pairs(host_all, dev_all)
-        for d, h in zip(_fields(self.device_records), _fields(self.host_records), strict=True):
+        for d, h in zip(_fields(self.device_records)[:3], _fields(self.host_records)[:3], strict=True):
             d[dev] = h[host]
-        if not self.canary.in_forward:  # a layer-wise load may overlap a forward: its digests wait for the read
-            self.canary.manager.verify_moved(self.group, dev)
+        if self.device_records.digests is not None:  # in place once every layer has landed (verify_loads)
+            self._loading.append((dev, host))
         self.restores += 1
+
+    def verify_loads(self) -> None:
+        """After the host step of the forward a load overlapped: put the loaded slots' digests in place and
+        verify their bytes (findings come with the next step's report)."""
+        loading, self._loading = self._loading, []
+        digest = self.canary.manager.digest_of(self.group)
+        if digest is None or self.device_records.digests is None or self.host_records.digests is None:
+            return
+        for dev, host in loading:
+            self.device_records.digests[dev] = self.host_records.digests[host]
+            if self.host_layout is not None:
+                digest.note_move(dev, host, self.host_layout, "host copy")
+            self.canary.manager.verify_moved(self.group, dev)
 
     def _pairs(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(host, device) index pairs that lie inside both record stores: never an out-of-bounds access."""

@@ -27,6 +27,7 @@ import torch
 
 from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
+from kvcanary.adapters.sglang.digest_layout import pool_layouts
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
 from kvcanary.adapters.sglang.ranks import build_manager
@@ -115,6 +116,8 @@ class SglangCanary:
             self.translator = ForwardTranslator(
                 self.attached, table, max_batch=max_batch, max_tokens=max_tokens, draft=self.draft
             )
+            if options.config.digest is not None:  # every layer's K and V read in place (design.md §12)
+                self.manager.attach_digests(pool_layouts(self.attached, options.config.digest.layers))
         except BaseException:
             self.attached.detach()
             raise
@@ -126,6 +129,7 @@ class SglangCanary:
         self._graph_captured = False
         self._features = dict.fromkeys(FEATURES, 0)
         self._patches = PatchSet(exclusive=False)  # on this runner's objects; the pool attach refuses a second canary
+        self.after_host_step: list[Callable[[], None]] = []  # e.g. HiCache loads whose bytes are verified now
 
     # ------------------------------------------------------------------ the two patches
 
@@ -222,7 +226,10 @@ class SglangCanary:
             request_ids = list(request_ids)
         self._eager_forwards = 0
         self.translator.truth.clear()  # the next forward brings its own snapshot, or none
-        return self._keep(self.manager.host_step(request_ids))
+        report = self._keep(self.manager.host_step(request_ids))
+        for hook in self.after_host_step:  # outside the forward: every layer of a layer-wise load has landed
+            hook()
+        return report
 
     def flush(self) -> StepReport | None:
         return self._keep(self.manager.flush())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.ops import Backend
 
 # The CLI spelling of each mode: the seed's none/log/raise plus fail-request.
@@ -72,6 +72,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Verify entries per forward and group (0: derived from the pool size).",
     )
     group.add_argument("--kv-canary-backend", choices=list(BACKEND_CHOICES), default=Backend.AUTO.value)
+    group.add_argument(
+        "--kv-canary-digest-budget",
+        type=float,
+        default=0.0,
+        help="KV digest of the real K/V bytes (stamped on every write, verified on this share of each forward's "
+        f"reads, 1.0 = all; moved bytes always). 0: off. The default when on is {DigestConfig().budget:.4g}.",
+    )
+    group.add_argument(
+        "--kv-canary-digest-layers",
+        default=None,
+        help="Comma-separated model layer ids the digest covers (default: every layer).",
+    )
 
 
 def _int_option(args: object, name: str, default: int) -> int:
@@ -105,9 +117,29 @@ def options_from_args(args: object) -> SglangCanaryOptions:
         stats_every=_int_option(args, "kv_canary_stats_every", 0),
         health_every=_int_option(args, "kv_canary_health_every", _DEFAULTS.health_every),
         events_path=events,
+        digest=digest_from_args(args),
     )
     return SglangCanaryOptions(
         config=config,
         backend=backend,
         verify_entries=_int_option(args, "kv_canary_verify_entries", 0),
     )
+
+
+def digest_from_args(args: object) -> DigestConfig | None:
+    """``--kv-canary-digest-budget`` (0 or unset: off) and ``--kv-canary-digest-layers`` (``"0,3,5"``)."""
+    budget = getattr(args, "kv_canary_digest_budget", None)
+    if budget is None or budget == 0:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"option kv_canary_digest_budget must be a number, got {budget!r}")
+    raw = getattr(args, "kv_canary_digest_layers", None)
+    if raw is None:
+        return DigestConfig(budget=float(budget))
+    if not isinstance(raw, str):
+        raise TypeError(f"option kv_canary_digest_layers must be a comma-separated string, got {raw!r}")
+    try:
+        layers = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"option kv_canary_digest_layers={raw!r} is not a comma-separated list of ints") from None
+    return DigestConfig(budget=float(budget), layers=layers)

@@ -153,14 +153,7 @@ class StepTranslator:
 
         batches: dict[str, StepBatch] = {}
         for w in work:
-            if block_table is not None:
-                out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
-            elif self.kernel and _kernel_covers(w, kwargs, b):
-                out_loc = self._launch(w, kwargs, dev, n_tok)
-            else:
-                out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
-            if self._stable is not None:
-                out_loc = self._stable.writes(w.geometry.name, out_loc)
+            out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
             batches[w.geometry.name] = StepBatch(
                 rows=dev[common["rows"]],
                 prefix_lens=dev[common["prefix"]],
@@ -225,6 +218,19 @@ class StepTranslator:
         return _GroupWork(g, entries, n_write, arrays)
 
     # ------------------------------------------------------------------ device work
+
+    def _group_writes(
+        self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
+    ) -> torch.Tensor:
+        """Fill the group's table cells for this step; return its out_cache_loc (in its own buffer on CUDA)."""
+        block_table = kwargs.get("block_table")
+        if block_table is not None:
+            out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
+        elif self.kernel and _kernel_covers(w, kwargs, b):
+            out_loc = self._launch(w, kwargs, dev, n_tok)
+        else:
+            out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
+        return out_loc if self._stable is None else self._stable.writes(w.geometry.name, out_loc)
 
     def _launch(self, w: _GroupWork, kwargs: Mapping[str, Any], dev: list[torch.Tensor], n_tok: int) -> torch.Tensor:
         """:meth:`_from_read_index` in one kernel launch (see :mod:`.translate_kernel`)."""

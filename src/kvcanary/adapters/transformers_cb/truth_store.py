@@ -55,36 +55,42 @@ class TruthStore:
 
     def plan(self, host: HostBatch, live: npt.NDArray[np.bool_]) -> TruthUpdate:
         """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
-        b = host.batch_size
-        gather = np.zeros(b + 1, dtype=np.int64)
-        lens = np.zeros(b, dtype=np.int64)
+        # One pass of plain Python over the rows (no numpy scalar access inside: it runs every step for every
+        # request), then a few vectorised numpy calls.
+        b, width, tail, sent_map = host.batch_size, self.width, History.TAIL, self._sent
+        rows, lens = [0] * b, [0] * b  # per batch row: its store row (0: left out) and valid length
+        live_rows: list[int] = []  # per live row, in order: store row, first token sent, valid length
         starts: list[int] = []
+        live_lens: list[int] = []
         tokens: list[int] = []
-        in_batch = set(host.request_ids)
-        for r, (rid, hist) in enumerate(zip(host.request_ids, host.truth, strict=True)):
-            if not live[r]:
+        for r, rid, hist, ok in zip(range(b), host.request_ids, host.truth, live.tolist(), strict=True):
+            if not ok:
                 continue
-            entry = self._sent.get(rid)
+            entry = sent_map.get(rid)
             if entry is None:
-                entry = self._sent[rid] = [self._take_row(in_batch), 0]
+                entry = sent_map[rid] = [self._take_row(host.request_ids), 0]
             else:
-                self._sent.move_to_end(rid)
-            n = min(len(hist), self.width)
-            start = max(0, min(entry[1], n) - History.TAIL)
-            tokens += _tokens(hist, start, n)
-            starts.append(start)
+                sent_map.move_to_end(rid)
+            n = min(len(hist), width)
+            start = max(0, min(entry[1], n) - tail)
+            tokens += hist.tokens(start, n) if type(hist) is History else _tokens(hist, start, n)
             entry[1] = n
-            gather[r + 1], lens[r] = entry[0], n
-        sent = np.flatnonzero(gather[1:])  # the live rows, in order
+            rows[r] = entry[0]
+            lens[r] = n
+            live_rows.append(entry[0])
+            starts.append(start)
+            live_lens.append(n)
         first = np.array(starts, dtype=np.int64)
-        counts = lens[sent] - first
-        base = gather[1:][sent] * self.width + first - (np.cumsum(counts) - counts)
+        counts = np.array(live_lens, dtype=np.int64) - first
+        base = np.array(live_rows, dtype=np.int64) * width + first - (np.cumsum(counts) - counts)
+        lens_a = np.array(lens, dtype=np.int64)
         return TruthUpdate(
-            gather=gather,
-            lens=lens,
-            width=max(1, int(lens.max(initial=0))),
+            gather=np.array([0, *rows], dtype=np.int64),
+            lens=lens_a,
+            width=max(1, int(lens_a.max(initial=0))),
             cells=np.repeat(base, counts) + np.arange(int(counts.sum()), dtype=np.int64),
-            tokens=np.array(tokens, dtype=np.int64).astype(np.int32),  # low 32 bits, as the records keep them
+            # low 32 bits, as the records keep them; fromiter: a third faster than np.array on a list of ints
+            tokens=np.fromiter(tokens, dtype=np.int64, count=len(tokens)).astype(np.int32),
         )
 
     def apply(
@@ -97,9 +103,10 @@ class TruthStore:
             return torch.index_select(self.table, 0, gather, out=self._out[: int(gather.shape[0])])
         return torch.index_select(self.table[:, : update.width], 0, gather)
 
-    def _take_row(self, in_batch: set[str]) -> int:
+    def _take_row(self, batch_ids: Sequence[str]) -> int:
         if self._free:
             return self._free.pop()
+        in_batch = set(batch_ids)
         for rid in self._sent:  # least recently used first
             if rid not in in_batch:
                 return self._sent.pop(rid)[0]

@@ -24,8 +24,9 @@ from typing import Any
 
 from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.vllm import failing, moves, translate
+from kvcanary.adapters.vllm.digest_layout import group_layouts
 from kvcanary.adapters.vllm.features import Features
-from kvcanary.adapters.vllm.groups import capacities, vllm_groups
+from kvcanary.adapters.vllm.groups import VllmGroup, capacities, vllm_groups
 from kvcanary.adapters.vllm.options import VllmCanaryOptions
 from kvcanary.adapters.vllm.ranks import build_manager
 from kvcanary.adapters.vllm.truth import TruthTable
@@ -72,6 +73,12 @@ class VllmCanary:
             [g.canary for g in self.groups], caps, options.config, device=self.device,
             on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None,
         )  # fmt: skip
+        if options.config.digest is not None:  # every layer's K and V, read in place (docs/design.md §12)
+            self.manager.attach_digests(group_layouts(runner, self.groups, options.config.digest.layers))
+            for g in self.groups:
+                digest = self.manager.digest_of(g.canary.name)
+                if digest is not None:
+                    digest.stamp_after_forward = False  # the passes run before the forward: stamped after it
         width = min(int(runner.max_model_len), options.truth_width)
         self.truth = TruthTable(int(runner.input_batch.max_num_reqs), width, self.device)
         self.synchronous = self.device.type == "cpu"
@@ -82,6 +89,7 @@ class VllmCanary:
         self.failed: set[str] = set()
         self.engine_step_of: list[int] = []  # manager step (report.step) -> engine step (features "steps" - 1)
         self._candidates: set[str] = set()
+        self._written: dict[str, Any] | None = None  # this step's batches (all rows), stamped after the forward
         self._in_step = False
         self._patches = PatchSet(exclusive=True)
 
@@ -128,9 +136,20 @@ class VllmCanary:
             f.add("reused_blocks", moves.count_written(g, records, moves.fresh_blocks(so, g)))
             f.add("zeroed_blocks", moves.apply_zeroing(g, records, zero))
             f.add("block_copies", moves.apply_copies(g, records, copies))
+            self._verify_copied(g, copies)
         self._candidates = {r.req_id for r in so.scheduled_new_reqs if r.num_computed_tokens > 0}
         self._candidates |= set(so.scheduled_cached_reqs.resumed_req_ids)
         f.timed(start)
+
+    def _verify_copied(self, g: VllmGroup, copies: Any) -> None:
+        """With the KV digest on: the copied blocks' bytes (vLLM copied them in ``_update_states``) against
+        the digests that moved with their records; the sources are remembered to name a differing layer."""
+        digest = self.manager.digest_of(g.canary.name)
+        moved = None if digest is None else moves.copied_slots(g, copies, self.device)
+        if digest is None or moved is None:
+            return
+        digest.note_move(moved[1], moved[0])
+        self.manager.verify_moved(g.canary.name, moved[1])
 
     def _wrap_execute_model(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -155,6 +174,8 @@ class VllmCanary:
             out = original(*args, **kwargs)
             if last_ids is not None:
                 start = time.perf_counter()
+                if self._written is not None:
+                    self._guard(self.manager.stamp_digests, self._written)  # the forward wrote this step's K/V
                 self._guard(self._host_step, last_ids)
                 self.features_.timed(start)
                 self.features_.timed_steps += 1
@@ -180,6 +201,7 @@ class VllmCanary:
         """Plan, verify and stamp the step (all passes but the last are host-stepped here)."""
         from vllm.forward_context import get_forward_context
 
+        self._written = None
         r = self.runner
         ctx = get_forward_context()
         meta, slot_maps = ctx.attn_metadata, ctx.slot_mapping
@@ -202,8 +224,13 @@ class VllmCanary:
         plan = translate.passes(views, candidates, [g.canary.page_size for g in self.groups])
         self.features_.add("steps")
         if plan is None:
-            self._run_pass(views, inputs, None)
+            batches = self._run_pass(views, inputs, None)
+            self._written = batches if self.options.config.digest is not None else None
             return req_ids
+        if self.options.config.digest is not None:  # every row's writes, stamped after the forward
+            self._written = {
+                g.canary.name: translate.batch_for(v, inputs, None) for g, v in zip(self.groups, views, strict=True)
+            }
         self.features_.add("same_step_readers", sum(len(p) for p in plan[1:]))
         for rows in plan[:-1]:
             self._run_pass(views, inputs, rows)
@@ -211,12 +238,15 @@ class VllmCanary:
         self._run_pass(views, inputs, plan[-1])
         return [req_ids[i] for i in plan[-1]]
 
-    def _run_pass(self, views: list[translate.GroupView], inputs: translate.StepInputs, rows: list[int] | None) -> None:
+    def _run_pass(
+        self, views: list[translate.GroupView], inputs: translate.StepInputs, rows: list[int] | None
+    ) -> dict[str, Any]:
         batches = {g.canary.name: translate.batch_for(v, inputs, rows) for g, v in zip(self.groups, views, strict=True)}
         start = time.perf_counter()
         self.manager.before_forward(batches)
         self.manager.after_forward()
         self.features_.core_seconds += time.perf_counter() - start
+        return batches
 
     def _count_rows(self, view: translate.GroupView, req_ids: list[str]) -> None:
         reqs = self.runner.requests

@@ -3,7 +3,8 @@
 * ``new_block_ids_to_zero``: freshly allocated blocks of full-attention groups are zeroed, so their records
   are cleared (a read of such a slot before it is written is a read of zeros: ``unwritten``);
 * ``kv_cache_block_copies`` ((src, dst) scheduler block pairs: copy-on-write of a partially hit prefix block):
-  the bytes of every group move, so the records move with them, after the zeroing (vLLM's order).
+  the bytes of every group move, so the records move with them, after the zeroing (vLLM's order); with the KV
+  digest on, the destinations' bytes are then verified against the digests that moved with the records.
 
 Block ids are scheduler blocks: slots ``[b * block_size, (b + 1) * block_size)`` of the group.
 """
@@ -40,17 +41,26 @@ def apply_zeroing(group: VllmGroup, records: RecordStore, blocks: Sequence[int])
     return len(ids)
 
 
-def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[int, int]]) -> int:
-    """Copy the records of (src, dst) block pairs, all sources read before any destination is written."""
+def copied_slots(
+    group: VllmGroup, copies: Sequence[tuple[int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(source slots, destination slots) of the in-pool (src, dst) block pairs, or None when there are none."""
     pairs = [(int(s), int(d)) for s, d in copies]
     limit = group.canary.num_slots // group.block_size
     pairs = [(s, d) for s, d in pairs if 0 <= s < limit and 0 <= d < limit]
     if not pairs:
+        return None
+    src = block_slots([s for s, _ in pairs], group.block_size, device)
+    return src, block_slots([d for _, d in pairs], group.block_size, device)
+
+
+def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[int, int]]) -> int:
+    """Copy the records of (src, dst) block pairs, all sources read before any destination is written."""
+    moved = copied_slots(group, copies, records.device)
+    if moved is None:
         return 0
-    src = block_slots([s for s, _ in pairs], group.block_size, records.device)
-    dst = block_slots([d for _, d in pairs], group.block_size, records.device)
-    records.copy_slots(src, dst)
-    return len(pairs)
+    records.copy_slots(*moved)
+    return int(moved[0].shape[0]) // group.block_size
 
 
 def fresh_blocks(so: Any, group: VllmGroup) -> list[int]:

@@ -2,8 +2,9 @@
 
 ``KVCANARY_MODE`` (``off`` or unset, ``log``, ``raise``, ``fail-request``) switches the canary on;
 ``KVCANARY_EVENTS`` appends JSON-lines events to a file; ``KVCANARY_LOG_ROWS`` and
-``KVCANARY_STATS_EVERY`` tune the log.  An unknown value is refused at start-up with one message naming
-the variable.
+``KVCANARY_STATS_EVERY`` tune the log; ``KVCANARY_DIGEST_BUDGET`` (a fraction in (0, 1]; unset or 0: off)
+turns on the KV digest of the real K/V bytes and ``KVCANARY_DIGEST_LAYERS`` (``0,3,5``) restricts it to those
+layers.  An unknown value is refused at start-up with one message naming the variable.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 
 ENV_MODE = "KVCANARY_MODE"
 ENV_EVENTS = "KVCANARY_EVENTS"
 ENV_LOG_ROWS = "KVCANARY_LOG_ROWS"
 ENV_STATS_EVERY = "KVCANARY_STATS_EVERY"
+ENV_DIGEST_BUDGET = "KVCANARY_DIGEST_BUDGET"
+ENV_DIGEST_LAYERS = "KVCANARY_DIGEST_LAYERS"
 OFF_SPELLINGS = ("", "off", "none", "0")
 
 
@@ -67,5 +70,25 @@ def options_from_env(env: Mapping[str, str]) -> VllmCanaryOptions:
         events_path=events,
         log_rows=_int_env(env, ENV_LOG_ROWS, defaults.log_rows),
         stats_every=_int_env(env, ENV_STATS_EVERY, 0),
+        digest=digest_from_env(env),
     )
     return VllmCanaryOptions(config=config)
+
+
+def digest_from_env(env: Mapping[str, str]) -> DigestConfig | None:
+    raw = env.get(ENV_DIGEST_BUDGET, "").strip()
+    try:
+        budget = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{ENV_DIGEST_BUDGET}={raw!r} is not a number (a fraction in (0, 1]; 0: off)") from None
+    if budget == 0:
+        return None
+    layers_raw = env.get(ENV_DIGEST_LAYERS, "").strip()
+    try:
+        layers = tuple(int(x) for x in layers_raw.split(",") if x.strip()) if layers_raw else None
+    except ValueError:
+        raise ValueError(f"{ENV_DIGEST_LAYERS}={layers_raw!r} is not a comma-separated list of ints") from None
+    try:
+        return DigestConfig(budget=budget, layers=layers)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{ENV_DIGEST_BUDGET}/{ENV_DIGEST_LAYERS}: {exc}") from None

@@ -3,7 +3,8 @@
 
 Work units are (tile, component): a tile is G entries (G list indices, or G consecutive positions of one
 row's budgeted verify span), a component one strided tensor of the layout (its address and strides come
-from a device table, so one launch reads every layer).  Each unit sums its words' terms per entry and adds
+from a device table, so one launch reads every layer; the word keys from a key table built with it).
+Each unit sums its words' terms per entry and adds
 them into ``acc`` (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever
 the schedule).  Components of one element size share a launch; the last launch's last program (a
 ticket) finalizes every entry in order: stores digests or compares them, then writes violation rows
@@ -21,8 +22,6 @@ from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, st
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
 
-SEED = tl.constexpr(spec.DIGEST_SEED)
-GAMMA = tl.constexpr(spec.DIGEST_GAMMA)
 C1 = tl.constexpr(0xBF58476D1CE4E5B9)
 C2 = tl.constexpr(0x94D049BB133111EB)
 MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
@@ -38,7 +37,9 @@ STAT_STAMPED = tl.constexpr(spec.DigestWorkspace.STAT_STAMPED)
 STAT_VERIFIED = tl.constexpr(spec.DigestWorkspace.STAT_VERIFIED)
 STAT_SKIPPED = tl.constexpr(spec.DigestWorkspace.STAT_SKIPPED_TILES)
 STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
-COMP_WIDTH = tl.constexpr(10)  # addr, s_block, s_off, s_head, s_dim, block_size, heads, dim, words/head, word base
+# A table row: offset from the table (words; bytes below 8-byte elements), s_block, s_off, s_head, s_dim,
+# block_size, heads, dim, words per head, word base.
+COMP_WIDTH = tl.constexpr(10)
 FIN = tl.constexpr(512)  # entries per step of the finalize
 POS_BITS = tl.constexpr(32)
 POS_MASK = tl.constexpr((1 << 32) - 1)
@@ -115,49 +116,71 @@ def _tile_entries(
 
 
 @triton.jit
-def _unit_words(comp_ptr, c0, c_end, slot, usable, G: tl.constexpr, BLOCK_W: tl.constexpr, CB: tl.constexpr):
-    """Sum of the terms of components [c0, min(c0 + CB, c_end)) read as 64-bit words, for G slots.
+def _unit_words(
+    comp_ptr, keys_ptr, c, blk, off, usable, G: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
+    EXACT: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """Sum of component ``c``'s terms for G slots (uint64 [G]), read as 64-bit words.
 
-    One [CB, G, BLOCK_W] tile a step: the components' loads are independent, so CB of them are in
-    flight together; terms accumulate elementwise and are reduced once at the end.
+    Slot ``s`` is at block ``blk``, offset ``off`` of the component.  One [G, HB, BJ] tile (slots x heads
+    x words of a head) a step, all its loads in flight together; keys come from the layout's key table
+    (cached, shared by the G slots).  Words are addressed from the table's own pointer (the component's
+    word offset from it is in the table), so ``VEC`` (every offset and stride even) lets the compiler
+    read two words per load.  ``EXACT``: the tile divides every head row (BJ = words per head, HB divides
+    the heads), so nothing is masked: unusable lanes read slot 0 (in bounds) and the caller drops them.
     """
-    cc = c0 + tl.arange(0, CB)
-    cm = cc < c_end
-    row = comp_ptr + cc * COMP_WIDTH
-    addr = tl.load(row, mask=cm, other=0)
-    s_block = tl.load(row + 1, mask=cm, other=0)
-    s_off = tl.load(row + 2, mask=cm, other=0)
-    s_head = tl.load(row + 3, mask=cm, other=0)
-    s_dim = tl.load(row + 4, mask=cm, other=0)
-    bsize = tl.load(row + 5, mask=cm, other=1)
-    wph = tl.load(row + 8, mask=cm, other=1).to(tl.int32)
-    n_words = tl.load(row + 6, mask=cm, other=0).to(tl.int32) * wph
-    word_base = tl.load(row + 9, mask=cm, other=0)
-    base = addr.to(tl.pointer_type(tl.uint64))
-    s = tl.where(usable, slot, 0)
-    row_off = (s[None, :] // bsize[:, None]) * s_block[:, None] + (s[None, :] % bsize[:, None]) * s_off[:, None]
-    total = tl.zeros((CB, G, BLOCK_W), tl.uint64)
-    for w0 in range(0, tl.max(n_words), BLOCK_W):
-        w = w0 + tl.arange(0, BLOCK_W)
-        wm = w[None, :] < n_words[:, None]
-        h = w[None, :] // wph[:, None]
-        j = w[None, :] % wph[:, None]
-        key = fmix64(((word_base[:, None] + w[None, :] + 1).to(tl.uint64) * GAMMA) + SEED)
-        woff = h.to(tl.int64) * s_head[:, None] + j.to(tl.int64) * s_dim[:, None]
-        valid = usable[None, :, None] & wm[:, None, :]
-        word = tl.load(base[:, None, None] + row_off[:, :, None] + woff[:, None, :], mask=valid, other=0)
-        total += tl.where(valid, fmix64(word.to(tl.uint64) ^ key[:, None, :]), 0)
-    return tl.sum(tl.sum(total, axis=2), axis=0)
+    row = comp_ptr + c * COMP_WIDTH
+    word_off = tl.load(row)
+    s_block = tl.load(row + 1)
+    s_off = tl.load(row + 2)
+    s_head = tl.load(row + 3)
+    s_dim = tl.load(row + 4)
+    heads = tl.load(row + 6).to(tl.int32)
+    wph = tl.load(row + 8).to(tl.int32)
+    word_base = tl.load(row + 9)
+    if VEC:
+        word_off = tl.multiple_of(word_off, 2)
+        s_block = tl.multiple_of(s_block, 2)
+        s_off = tl.multiple_of(s_off, 2)
+        s_head = tl.multiple_of(s_head, 2)
+        word_base = tl.multiple_of(word_base, 2)
+    # Tiles are [heads, slots, words]: the compiler spreads slots over warps, so per-slot values (row
+    # offsets, sums) cost few registers, and the head sum stays inside a thread.
+    row_off = word_off + blk.to(tl.int64) * s_block + off.to(tl.int64) * s_off
+    hh = tl.arange(0, HB)
+    jj = tl.arange(0, BJ)
+    total = tl.zeros((G,), tl.uint64)
+    if EXACT:
+        for h0 in range(0, heads, HB):
+            h = h0 + hh
+            key = tl.load(keys_ptr + word_base + (h * BJ)[:, None] + jj[None, :]).to(tl.uint64, bitcast=True)
+            woff = h.to(tl.int64)[:, None] * s_head + jj[None, :]
+            word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :]).to(tl.uint64, bitcast=True)
+            term = fmix64(word ^ key[:, None, :])
+            total += tl.sum(tl.sum(term, axis=0), axis=1)
+    else:
+        for h0 in range(0, heads, HB):
+            h = h0 + hh
+            for j0 in range(0, wph, BJ):
+                j = j0 + jj
+                m2 = (h < heads)[:, None] & (j < wph)[None, :]
+                key = tl.load(keys_ptr + word_base + (h * wph)[:, None] + j[None, :], mask=m2, other=0)
+                woff = h.to(tl.int64)[:, None] * s_head + j.to(tl.int64)[None, :] * s_dim
+                valid = m2[:, None, :] & usable[None, :, None]
+                word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :], mask=valid, other=0)
+                term = fmix64(word.to(tl.uint64, bitcast=True) ^ key.to(tl.uint64, bitcast=True)[:, None, :])
+                total += tl.sum(tl.sum(tl.where(valid, term, 0), axis=0), axis=1)
+    return total
 
 
 @triton.jit
 def _unit(
-    comp_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
+    comp_ptr, keys_ptr, c, slot, usable, ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     """Sum of one component's terms for G slots (uint64 [G]), elements assembled into words; unusable
     lanes read nothing and add 0."""
     row = comp_ptr + c * COMP_WIDTH
-    addr = tl.load(row)
+    addr = tl.load(row) + comp_ptr.to(tl.int64, bitcast=True)  # the table holds byte offsets from itself
     s_block = tl.load(row + 1)
     s_off = tl.load(row + 2)
     s_head = tl.load(row + 3)
@@ -171,10 +194,8 @@ def _unit(
         base = addr.to(tl.pointer_type(tl.uint8))
     elif ESIZE == 2:
         base = addr.to(tl.pointer_type(tl.uint16))
-    elif ESIZE == 4:
-        base = addr.to(tl.pointer_type(tl.uint32))
     else:
-        base = addr.to(tl.pointer_type(tl.uint64))
+        base = addr.to(tl.pointer_type(tl.uint32))
     s = tl.where(usable, slot, 0)
     row_off = (s // bsize) * s_block + (s % bsize) * s_off
     total = tl.zeros((G,), tl.uint64)
@@ -183,19 +204,15 @@ def _unit(
         wm = w < n_words
         h = w // wph
         j = w % wph
-        key = fmix64(((word_base + w + 1).to(tl.uint64) * GAMMA) + SEED)
+        key = tl.load(keys_ptr + word_base + w, mask=wm, other=0).to(tl.uint64)
         valid = usable[:, None] & wm[None, :]
-        if ESIZE == 8:
-            ptrs = base + row_off[:, None] + (h * s_head + j * s_dim)[None, :]
-            word = tl.load(ptrs, mask=valid, other=0).to(tl.uint64)
-        else:
-            EPW: tl.constexpr = 8 // ESIZE
-            k = tl.arange(0, EPW)
-            d = j[:, None] * EPW + k[None, :]
-            off = h[:, None] * s_head + d * s_dim
-            m3 = valid[:, :, None] & (d < dim)[None, :, :]
-            el = tl.load(base + row_off[:, None, None] + off[None, :, :], mask=m3, other=0).to(tl.uint64)
-            word = tl.sum(el << (k * (8 * ESIZE)).to(tl.uint64)[None, None, :], axis=2)
+        EPW: tl.constexpr = 8 // ESIZE
+        k = tl.arange(0, EPW)
+        d = j[:, None] * EPW + k[None, :]
+        off = h[:, None] * s_head + d * s_dim
+        m3 = valid[:, :, None] & (d < dim)[None, :, :]
+        el = tl.load(base + row_off[:, None, None] + off[None, :, :], mask=m3, other=0).to(tl.uint64)
+        word = tl.sum(el << (k * (8 * ESIZE)).to(tl.uint64)[None, None, :], axis=2)
         term = fmix64(word ^ key[None, :])
         total += tl.sum(tl.where(valid, term, 0), axis=1)
     return total
@@ -277,13 +294,15 @@ def _finalize(
     "c_begin", "n_cls", "log_k", "group_id", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
 ])  # fmt: skip
 def digest_kernel(
-    comp_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr, wmarks_ptr,
+    comp_ptr, keys_ptr, locs_ptr, lookup_ptr, rows_ptr, table_ptr, starts_ptr, voff_ptr, state_ptr, pepoch_ptr,
+    wmarks_ptr,
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, sync_ptr, epoch_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
     REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
-    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, CB: tl.constexpr,
+    G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
+    CPU: tl.constexpr, BS_LOG: tl.constexpr, EXACT: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -303,7 +322,7 @@ def digest_kernel(
         ends = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
-    n_chunks = (n_cls + CB - 1) // CB  # units per tile: CB components each
+    n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
     for u in range(pid, n_tiles * n_chunks, n_programs):
         tile = u // n_chunks
         chunk = u % n_chunks
@@ -316,10 +335,25 @@ def digest_kernel(
             tl.store(eslot_ptr + e, marker)
             tl.store(einfo_ptr + e, info)
         usable = marker >= 0
+        c0 = c_begin + chunk * CPU
+        c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
+        part = tl.zeros((G,), tl.uint64)
         if ESIZE == 8:
-            part = _unit_words(comp_ptr, c_begin + chunk * CB, c_begin + n_cls, marker, usable, G, BLOCK_W, CB)
+            s = tl.where(usable, marker, 0).to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
+            if BS_LOG >= 0:  # every component of the launch has block size 2**BS_LOG
+                blk = s >> BS_LOG
+                off = s & ((1 << BS_LOG) - 1)
+                for c in range(c0, c1):
+                    part += _unit_words(comp_ptr, keys_ptr, c, blk, off, usable, G, HB, BJ, EXACT, VEC)
+            else:
+                for c in range(c0, c1):
+                    bsize = tl.load(comp_ptr + c * COMP_WIDTH + 5)
+                    part += _unit_words(
+                        comp_ptr, keys_ptr, c, s // bsize, s % bsize, usable, G, HB, BJ, EXACT, VEC
+                    )  # fmt: skip
         else:
-            part = _unit(comp_ptr, c_begin + chunk, marker, usable, ESIZE, G, BLOCK_W)
+            for c in range(c0, c1):
+                part += _unit(comp_ptr, keys_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
         ticket = tl.atomic_add(sync_ptr + TICKET, 1)

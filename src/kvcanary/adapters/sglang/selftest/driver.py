@@ -26,6 +26,8 @@ from kvcanary.selftest.protocol import EngineDriver, InjectMode, RunOutcome, Run
 from kvcanary.selftest.quiet import quiet_loggers
 from kvcanary.selftest.read_oracle import ReadOracle
 
+DIGEST_BUDGET = 1.0  # the KV digest checks every read slot's bytes each forward (the byte faults, design.md §12)
+
 
 class SglangDriver(EngineDriver):
     """The self-test of the sglang adapter on sglang's own scheduling loop."""
@@ -63,7 +65,7 @@ def run_once(loop: SchedulerLoop, requests: list[WorkloadRequest], spec: RunSpec
     """One run of ``requests`` with ``spec.faults`` placed (probe: the clean control; inject: at ``spec.target``)."""
     oracle = ReadOracle(spec.store, int(loop.runner.model_config.num_hidden_layers))
     loop.reset()
-    canary = loop.install("log")
+    canary = loop.install("log", kv_canary_digest_budget=DIGEST_BUDGET)
     ctx = SglangInjector(loop, spec.mode, rng=spec.rng(), target=spec.target)
     tap = AttentionTap(loop, oracle, ctx)
     for fault in spec.faults:
@@ -89,6 +91,7 @@ def run_once(loop: SchedulerLoop, requests: list[WorkloadRequest], spec: RunSpec
         errors.append(f"engine: {type(exc).__name__}: {exc}")
     finally:
         tap.detach()
+        ctx.patches.restore()  # the faults' wraps on engine objects (the pool's set_kv_buffer)
     seconds = time.perf_counter() - start
     if not loop.in_forward and not errors:
         _keep(reports, canary.flush())

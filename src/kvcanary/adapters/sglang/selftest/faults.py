@@ -9,6 +9,8 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+import torch
+
 from kvcanary.adapters.sglang.selftest.context import SglangInjector
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
@@ -27,6 +29,15 @@ def _prefix_lens(batch: Any) -> list[int]:
         lens = list(batch.prefix_lens)
         return lens + [int(s) - 1 for s in batch.seq_lens_cpu.tolist()[len(lens) :]]
     return [int(s) - 1 for s in batch.seq_lens_cpu.tolist()]
+
+
+def _live_reader(ctx: SglangInjector, batch: Any) -> tuple[int, int] | None:
+    """(batch row, a cached position it reads) drawn from the rows with a prefix in the pool, or None."""
+    readers = [i for i, p in enumerate(_prefix_lens(batch)[: len(batch.reqs)]) if p > 0]
+    if not readers:
+        return None
+    i = ctx.rng.choice(readers)
+    return i, ctx.rng.randrange(_prefix_lens(batch)[i])
 
 
 class ReqToTokenForeign(Fault[SglangInjector]):
@@ -157,7 +168,74 @@ class WrongTokenInIds(Fault[SglangInjector]):
         ctx.injected(f"{req.rid} output_ids[-1]: {old} -> {req.output_ids[-1]}", [req.rid])
 
 
+class KVBitFlip(Fault[SglangInjector]):
+    """One bit of a cached token's K flips in the pool (HBM/DRAM bit error, a stray DMA): every record and
+    table entry stays correct, only the KV digest (run at budget 1.0 here) can see it."""
+
+    spec = SPECS["kv-bit-flip"]
+
+    def install(self, ctx: SglangInjector) -> None:
+        ctx.before_forward_hooks.append(lambda batch: self._strike(ctx, batch))
+
+    def _strike(self, ctx: SglangInjector, batch: Any) -> None:
+        pick = _live_reader(ctx, batch)
+        if pick is None or not ctx.take(self.name):
+            return
+        i, pos = pick
+        slot = int(ctx.table[_rows(batch)[i], pos])
+        pool = ctx.loop.runner.token_to_kv_pool
+        layer = ctx.rng.randrange(int(pool.layer_num))
+        flat = pool.k_buffer[layer][slot].view(-1)
+        j = int(flat.abs().argmax())
+        flat.view(torch.int32)[j] ^= -(2**31)  # the float32 sign bit
+        ctx.injected(f"sign bit of K[{j}] of slot {slot} ({batch.reqs[i].rid} position {pos}), layer {layer}",
+                     [batch.reqs[i].rid])  # fmt: skip
+
+
+class PaddingWriteLiveSlot(Fault[SglangInjector]):
+    """A forward's ``set_kv_buffer`` also writes its last token's K/V into a live slot of a request in the
+    batch (a padded row whose write location was not redirected to the padding slot): the records still say
+    the slot holds its own token; only its bytes changed."""
+
+    spec = SPECS["padding-write-live-slot"]
+
+    def install(self, ctx: SglangInjector) -> None:
+        victim: dict[int, int] = {}  # step -> the live slot the stray write lands on
+        ctx.before_forward_hooks.append(lambda batch: self._pick(ctx, batch, victim))
+        pool = ctx.loop.runner.token_to_kv_pool
+
+        def make(inner: Any) -> Any:
+            def set_kv_buffer(layer: Any, loc: Any, cache_k: Any, cache_v: Any, *args: Any, **kwargs: Any) -> Any:
+                out = inner(layer, loc, cache_k, cache_v, *args, **kwargs)
+                slot = victim.get(ctx.step)
+                if slot is not None and cache_k is not None and cache_k.shape[0] > 0:
+                    where = torch.tensor([slot], dtype=torch.int64, device=cache_k.device)
+                    inner(layer, where, cache_k[-1:], cache_v[-1:], *args, **kwargs)
+                return out
+
+            return set_kv_buffer
+
+        ctx.wrap(pool, "set_kv_buffer", make)
+
+    def _pick(self, ctx: SglangInjector, batch: Any, victim: dict[int, int]) -> None:
+        pick = _live_reader(ctx, batch)
+        if pick is None or not ctx.take(self.name):
+            return
+        i, pos = pick
+        victim[ctx.step] = int(ctx.table[_rows(batch)[i], pos])
+        ctx.injected(f"the last K/V row of the forward also written into {batch.reqs[i].rid}'s position {pos} "
+                     f"(slot {victim[ctx.step]})", [batch.reqs[i].rid])  # fmt: skip
+
+
 FAULTS: dict[str, type[Fault[Any]]] = {
     f.spec.name: f
-    for f in (ReqToTokenForeign, RadixNodeStale, OutCacheLocOffByOne, ResumeOntoStaleSlots, WrongTokenInIds)
+    for f in (
+        ReqToTokenForeign,
+        RadixNodeStale,
+        OutCacheLocOffByOne,
+        ResumeOntoStaleSlots,
+        WrongTokenInIds,
+        KVBitFlip,
+        PaddingWriteLiveSlot,
+    )
 }

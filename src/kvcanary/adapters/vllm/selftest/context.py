@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,39 @@ class VllmInjector(Injector):
         manager = self.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         blocks: list[Any] = manager.req_to_blocks[request_id]
         return blocks
+
+
+def decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
+    """(row, request) of rows that decode one token this step and hold at least one full block."""
+    r = ctx.runner
+    ids = list(r.input_batch.req_ids[: r.input_batch.num_reqs])
+    out = []
+    for row, rid in enumerate(ids):
+        state = r.requests.get(rid)
+        if state is None or so.num_scheduled_tokens.get(rid) != 1:
+            continue
+        if state.num_computed_tokens >= ctx.block_size and state.num_computed_tokens >= len(state.prompt_token_ids):
+            out.append((row, rid))
+    return out
+
+
+def on_runner(
+    ctx: VllmInjector, method: str, corrupt: Callable[[VllmInjector, Any], None], *, after: bool = False
+) -> None:
+    """Run ``corrupt(ctx, scheduler_output)`` (guarded) before, or ``after``, the model runner's ``method``."""
+
+    def make(original: Any) -> Any:
+        def wrapped(so: Any, *a: Any, **k: Any) -> Any:
+            if not after:
+                ctx.guard(corrupt)(ctx, so)
+            out = original(so, *a, **k)
+            if after:
+                ctx.guard(corrupt)(ctx, so)
+            return out
+
+        return wrapped
+
+    ctx.wrap(ctx.runner, method, make)
 
 
 class OracleTap:

@@ -21,7 +21,7 @@ from kvcanary.adapters.vllm.selftest.context import OracleTap, VllmInjector
 from kvcanary.adapters.vllm.selftest.cow import install_relocations
 from kvcanary.adapters.vllm.selftest.faults import FAULTS
 from kvcanary.adapters.vllm.workload import make_workload
-from kvcanary.config import CanaryConfig, Mode
+from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.selftest.outcome import run_outcome, verdict_settled
 from kvcanary.selftest.protocol import EngineDriver, InjectMode, RunOutcome, RunSpec
 from kvcanary.selftest.quiet import quiet_loggers
@@ -30,6 +30,7 @@ from kvcanary.selftest.read_oracle import ReadOracle
 MAX_STEPS = 3000  # a clean run takes 100-300 steps; more means the engine stopped making progress
 NUM_REQUESTS = 20
 NUM_LAYERS = 2
+DIGEST_BUDGET = 1.0  # the KV digest checks every read slot's bytes each step (the byte faults, design.md §12)
 
 
 class VllmDriver(EngineDriver):
@@ -81,7 +82,7 @@ def run_engine(llm: Any, spec: RunSpec, *, num_requests: int = NUM_REQUESTS) -> 
 
     oracle = ReadOracle(spec.store, NUM_LAYERS)  # before the install: a wrong store changes nothing
     llm.reset_prefix_cache()
-    canary = install(llm, CanaryConfig(mode=Mode.LOG))
+    canary = install(llm, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget=DIGEST_BUDGET)))
     assert canary is not None
     ctx = VllmInjector(spec.mode, rng=spec.rng(), target=spec.target, llm=llm, canary=canary)
     ctx.oracle = oracle

@@ -4,15 +4,16 @@ Worker side (model runner): a block-table row pointing into another request's bl
 entry off by one, a wrong input token id, a preempted request resumed onto its stale blocks.  Engine-core
 side (scheduler, block pool): a prefix-cache hash kept after its block was evicted and reused, and a
 copy-on-write block copy that never happens (the relocation itself is vLLM's CoW path, :mod:`.cow`).
+Byte faults (:mod:`.bytes`, seen only by the KV digest): a flipped bit, a stray write into a live slot, a
+copy-on-write copy that lands damaged bytes.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
-from kvcanary.adapters.vllm.selftest.context import VllmInjector
+from kvcanary.adapters.vllm.selftest.bytes import CowCopyCorruptsBytes, KVBitFlip, PaddingWriteLiveSlot
+from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
 from kvcanary.adapters.vllm.tiny import VOCAB
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
@@ -20,60 +21,14 @@ from kvcanary.selftest.specs import load_specs
 SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
-def _decode_rows(ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
-    """(row, request) of rows that decode one token this step and hold at least one full block."""
-    r = ctx.runner
-    ids = list(r.input_batch.req_ids[: r.input_batch.num_reqs])
-    out = []
-    for row, rid in enumerate(ids):
-        state = r.requests.get(rid)
-        if state is None or so.num_scheduled_tokens.get(rid) != 1:
-            continue
-        if state.num_computed_tokens >= ctx.block_size and state.num_computed_tokens >= len(state.prompt_token_ids):
-            out.append((row, rid))
-    return out
-
-
-def _on_call(
-    ctx: VllmInjector, obj: Any, method: str, hook: Callable[[tuple[Any, ...], Any], None], *, after: bool = False
-) -> None:
-    """Run ``hook(args, result)`` (guarded) before ``obj.method(*args)`` (result None), or ``after`` it."""
-
-    def make(original: Any) -> Any:
-        def wrapped(*a: Any, **k: Any) -> Any:
-            if not after:
-                ctx.guard(hook)(a, None)
-            out = original(*a, **k)
-            if after:
-                ctx.guard(hook)(a, out)
-            return out
-
-        return wrapped
-
-    ctx.wrap(obj, method, make)
-
-
-class _RunnerFault(Fault[VllmInjector]):
-    """A fault on the model runner's state: ``_corrupt(ctx, scheduler_output)`` (guarded) runs before the runner's
-    ``method``, or ``after`` it."""
-
-    method: ClassVar[str]
-    after: ClassVar[bool] = False
+class BlockTableCrossRequest(Fault[VllmInjector]):
+    spec = SPECS["block_table_cross_request"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_call(ctx, ctx.runner, self.method, lambda a, _: self._corrupt(ctx, a[0]), after=self.after)
-
-    @abc.abstractmethod
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None: ...
-
-
-class BlockTableCrossRequest(_RunnerFault):
-    spec = SPECS["block_table_cross_request"]
-    method = "_update_states"
-    after = True
+        on_runner(ctx, "_update_states", self._corrupt, after=True)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if len(rows) < 2 or not ctx.take(self.name):
             return
         (victim, vid), (donor, did) = ctx.rng.sample(rows, 2)
@@ -90,10 +45,15 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
     def install(self, ctx: VllmInjector) -> None:
         table = ctx.runner.input_batch.block_table.block_tables[0]
 
-        def hook(args: tuple[Any, ...], _: Any) -> None:  # compute_slot_mapping(num_reqs, query_start_loc, positions)
-            self._corrupt(ctx, table, args[0], int(args[2].shape[0]))
+        def make(original: Any) -> Any:
+            def compute_slot_mapping(num_reqs: int, query_start_loc: Any, positions: Any) -> Any:
+                out = original(num_reqs, query_start_loc, positions)
+                ctx.guard(self._corrupt)(ctx, table, num_reqs, int(positions.shape[0]))
+                return out
 
-        _on_call(ctx, table, "compute_slot_mapping", hook, after=True)
+            return compute_slot_mapping
+
+        ctx.wrap(table, "compute_slot_mapping", make)
 
     def _corrupt(self, ctx: VllmInjector, table: Any, num_reqs: int, num_tokens: int) -> None:
         if num_tokens == 0 or not ctx.canary._in_step:
@@ -106,12 +66,14 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
         ctx.injected(f"token {num_tokens - 1} of {rid} writes slot +1", [rid])
 
 
-class WrongTokenId(_RunnerFault):
+class WrongTokenId(Fault[VllmInjector]):
     spec = SPECS["wrong_token_id"]
-    method = "_prepare_inputs"
+
+    def install(self, ctx: VllmInjector) -> None:
+        on_runner(ctx, "_prepare_inputs", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = _decode_rows(ctx, so)
+        rows = decode_rows(ctx, so)
         if not rows or not ctx.take(self.name):
             return
         row, rid = ctx.rng.choice(rows)
@@ -121,9 +83,11 @@ class WrongTokenId(_RunnerFault):
         ctx.injected(f"{rid} position {pos}: token id changed", [rid])
 
 
-class ResumeOntoStaleBlocks(_RunnerFault):
+class ResumeOntoStaleBlocks(Fault[VllmInjector]):
     spec = SPECS["resume_onto_stale_blocks"]
-    method = "_update_states"
+
+    def install(self, ctx: VllmInjector) -> None:
+        on_runner(ctx, "_update_states", self._corrupt)
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
@@ -147,13 +111,20 @@ class StalePrefixHash(Fault[VllmInjector]):
     spec = SPECS["stale_prefix_hash"]
 
     def install(self, ctx: VllmInjector) -> None:
-        _on_call(
-            ctx, ctx.block_pool, "_remove_cached_block_hashes", lambda a, out: self._keep(ctx, a[0], out), after=True
-        )
+        pool = ctx.block_pool
+
+        def make(original: Any) -> Any:
+            def _remove_cached_block_hashes(block: Any) -> Any:
+                removed = original(block)
+                if removed:
+                    ctx.guard(self._keep)(ctx, block, removed)
+                return removed
+
+            return _remove_cached_block_hashes
+
+        ctx.wrap(pool, "_remove_cached_block_hashes", make)
 
     def _keep(self, ctx: VllmInjector, block: Any, removed: list[Any]) -> None:
-        if not removed:  # nothing was cached under this block
-            return
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         # Eligible: a waiting request will look this hash up (otherwise nothing would ever read the stale entry).
@@ -183,6 +154,6 @@ FAULTS: dict[str, type[Fault[Any]]] = {
     f.spec.name: f
     for f in (
         BlockTableCrossRequest, SlotMappingOffByOne, StalePrefixHash, CowCopyDropped, ResumeOntoStaleBlocks,
-        WrongTokenId,
+        WrongTokenId, KVBitFlip, PaddingWriteLiveSlot, CowCopyCorruptsBytes,
     )
 }  # fmt: skip
