@@ -9,6 +9,9 @@ budget's period (one step at budget 1.0), naming the slot and the request whose 
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import pytest
 import torch
 
@@ -58,8 +61,11 @@ class KVPools:
             del t
 
 
-def run(engine: ScriptedEngine, budget: float, fault=None) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
-    mgr = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget)))
+def run(
+    engine: ScriptedEngine, budget: float, fault=None, clock=time.monotonic
+) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
+    config = CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget))
+    mgr = CanaryManager(engine.canary_groups(), CAPS, config, clock=clock)
     pools = KVPools(engine)
     mgr.attach_digests(pools.layouts())
     reports = []
@@ -119,6 +125,19 @@ def test_bit_flip_is_caught_at_the_next_read(layer: int) -> None:
     # The layer is named (the single-bit search): bf16 element [1, 3] is byte 6 of head 1's second word.
     assert bad[0].note == f"digest: one flipped bit explains the mismatch: {name(layer)} head 1 byte 7 bit 1"
     assert bad[0].note in report.summary()
+
+
+@pytest.mark.parametrize("seconds_per_call", [0.0, 1.0])
+def test_layer_naming_is_rate_limited(seconds_per_call: float) -> None:
+    """A slot that stays corrupt is reported at every read; its layer is looked for at most
+    log_rate_limit_per_s reports a second (a frozen clock: once; a slow one: every report)."""
+    ticks = itertools.count()
+    reports, _ = run(ScriptedEngine(standard_workload()), 1.0, _flip_at(6, 1, 2, 0),
+                     clock=lambda: seconds_per_call * next(ticks))  # fmt: skip
+    digest_reports = [r for r in reports if r is not None and "digest_mismatch" in r.counts]
+    assert len(digest_reports) >= 2
+    noted = [any(v.note.startswith("digest:") for v in r.violations) for r in digest_reports]
+    assert noted == ([True] + [False] * (len(noted) - 1) if seconds_per_call == 0 else [True] * len(noted))
 
 
 def test_bit_flip_is_caught_within_the_budget_period() -> None:

@@ -83,6 +83,7 @@ class StepDecoder:
         self._health_limiter = RateLimiter(config.log_rate_limit_per_s, clock)
         self._warned_skip = False
         self.locate: Callable[[Violation], str] | None = None  # names a digest mismatch's layer (manager)
+        self._locate_limiter = RateLimiter(config.log_rate_limit_per_s, clock)  # a storm pays it a few times a second
 
     def decode(self, buf: HostBuffer, reported_at: int) -> Decoded | None:
         """Decode one step's host copy and run the checks; None when there is nothing to act on."""
@@ -137,8 +138,11 @@ class StepDecoder:
 
     def _locate_layers(self, violations: list[Violation]) -> list[Violation]:
         """The first few digest mismatches get a note naming the layer whose bytes differ (``locate``, set by
-        the manager when digests are attached; it reads the slots' bytes, so only rows of a report pay it)."""
-        if self.locate is None:
+        the manager when digests are attached; it reads the slots' bytes, so only rows of a report pay it, and
+        at most ``log_rate_limit_per_s`` reports a second)."""
+        if self.locate is None or not any("digest_mismatch" in v.reasons for v in violations):
+            return violations
+        if not self._locate_limiter.allow():
             return violations
         out, left = [], LOCATED_PER_REPORT
         for v in violations:
