@@ -7,53 +7,21 @@ the scenarios of one world share its processes so the tests stay fast on a small
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from distributed_ranks import FAULT_AT, PEER_TIMEOUT_S, STEPS
+from ranked_drive import spawn_world
 
 WORKER = Path(__file__).resolve().parent / "distributed_ranks.py"
 SCENARIOS = "clean,log,fail,raise,lag2,health-fail,health-raise,every3,digest"
 RUN_LIMIT_S = 240.0  # a whole world of scenarios; about 20 s on 2 idle cores, far more on a loaded host
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(world: int, scenarios: str, out: Path) -> dict[int, dict[str, Any]]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(port), str(out), scenarios],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=RUN_LIMIT_S)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results = {}
-    for r in range(world):
-        path = out / f"rank{r}.json"
-        results[r] = json.loads(path.read_text()) if path.exists() else {"missing": logs}
-    return results
+    return spawn_world(WORKER, world, [scenarios], out, RUN_LIMIT_S)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])

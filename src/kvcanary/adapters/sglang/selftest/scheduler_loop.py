@@ -54,6 +54,9 @@ class LoopConfig:
     # sglang's admission reserves max_new_tokens x this (x 0.7) per running request: low, so that the pool
     # runs out during decode and ``retract_decode`` frees requests (as an optimistic server does).
     schedule_conservativeness: float = 0.05
+    # Tensor parallel ranks: one SchedulerLoop per process, each given its tp_rank; sglang builds its groups on
+    # gloo from SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE (tcp://host:port, the same in every rank's process).
+    tp_size: int = 1
 
 
 def prepare_environment() -> None:
@@ -79,8 +82,8 @@ def unpinned_req_all_ids(reqs: list[Any]) -> tuple[Any, Any]:
     return torch.tensor(ids, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
 
 
-def build_scheduler(model_dir: str, config: LoopConfig) -> Any:
-    """sglang's Scheduler, constructed as ``run_scheduler_process`` constructs it (TP 1, no overlap)."""
+def build_scheduler(model_dir: str, config: LoopConfig, tp_rank: int = 0) -> Any:
+    """sglang's Scheduler, constructed as ``run_scheduler_process`` constructs it (no overlap)."""
     prepare_environment()
     import torch
     from sglang.srt.managers.scheduler import Scheduler
@@ -106,9 +109,10 @@ def build_scheduler(model_dir: str, config: LoopConfig) -> Any:
         context_length=config.context_length,
         log_level="warning",
         random_seed=0,
+        tp_size=config.tp_size,
     )
     port_args = PortArgs.init_new(server_args)
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None, gpu_id=tp_rank))
     scheduler = Scheduler(server_args, port_args)
     # One thread: the tiny model's ops take microseconds; on a shared CPU more threads only contend (10x).
     torch.set_num_threads(1)
@@ -127,14 +131,14 @@ def canary_args(mode: str, **extra: object) -> Any:
 class SchedulerLoop:
     """One in-process sglang scheduler; requests in, one ``event_loop_normal`` iteration per :meth:`step`."""
 
-    def __init__(self, config: LoopConfig | None = None, model_dir: str | None = None) -> None:
+    def __init__(self, config: LoopConfig | None = None, model_dir: str | None = None, tp_rank: int = 0) -> None:
         from kvcanary.adapters.sglang.selftest.tiny_model import build_tiny_llama
 
         self.config = config or LoopConfig()
         if model_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvcanary-sglang-model-")
             model_dir = str(build_tiny_llama(self._tmp.name))
-        self.scheduler = build_scheduler(model_dir, self.config)
+        self.scheduler = build_scheduler(model_dir, self.config, tp_rank)
         self.runner = self.scheduler.tp_worker.model_runner
         self.outputs: list[Any] = []
         self.scheduler.ipc_channels.send_to_detokenizer.send_output = self._collect
