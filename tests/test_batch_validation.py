@@ -270,7 +270,7 @@ def test_capacities_too_small_for_the_declared_context() -> None:
         ({"num_slots": 0}, r"num_slots must be positive, got 0"),
         ({"group_id": -1}, r"group_id must be in \[0, 2\*\*31\), got -1"),
         ({"page_size": 0}, r"page_size must be positive, got 0"),
-        ({"window": 4}, r"a FULL group takes no window"),
+        ({"kind": GroupKind.FULL, "window": 4}, r"a FULL group takes no window"),
         ({"uses_lookup": True}, r"a FULL group takes no window and no lookup"),
         ({"kind": GroupKind.SLIDING_WINDOW}, r"SLIDING_WINDOW group needs window > 0, got 0"),
         ({"token_offset": 2}, r"token_offset must be 0 \(target\) or 1 \(draft\), got 2"),
@@ -284,6 +284,13 @@ def test_bad_group(kw: dict[str, object], match: str) -> None:
     args: dict[str, object] = {"num_slots": 16} | kw
     with pytest.raises(ValueError, match=match):
         CanaryGroup(**args)  # type: ignore[arg-type]
+
+
+def test_the_group_kind_follows_from_the_window_unless_given() -> None:
+    assert CanaryGroup(num_slots=16).kind is GroupKind.FULL
+    ring = CanaryGroup(num_slots=16, window=4, uses_lookup=True)
+    assert ring.kind is GroupKind.SLIDING_WINDOW
+    assert ring == CanaryGroup(num_slots=16, kind=GroupKind.SLIDING_WINDOW, window=4, uses_lookup=True)
 
 
 def test_bad_log_capacity() -> None:

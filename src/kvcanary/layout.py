@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import cast
 
 import torch
 
@@ -15,13 +16,17 @@ class GroupKind(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
 
 
+_FROM_WINDOW = cast(GroupKind, None)  # CanaryGroup.kind not given: SLIDING_WINDOW when window > 0, else FULL
+
+
 @dataclasses.dataclass(frozen=True)
 class CanaryGroup:
     """One KV index space and how a request's table maps onto it.
 
     ``page_size`` 1 means the table holds slots (a token table); larger means it holds blocks and
     ``slot = table[row, pos // page_size] * page_size + pos % page_size``.  A sliding-window group
-    verifies only the last ``window`` positions of each prefix; when ``uses_lookup`` is set, table
+    verifies only the last ``window`` positions of each prefix (``kind`` follows from ``window`` when it is
+    not given; given, it must agree); when ``uses_lookup`` is set, table
     entries are full-pool slots translated through a full->window lookup table handed in with each
     batch.  ``token_offset`` is 1 for a speculative-draft pool, whose KV at position p holds the
     token of position p + 1.  ``reserved_slots`` (padding, trash, sentinel) must never hold a live
@@ -33,7 +38,7 @@ class CanaryGroup:
     num_slots: int
     group_id: int = 0
     name: str = "full"
-    kind: GroupKind = GroupKind.FULL
+    kind: GroupKind = _FROM_WINDOW
     window: int = 0
     uses_lookup: bool = False
     page_size: int = 1
@@ -47,6 +52,9 @@ class CanaryGroup:
     def __post_init__(self) -> None:
         for name in ("num_slots", "group_id", "window", "page_size", "token_offset"):
             require_int(name, getattr(self, name))
+        if self.kind is _FROM_WINDOW:
+            derived = GroupKind.SLIDING_WINDOW if self.window > 0 else GroupKind.FULL
+            object.__setattr__(self, "kind", derived)
         require_enum("kind", self.kind, GroupKind)
         require_int_tuple("reserved_slots", self.reserved_slots)
         if self.padding_row is not None:

@@ -22,6 +22,7 @@ run compares every read from the injection step on, until the first mismatch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -63,6 +64,16 @@ class _Prefixes:
             tokens.append(int(tok))
         self._cache[request_id] = (tokens, keys)
         return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class HostView:
+    """A :class:`StepView` as a plain value, for engines whose host batch does not carry these fields itself."""
+
+    request_ids: Sequence[str]
+    past_lens: Sequence[int]
+    query_lens: Sequence[int]
+    truth: Sequence[Sequence[int]]
 
 
 GRACE_STEPS = 3  # a faulted run stops this many steps after its verdict is known (see ReadOracle.settled)

@@ -13,16 +13,15 @@ oracle with the step's fresh K/V.  It never looks at the canary's records.
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvcanary.adapters.sglang.selftest.scheduler_loop import SchedulerLoop
 from kvcanary.selftest.protocol import Fault, InjectMode, Injector
-from kvcanary.selftest.read_oracle import ReadOracle
+from kvcanary.selftest.read_oracle import HostView, ReadOracle
 
 
 class SglangInjector(Injector):
@@ -59,17 +58,7 @@ class SglangInjector(Injector):
 SglangFault = Fault[SglangInjector]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepView:
-    """The oracle's view of one forward (batch row order), from sglang's ForwardBatch host values."""
-
-    request_ids: Sequence[str]
-    past_lens: Sequence[int]
-    query_lens: Sequence[int]
-    truth: Sequence[Sequence[int]]
-
-
-def step_view(fb: Any) -> StepView:
+def step_view(fb: Any) -> HostView:
     rids = [str(r) for r in fb.rids]
     seq = [int(s) for s in fb.seq_lens_cpu.tolist()][: len(rids)]
     if fb.forward_mode.is_extend():
@@ -83,7 +72,7 @@ def step_view(fb: Any) -> StepView:
     for n in lens:
         truth.append(flat[start : start + n])
         start += n
-    return StepView(rids, past, query, truth)
+    return HostView(rids, past, query, truth)
 
 
 class AttentionTap:
@@ -94,7 +83,7 @@ class AttentionTap:
         self.oracle = oracle
         self.injector = injector
         self.backend = loop.runner.attn_backend
-        self._view: tuple[Any, StepView] | None = None
+        self._view: tuple[Any, HostView] | None = None
 
     def attach(self) -> None:
         for name in ("forward_extend", "forward_decode"):

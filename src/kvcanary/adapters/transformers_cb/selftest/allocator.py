@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcanary.adapters.transformers_cb.selftest.context import FULL, FaultContext, TransformersFault
+from kvcanary.adapters.transformers_cb.selftest.context import AllocatorFault, FaultContext
 from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
 
 
@@ -54,14 +54,10 @@ def allocations_ahead(ctx: FaultContext) -> int:
     return len(sched.waiting_requests) + sum(bool(s.remaining_prefill_tokens) for s in sched.active_requests.values())
 
 
-class UseAfterFree(TransformersFault):
+class UseAfterFree(AllocatorFault):
     spec = SPECS["use-after-free"]
 
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
-
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         def after_update() -> None:
             if not allocations_ahead(ctx):
                 return
@@ -97,13 +93,10 @@ class UseAfterFree(TransformersFault):
         ctx.wrap(alloc, "free_blocks", make)
 
 
-class DoubleFree(TransformersFault):
+class DoubleFree(AllocatorFault):
     spec = SPECS["double-free"]
 
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         doubled: list[int] = []  # the block freed twice
         pending: list[int] = []  # its second copy, queued until the first one has been handed out
         handed: list[int] = []  # the first copy went out this step: the second joins the free list after it

@@ -7,10 +7,11 @@ gets; ``host`` is the host batch of the step being prepared or run.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcanary.adapters.transformers_cb.geometry import FULL_ATTENTION, SLIDING_ATTENTION
 from kvcanary.selftest.protocol import Fault, InjectMode, Injector
@@ -106,6 +107,31 @@ class FaultContext(Injector):
 
 
 TransformersFault = Fault[FaultContext]
+
+
+class AllocatorFault(TransformersFault):
+    """A fault on one allocator group's allocator (``group``): installed only where the model has that group."""
+
+    group: ClassVar[str] = FULL
+
+    def install(self, ctx: FaultContext) -> None:
+        alloc = ctx.allocator(self.group)
+        if alloc is not None:
+            self.install_on(ctx, alloc)
+
+    @abc.abstractmethod
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None: ...
+
+
+class ForwardFault(TransformersFault):
+    """A fault on a forward's inputs: :meth:`before_forward` runs before each paged forward (see
+    :meth:`FaultContext.on_forward`)."""
+
+    def install(self, ctx: FaultContext) -> None:
+        ctx.on_forward(lambda kwargs, host: self.before_forward(ctx, kwargs, host))
+
+    @abc.abstractmethod
+    def before_forward(self, ctx: FaultContext, kwargs: dict[str, Any], host: HostBatch) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

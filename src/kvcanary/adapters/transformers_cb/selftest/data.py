@@ -15,6 +15,7 @@ import torch
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
+    AllocatorFault,
     CopyBlocks,
     FaultContext,
     TransformersFault,
@@ -31,13 +32,10 @@ def flip_top_bit(block_bytes: torch.Tensor, element_size: int) -> None:
     block_bytes[element_size - 1] ^= 0x80
 
 
-class KVBitFlip(TransformersFault):
+class KVBitFlip(AllocatorFault):
     spec = SPECS["kv-bit-flip"]
 
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         g = ctx.group_index(FULL)
 
         def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
@@ -60,13 +58,10 @@ class KVBitFlip(TransformersFault):
         ctx.on_forward(before_forward)
 
 
-class PaddingWriteLiveSlot(TransformersFault):
+class PaddingWriteLiveSlot(AllocatorFault):
     spec = SPECS["padding-write-live-slot"]
 
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         victim: dict[int, int] = {}  # step -> physical index the padding entry points at
 
         def pick(read_index: torch.Tensor) -> int | None:

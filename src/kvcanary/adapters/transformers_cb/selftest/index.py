@@ -14,9 +14,10 @@ from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
     SLIDING,
+    AllocatorFault,
     FaultContext,
+    ForwardFault,
     Row,
-    TransformersFault,
     batch_rows,
 )
 from kvcanary.adapters.transformers_cb.selftest.specs import SPECS
@@ -27,14 +28,10 @@ def _row_map(ctx: FaultContext) -> dict[str, Row]:
     return {} if host is None else {r.request_id: r for r in batch_rows(host)}
 
 
-class SlotMappingForeign(TransformersFault):
+class SlotMappingForeign(AllocatorFault):
     spec = SPECS["slot-mapping-foreign"]
 
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(FULL)
-        if alloc is None:
-            return
-
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         def make(inner: Any) -> Any:
             def get_read_indices(request_id: str, past_length: int, query_length: int) -> list[int]:
                 out: list[int] = inner(request_id, past_length, query_length)
@@ -75,96 +72,78 @@ class SlotMappingForeign(TransformersFault):
         return ctx.rng.choice(options) if options else None
 
 
-class ChunkBoundaryPosition(TransformersFault):
+class ChunkBoundaryPosition(ForwardFault):
     spec = SPECS["chunk-boundary-position"]
 
-    def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
-            chunks = [r for r in batch_rows(host) if r.past > 0 and r.query > 1]
-            if chunks and ctx.take(self.name):
-                r = ctx.rng.choice(chunks)
-                kwargs["position_ids"].view(-1)[r.token_start : r.token_start + r.query] += 1
-                ctx.injected(
-                    f"chunk of {r.request_id!r} at {r.past}..{r.past + r.query - 1} shifted by +1", [r.request_id]
-                )
-
-        ctx.on_forward(before_forward)
+    def before_forward(self, ctx: FaultContext, kwargs: dict[str, Any], host: HostBatch) -> None:
+        chunks = [r for r in batch_rows(host) if r.past > 0 and r.query > 1]
+        if chunks and ctx.take(self.name):
+            r = ctx.rng.choice(chunks)
+            kwargs["position_ids"].view(-1)[r.token_start : r.token_start + r.query] += 1
+            ctx.injected(f"chunk of {r.request_id!r} at {r.past}..{r.past + r.query - 1} shifted by +1", [r.request_id])
 
 
-class DroppedWrite(TransformersFault):
+class DroppedWrite(ForwardFault):
     spec = SPECS["dropped-write"]
 
-    def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
-            alloc = ctx.allocator(FULL)
-            decodes = [r for r in batch_rows(host) if r.query == 1 and r.past > 0]
-            if alloc is not None and decodes and ctx.take(self.name):
-                r = ctx.rng.choice(decodes)
-                write = kwargs["write_index"][ctx.group_index(FULL)]
-                old = int(write[r.token_start])
-                write[r.token_start] = alloc.write_trash_index
-                ctx.injected(
-                    f"write of {r.request_id!r} position {r.past} sent from {old} to the trash", [r.request_id]
-                )
-
-        ctx.on_forward(before_forward)
+    def before_forward(self, ctx: FaultContext, kwargs: dict[str, Any], host: HostBatch) -> None:
+        alloc = ctx.allocator(FULL)
+        decodes = [r for r in batch_rows(host) if r.query == 1 and r.past > 0]
+        if alloc is not None and decodes and ctx.take(self.name):
+            r = ctx.rng.choice(decodes)
+            write = kwargs["write_index"][ctx.group_index(FULL)]
+            old = int(write[r.token_start])
+            write[r.token_start] = alloc.write_trash_index
+            ctx.injected(f"write of {r.request_id!r} position {r.past} sent from {old} to the trash", [r.request_id])
 
 
-class WriteIntoLiveSlot(TransformersFault):
+class WriteIntoLiveSlot(ForwardFault):
     spec = SPECS["write-into-live-slot"]
 
-    def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
-            alloc = ctx.allocator(FULL)
-            if alloc is None:
-                return
-            pairs = [
-                (r, o)
-                for r in batch_rows(host)
-                for o in batch_rows(host)
-                if r.query == 1 and r.past > 0 and o.request_id != r.request_id and o.past > 0
-            ]
-            if pairs and ctx.take(self.name):
-                r, victim = ctx.rng.choice(pairs)
-                pos = ctx.rng.randrange(victim.past)
-                p = ctx.page_size
-                block = alloc.block_table[victim.request_id][pos // p]
-                write = kwargs["write_index"][ctx.group_index(FULL)]
-                write[r.token_start] = block * alloc.block_physical_stride + pos % p
-                ctx.injected(
-                    f"write of {r.request_id!r} position {r.past} sent onto position {pos} of "
-                    f"{victim.request_id!r}, read in the same step",
-                    [r.request_id, victim.request_id],
-                )
-
-        ctx.on_forward(before_forward)
-
-
-class WrongTokenId(TransformersFault):
-    spec = SPECS["wrong-token-id"]
-
-    def install(self, ctx: FaultContext) -> None:
-        def before_forward(kwargs: dict[str, Any], host: HostBatch) -> None:
-            decodes = [r for r in batch_rows(host) if r.query == 1]
-            if decodes and ctx.take(self.name):
-                r = ctx.rng.choice(decodes)
-                ids = kwargs["input_ids"].view(-1)
-                old = int(ids[r.token_start])
-                others = [int(ids[o.token_start]) for o in decodes if int(ids[o.token_start]) != old]
-                new = ctx.rng.choice(others) if others else (old + 1) % 1000
-                ids[r.token_start] = new
-                ctx.injected(f"input id of {r.request_id!r} at position {r.past}: {old} -> {new}", [r.request_id])
-
-        ctx.on_forward(before_forward)
-
-
-class WindowRingOffByOne(TransformersFault):
-    spec = SPECS["window-ring-off-by-one"]
-
-    def install(self, ctx: FaultContext) -> None:
-        alloc = ctx.allocator(SLIDING)
+    def before_forward(self, ctx: FaultContext, kwargs: dict[str, Any], host: HostBatch) -> None:
+        alloc = ctx.allocator(FULL)
         if alloc is None:
             return
+        pairs = [
+            (r, o)
+            for r in batch_rows(host)
+            for o in batch_rows(host)
+            if r.query == 1 and r.past > 0 and o.request_id != r.request_id and o.past > 0
+        ]
+        if pairs and ctx.take(self.name):
+            r, victim = ctx.rng.choice(pairs)
+            pos = ctx.rng.randrange(victim.past)
+            p = ctx.page_size
+            block = alloc.block_table[victim.request_id][pos // p]
+            write = kwargs["write_index"][ctx.group_index(FULL)]
+            write[r.token_start] = block * alloc.block_physical_stride + pos % p
+            ctx.injected(
+                f"write of {r.request_id!r} position {r.past} sent onto position {pos} of "
+                f"{victim.request_id!r}, read in the same step",
+                [r.request_id, victim.request_id],
+            )
+
+
+class WrongTokenId(ForwardFault):
+    spec = SPECS["wrong-token-id"]
+
+    def before_forward(self, ctx: FaultContext, kwargs: dict[str, Any], host: HostBatch) -> None:
+        decodes = [r for r in batch_rows(host) if r.query == 1]
+        if decodes and ctx.take(self.name):
+            r = ctx.rng.choice(decodes)
+            ids = kwargs["input_ids"].view(-1)
+            old = int(ids[r.token_start])
+            others = [int(ids[o.token_start]) for o in decodes if int(ids[o.token_start]) != old]
+            new = ctx.rng.choice(others) if others else (old + 1) % 1000
+            ids[r.token_start] = new
+            ctx.injected(f"input id of {r.request_id!r} at position {r.past}: {old} -> {new}", [r.request_id])
+
+
+class WindowRingOffByOne(AllocatorFault):
+    spec = SPECS["window-ring-off-by-one"]
+    group = SLIDING
+
+    def install_on(self, ctx: FaultContext, alloc: Any) -> None:
         window = int(alloc.sliding_window)
 
         def make(inner: Any) -> Any:

@@ -12,7 +12,6 @@ block_size]``).  It shares no code with the canary.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -22,15 +21,7 @@ import torch
 
 from kvcanary.adapters.patching import PatchSet
 from kvcanary.selftest.protocol import InjectMode, Injector
-from kvcanary.selftest.read_oracle import ReadOracle
-
-
-@dataclasses.dataclass(frozen=True)
-class HostView:
-    request_ids: Sequence[str]
-    past_lens: Sequence[int]
-    query_lens: Sequence[int]
-    truth: Sequence[Sequence[int]]
+from kvcanary.selftest.read_oracle import HostView, ReadOracle
 
 
 class VllmInjector(Injector):
