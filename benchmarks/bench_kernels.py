@@ -14,7 +14,9 @@ batch row its three lengths read and the plan's row outputs written.
 
 Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``--sweep`` instead times a
 few scenarios under several kernel tunings and prints the table.
-Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--sweep]
+``--breakdown`` times plan + verify alone, the step and the three-launch form side by side;
+``--eager-steps N`` only runs N eager steps per scenario (the program to profile with ncu).
+Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--sweep] [--breakdown]
 """
 
 from __future__ import annotations
@@ -170,10 +172,17 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
 # --------------------------------------------------------------------------- timing
 
 
-def kernel_step(w: World, batch: StepBatch, tuning: launchers.KernelTuning) -> None:
-    launchers.plan(w.group, batch, w.records, w.ws, w.log, tuning=tuning)
-    launchers.verify(w.group, batch, w.records, w.ws, w.log, w.caps.verify_entries, tuning=tuning)
-    launchers.stamp(w.group, batch, w.records, w.ws, w.log, tuning=tuning)
+def kernel_step(w: World, batch: StepBatch, tuning: launchers.KernelTuning, parts: str = "step") -> None:
+    """GroupCanary.step's launches (``step``: plan + verify in one launch, then stamp); for the breakdown
+    also ``plan_verify`` alone and ``unfused`` (plan, verify, stamp as three launches)."""
+    state = (w.group, batch, w.records, w.ws, w.log)
+    if parts == "unfused":
+        launchers.plan(*state, tuning=tuning)
+        launchers.verify(*state, w.caps.verify_entries, tuning=tuning)
+    else:
+        launchers.plan_verify(*state, w.caps.verify_entries, tuning=tuning)
+    if parts != "plan_verify":
+        launchers.stamp(*state, tuning=tuning)
 
 
 def time_graph(record_steps, steps: int, replays: int) -> list[float]:
@@ -202,7 +211,7 @@ def time_graph(record_steps, steps: int, replays: int) -> list[float]:
     return out
 
 
-def time_kernels(w: World, tuning: launchers.KernelTuning, replays: int) -> list[float]:
+def time_kernels(w: World, tuning: launchers.KernelTuning, replays: int, parts: str = "step") -> list[float]:
     for b in w.batches:  # compile, and check that a step on every set is clean
         kernel_step(w, b, tuning)
     if torch.cuda.is_available():
@@ -212,7 +221,7 @@ def time_kernels(w: World, tuning: launchers.KernelTuning, replays: int) -> list
 
     def record() -> None:
         for i in range(STEPS_PER_GRAPH):
-            kernel_step(w, w.batches[i % len(w.batches)], tuning)
+            kernel_step(w, w.batches[i % len(w.batches)], tuning, parts)
 
     samples = time_graph(record, STEPS_PER_GRAPH, replays)
     if w.log.total():
@@ -364,23 +373,24 @@ def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:
     tune = launchers.KernelTuning
     tunings = {
         "default": launchers.DEFAULT_TUNING,
+        "g1": tune(programs_per_sm=1),
         "g2": tune(programs_per_sm=2),
-        "g3": tune(programs_per_sm=3),
         "g8": tune(programs_per_sm=8),
-        "v1024w8": tune(verify_block=1024, verify_warps=8),
-        "v256w4": tune(verify_block=256, verify_warps=4),
-        "v256w4g8": tune(verify_block=256, verify_warps=4, programs_per_sm=8),
+        "vw4": tune(verify_warps=4),
+        "v2048w8": tune(verify_block=2048, verify_warps=8),
+        "v512w4": tune(verify_block=512, verify_warps=4),
+        "sw4": tune(stamp_warps=4),
         "s256w4": tune(stamp_block=256, stamp_warps=4, carry_block=256),
-        "s1024w8": tune(stamp_block=1024, stamp_warps=8, carry_block=1024),
     }
     picks = (
         scenarios(False, tiny=True)
         if args.dry_run
         else [
+            Scenario("decode_b1_p512", 1, 512, 1),
             Scenario("decode_b32_p4k", 32, 4096, 1),
-            Scenario("decode_b256_p4k", 256, 4096, 1),
             Scenario("decode_b256_p16k", 256, 16384, 1),
             Scenario("prefill_16k", 1, 0, 16384),
+            Scenario("window4k_b128_p16k", 128, 16384, 1, 4096),
         ]
     )
     print(f"{'scenario':20} " + " ".join(f"{k:>10}" for k in tunings), flush=True)
@@ -401,6 +411,38 @@ def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:
         print(f"wrote {path}")
 
 
+BREAKDOWN = ("decode_b1_p512", "decode_b32_p4k", "decode_b256_p16k", "prefill_16k", "window4k_b128_p16k")
+
+
+def run_breakdown(args: argparse.Namespace, dev: torch.device) -> None:
+    """Per-step time of the launches apart: plan + verify alone, the step, and the three-launch form."""
+    gen = torch.Generator().manual_seed(2)
+    names = args.scenarios.split(",") if args.scenarios else BREAKDOWN
+    picks = [s for s in scenarios(False, tiny=args.dry_run) if s.name in names or args.dry_run]
+    parts = ("plan_verify", "step", "unfused")
+    print(f"{'scenario':24} " + " ".join(f"{p:>12}" for p in parts), flush=True)
+    for s in picks:
+        w = build(s, args.rotations, dev, gen)
+        row = [statistics.median(time_kernels(w, launchers.DEFAULT_TUNING, args.replays, p)) for p in parts]
+        print(f"{s.name:24} " + " ".join(f"{v:>12.2f}" for v in row), flush=True)
+        del w
+        torch.cuda.empty_cache()
+
+
+def run_eager(args: argparse.Namespace, dev: torch.device) -> None:
+    """A few eager steps per scenario and nothing else: the program to put under a profiler (ncu)."""
+    gen = torch.Generator().manual_seed(3)
+    names = args.scenarios.split(",") if args.scenarios else BREAKDOWN
+    for s in (s for s in scenarios(False, tiny=args.dry_run) if s.name in names or args.dry_run):
+        w = build(s, args.rotations, dev, gen)
+        for i in range(args.eager_steps):
+            kernel_step(w, w.batches[i % len(w.batches)], launchers.DEFAULT_TUNING)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        print(f"{s.name}: {args.eager_steps} eager steps, {w.log.total()} violations", flush=True)
+        del w
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--commit", default="unknown")
@@ -412,6 +454,9 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU interpreter (harness check)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tuning-json", default=None, help="kernel tuning to time (default: the launchers' default)")
+    p.add_argument("--breakdown", action="store_true", help="time plan+verify alone, the step, and three launches")
+    p.add_argument("--eager-steps", type=int, default=0, help="only run this many eager steps (for a profiler)")
+    p.add_argument("--scenarios", default=None, help="comma-separated scenario names (--breakdown, --eager-steps)")
     args = p.parse_args()
     if args.dry_run:
         dev = torch.device("cpu")  # needs TRITON_INTERPRET=1: checks the harness, times nothing real
@@ -420,7 +465,11 @@ def main() -> int:
         return 2
     else:
         dev = torch.device("cuda")
-    if args.sweep:
+    if args.eager_steps:
+        run_eager(args, dev)
+    elif args.breakdown:
+        run_breakdown(args, dev)
+    elif args.sweep:
         run_sweep(args, dev)
     else:
         run_main(args, dev)

@@ -99,30 +99,40 @@ def free_port() -> int:
 
 def spawn_world(worker: Path, world: int, args: list[str], out: Path, limit_s: float) -> dict[int, dict[str, Any]]:
     """Run ``worker RANK WORLD PORT OUT *args`` once per rank (this interpreter, localhost, time-limited); each
-    rank's ``OUT/rank<R>.json``, or ``{"missing": outputs}`` for a rank that wrote none."""
+    rank's ``OUT/rank<R>.json``, or ``{"missing": outputs}`` for a rank that wrote none.
+
+    Each rank's output goes to ``OUT/rank<R>.log``, not a pipe: a rank blocked on a full pipe would hold up its
+    peers' collectives."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [(out / f"rank{r}.log").open("wb") for r in range(world)]
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(r), str(world), str(port), str(out), *args],
             env=env,
-            stdout=subprocess.PIPE,
+            stdout=logs[r],
             stderr=subprocess.STDOUT,
         )
         for r in range(world)
     ]
-    logs = []
+    deadline = time.monotonic() + limit_s
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=limit_s)[0].decode(errors="replace")[-6000:])
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
     results = {}
     for r in range(world):
         path = out / f"rank{r}.json"
-        results[r] = json.loads(path.read_text()) if path.exists() else {"missing": logs}
+        outputs = [(out / f"rank{q}.log").read_bytes().decode(errors="replace")[-6000:] for q in range(world)]
+        results[r] = json.loads(path.read_text()) if path.exists() else {"missing": outputs}
     return results
 
 

@@ -108,14 +108,20 @@ class Twin:
         self.group, self.caps, self.tuning = world.group, caps, tuning
         self.ref = _State.make(world.group, caps, torch.device("cpu"))
         self.dev = _State.make(world.group, caps, DEVICE)
+        self.steps = 0
 
     def step(self, batch: StepBatch) -> ViolationLog:
         """One step; returns the log of the step's violations (reference side)."""
         before = self.ref.log.total()
         dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
-        for phase in ("plan", "verify", "stamp"):
-            args = (self.caps.verify_entries,) if phase == "verify" else ()
-            getattr(ref, phase)(self.group, batch, self.ref.records, self.ref.ws, self.ref.log, *args)
+        # Every other step runs plan and verify in one launch (GroupCanary.step's path), the others as two.
+        self.steps += 1
+        for phase in ("plan_verify", "stamp") if self.steps % 2 else ("plan", "verify", "stamp"):
+            args = (self.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
+            ref_phases = ("plan", "verify") if phase == "plan_verify" else (phase,)
+            for p in ref_phases:
+                p_args = (self.caps.verify_entries,) if p == "verify" else ()
+                getattr(ref, p)(self.group, batch, self.ref.records, self.ref.ws, self.ref.log, *p_args)
             getattr(launchers, phase)(
                 self.group, dev_batch, self.dev.records, self.dev.ws, self.dev.log, *args, tuning=self.tuning
             )
@@ -439,9 +445,27 @@ def test_launchers_refuse_bad_metadata_before_running() -> None:
         launchers.verify(world.group, batch, st.records, st.ws, st.log, 10**9)
     with pytest.raises(ValueError, match="capacity"):
         launchers.verify(world.group, batch, st.records, st.ws, st.log, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        launchers.plan_verify(world.group, batch, st.records, st.ws, st.log, 10**9)
     short = dataclasses.replace(batch, positions=batch.positions[:1])
     with pytest.raises(ValueError, match="positions"):
         launchers.stamp(world.group, short, st.records, st.ws, st.log)
     with pytest.raises(ValueError, match="verify_block"):
         launchers.KernelTuning(verify_block=100)
     assert torch.equal(st.log.counters, counters)
+
+
+def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
+    """A static choice from the capacities: small workspaces fuse, large ones (or fuse_max_batch=0) don't."""
+    group = CanaryGroup(num_slots=64)
+
+    def fuses(max_batch: int, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> bool:
+        caps = _caps(max_batch=max_batch)
+        ws = PlanWorkspace.allocate(caps, DEVICE, num_slots=group.num_slots)
+        return launchers.fuses_plan(group, ws, caps.verify_entries, tuning)
+
+    assert fuses(8)
+    assert not fuses(8, launchers.KernelTuning(fuse_max_batch=0))
+    assert not fuses(launchers.DEFAULT_TUNING.fuse_max_batch + 1)
+    with pytest.raises(ValueError, match="fuse_max_batch"):
+        launchers.KernelTuning(fuse_max_batch=-1)

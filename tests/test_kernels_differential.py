@@ -28,6 +28,7 @@ from kvcanary.workspace import PlanWorkspace, ViolationLog
 # with CUDA they run compiled.  The reference always runs on the CPU.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 PHASES = ("plan", "verify", "stamp")
+FUSED_PHASES = ("plan_verify", "stamp")  # what GroupCanary.step runs on the kernels
 
 
 def to_device(case: gen.Case, dev: torch.device, *, index_dtype: torch.dtype | None = None) -> gen.Case:
@@ -47,11 +48,16 @@ def to_device(case: gen.Case, dev: torch.device, *, index_dtype: torch.dtype | N
 
 
 def run_phase(impl: str, case: gen.Case, phase: str, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> None:
-    args = (case.caps.verify_entries,) if phase == "verify" else ()
-    if impl == "ref":
-        getattr(ref, phase)(case.group, case.batch, case.records, case.ws, case.log, *args)
+    """``plan_verify``: the reference's plan then verify, the kernels' one fused launch."""
+    args = (case.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
+    state = (case.group, case.batch, case.records, case.ws, case.log)
+    if impl == "ref" and phase == "plan_verify":
+        ref.plan(*state)
+        ref.verify(*state, *args)
+    elif impl == "ref":
+        getattr(ref, phase)(*state, *args)
     else:
-        getattr(launchers, phase)(case.group, case.batch, case.records, case.ws, case.log, *args, tuning=tuning)
+        getattr(launchers, phase)(*state, *args, tuning=tuning)
 
 
 def rewritten_slots(case: gen.Case, *, use_oracle: bool = True) -> dict[int, list[tuple[int, int, int]]]:
@@ -79,13 +85,15 @@ def compare_step(
     tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING,
     index_dtype: torch.dtype | None = None,
     use_oracle: bool = True,
+    fused: bool = False,
 ) -> list[str]:
-    """Run plan, verify, stamp with the reference (CPU) and the kernels (DEVICE); every difference, by phase."""
+    """Run plan, verify, stamp with the reference (CPU) and the kernels (DEVICE); every difference, by phase
+    (``fused``: the kernels' plan and verify in one launch)."""
     want = case.clone()
     got = to_device(case, DEVICE, index_dtype=index_dtype)
     twice = rewritten_slots(case, use_oracle=use_oracle)
     problems: list[str] = []
-    for phase in PHASES:
+    for phase in FUSED_PHASES if fused else PHASES:
         run_phase("ref", want, phase)
         run_phase("kernels", got, phase, tuning)
         seen = to_device(got, torch.device("cpu"))
@@ -124,7 +132,7 @@ CLEAN_CHUNKS = 3  # 60 clean batches
 # Under the interpreter: a few programs; on the GPU: the grid from the SM count.
 _TUNINGS = (
     launchers.KernelTuning(interpreter_programs=3),
-    launchers.KernelTuning(interpreter_programs=1, programs_per_sm=1),
+    launchers.KernelTuning(interpreter_programs=1, programs_per_sm=1, fuse_max_batch=0),  # plan_verify: 2 launches
     launchers.KernelTuning(
         verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=5, programs_per_sm=2
     ),
@@ -139,14 +147,18 @@ def _index_dtype(chunk: int, i: int) -> torch.dtype | None:
 
 
 def _run_chunk(first_seed: int, chunk: int, corrupt: bool) -> None:
+    """Even chunks run plan and verify as one launch (GroupCanary.step's path), odd ones as two."""
     tuning = _TUNINGS[chunk % len(_TUNINGS)]
+    fused = chunk % 2 == 0
     failures = []
     for i, seed in enumerate(range(first_seed, first_seed + CHUNK)):
         case = gen.random_case(seed, corrupt=corrupt)
-        problems = compare_step(case, tuning=tuning, index_dtype=_index_dtype(chunk, i))
+        problems = compare_step(case, tuning=tuning, index_dtype=_index_dtype(chunk, i), fused=fused)
         if problems:
             failures.append(f"{case.describe()}\n  " + "\n  ".join(problems))
-    assert not failures, f"{len(failures)} of {CHUNK} cases differ ({tuning}):\n" + "\n".join(failures[:3])
+    assert not failures, f"{len(failures)} of {CHUNK} cases differ ({tuning}, fused={fused}):\n" + "\n".join(
+        failures[:3]
+    )
 
 
 @pytest.mark.parametrize("chunk", range(CORRUPT_CHUNKS))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Kernel checks and benchmarks on a CUDA machine (the lent H200), logs under $OUT (default ./gpu-out).
-# Stages (any order, any subset): tests sanitize sweep bench.  COMMIT=<sha> names the results file.
+# Stages (any order, any subset): tests sanitize sweep bench breakdown ncu.  COMMIT=<sha> names the results
+# file; KERNEL_TESTS overrides the test files; NCU_SCENARIOS the scenarios ncu profiles.
 # Usage: scripts/gpu/check_kernels.sh tests sanitize sweep
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,9 +19,10 @@ for stage in "$@"; do
   t0=$(date +%s)
   case $stage in
     tests)  # the differential, hand-case and CUDA-graph suites, compiled
+      # shellcheck disable=SC2086
       timeout "${TESTS_TIMEOUT:-330}" $PY -m pytest -q -p no:cacheprovider -W ignore::UserWarning --durations=8 \
-        tests/test_kernels_graph.py tests/test_kernels_cases.py tests/test_kernels_same_step.py \
-        tests/test_kernels_differential.py 2>&1 | tee "$OUT/tests.log"
+        ${KERNEL_TESTS:-tests/test_kernels_graph.py tests/test_kernels_cases.py tests/test_kernels_same_step.py \
+        tests/test_kernels_differential.py} 2>&1 | tee "$OUT/tests.log"
       ;;
     sanitize)  # every tensor its own allocation, so memcheck sees any access outside it
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck \
@@ -35,6 +37,20 @@ for stage in "$@"; do
       timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_kernels.py --commit "${COMMIT:-unknown}" --out "$OUT" \
         --tuning-json "$OUT/best_tuning.json" 2>&1 \
         | tee "$OUT/bench.log"
+      ;;
+    breakdown)  # plan + verify alone, the step, and the three-launch form
+      timeout "${BREAKDOWN_TIMEOUT:-120}" $PY benchmarks/bench_kernels.py --breakdown --rotations 4 --replays 30 2>&1 \
+        | tee "$OUT/breakdown.log"
+      ;;
+    ncu)  # per-kernel duration, occupancy and memory traffic of a few eager steps (clocks left alone)
+      timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k 'regex:verify_kernel|stamp_kernel|plan_kernel' \
+        --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread,launch__block_size,\
+sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,\
+dram__bytes.sum,lts__t_sectors_op_atom.sum,lts__t_sectors_op_red.sum,lts__t_sectors.sum \
+        $PY benchmarks/bench_kernels.py --eager-steps 2 --rotations 2 \
+        --scenarios "${NCU_SCENARIOS:-decode_b1_p512,decode_b32_p4k,decode_b256_p16k,prefill_16k,window4k_b128_p16k}" \
+        2>&1 | tee "$OUT/ncu.log"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -50,7 +50,8 @@ def main() -> int:
         if i % 2:
             case = smash(case, rng)
         # The scalar oracle does not model int64 wrap-around, so it only serves the unsmashed cases.
-        problems = compare_step(case, index_dtype=torch.int64, use_oracle=i % 2 == 0)
+        # Half the cases run plan and verify as one launch (GroupCanary.step's path), half as two.
+        problems = compare_step(case, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
         if problems:
             failures += 1
             print("MISMATCH", case.describe(), problems[:2], flush=True)

@@ -135,10 +135,22 @@ class GroupCanary:
     def step(
         self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
     ) -> None:
-        """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``)."""
-        self.plan(batch, log, check_values=check_values, validated=validated)
-        self._verify(batch, log, same_batch=True)
-        self._stamp(batch, log, same_batch=True)
+        """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
+        On the kernels plan and verify share one launch (:func:`~kvcanary.ops.launchers.plan_verify`)."""
+        if not self.uses_kernels:
+            self.plan(batch, log, check_values=check_values, validated=validated)
+            self._verify(batch, log, same_batch=True)
+            self._stamp(batch, log, same_batch=True)
+            return
+        from kvcanary.ops import launchers
+
+        self._planned = None
+        if not validated:
+            self.validate(batch, check_values)
+        self._planned = _shape_key(batch)
+        args = (self.group, batch, self.records, self.workspace, log)
+        launchers.plan_verify(*args, self.caps.verify_entries, checked=True)
+        launchers.stamp(*args, checked=True)
 
 
 def _shape_key(batch: StepBatch) -> tuple[int, int]:

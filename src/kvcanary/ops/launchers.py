@@ -32,7 +32,8 @@ from kvcanary.workspace import PlanWorkspace, ViolationLog
 _SYNC_WORDS = 4  # per phase: the sync scratch words of one kernel (see kernels/log.py)
 _VERIFY_SYNC = 0
 _STAMP_SYNC = _SYNC_WORDS
-SYNC_CLEAR = [0, 1, 4, 5]  # sync words that are 0 whenever no call runs (pending and ticket of each phase)
+# Sync words that are 0 whenever no call runs: pending and ticket of each phase, verify's plan pending.
+SYNC_CLEAR = [0, 1, 3, 4, 5]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class KernelTuning:
     programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
     interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
     interpreter_polls: int = 2  # the interpreter runs programs one after another: polling cannot help there
+    fuse_max_batch: int = 32  # plan_verify is one launch up to this many rows (see fuses_plan)
 
     def __post_init__(self) -> None:
         for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
@@ -59,7 +61,7 @@ class KernelTuning:
         for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stamp_polls", "interpreter_polls"):
+        for name in ("stamp_polls", "interpreter_polls", "fuse_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -240,33 +242,106 @@ def verify(
 ) -> None:
     """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
     dev = _checked_device(group, batch, records, ws, log, checked)
+    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+
+
+def fuses_plan(group: CanaryGroup, ws: PlanWorkspace, capacity: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
+    """Whether :func:`plan_verify` is one launch: the workspace admits at most ``fuse_max_batch`` rows and
+    the verify launch's grid fits one wave (one program per SM; always under the interpreter).
+
+    Static (capacities only), so a captured graph keeps its launches.  Larger workspaces keep the plan
+    launch: the fused kernel holds every row's spans in registers (198 per thread on Triton 3.6, one
+    block per SM) and pays block-wide reductions per item, which measured slower beyond small steps
+    (benchmarks/README.md, commit 49ac254: decode b32 x 16k 33.9 us fused against 26.4 us in three launches).
+    """
+    max_b = int(ws.row_state.shape[0])
+    verify_items = -(-capacity // verify_block(group, tuning)) + max_b
+    return _small_step(ws, max(verify_items, _write_items(ws, tuning)), tuning)
+
+
+def _write_items(ws: PlanWorkspace, tuning: KernelTuning) -> int:
+    """Stamp items of the largest step the workspace admits."""
+    return -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + int(ws.row_state.shape[0])
+
+
+def _small_step(ws: PlanWorkspace, items: int, tuning: KernelTuning) -> bool:
+    """Few rows (one row block, at most fuse_max_batch) and a grid of one wave: kernels may derive the row
+    spans from the lengths in registers instead of reading the plan's."""
+    max_b = int(ws.row_state.shape[0])
+    if max_b > tuning.fuse_max_batch or max_b > _row_block(ws, tuning):
+        return False
+    dev = ws.sync.device
+    return dev.type != "cuda" or items <= torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def plan_verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
+) -> None:
+    """reference.plan then reference.verify, in one launch where :func:`fuses_plan` (else two): the same
+    workspace, records and log as the two calls (the plan's log rows before verify's)."""
+    dev = _checked_device(group, batch, records, ws, log, checked)
+    _check_capacity(ws, group, capacity, tuning)  # before the plan changes anything
+    if not fuses_plan(group, ws, capacity, tuning):
+        plan(group, batch, records, ws, log, tuning=tuning, checked=True)
+        _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+        return
+    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=True)
+
+
+def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning: KernelTuning) -> int:
+    """Verify items the capacity allows, after checking that the workspace's scratch holds them."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive int, got {capacity!r}")
-    block = verify_block(group, tuning)
     max_b = int(ws.row_state.shape[0])
-    max_items = -(-capacity // block) + max_b
+    max_items = -(-capacity // verify_block(group, tuning)) + max_b
     if max_items > ws.verify_counts.shape[0]:
         raise ValueError(
             f"capacity {capacity} exceeds the workspace's verify scratch (allocated for "
             f"{(ws.verify_counts.shape[0] - max_b) * PlanWorkspace.SCRATCH_BLOCK} entries)"
         )
+    return max_items
+
+
+def _launch_verify(
+    group: CanaryGroup,
+    batch: StepBatch,
+    records: RecordStore,
+    ws: PlanWorkspace,
+    log: ViolationLog,
+    capacity: int,
+    tuning: KernelTuning,
+    dev: torch.device,
+    *,
+    fused: bool,
+) -> None:
+    max_items = _check_capacity(ws, group, capacity, tuning)
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
     # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
-    max_write_items = -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + max_b
-    verify_kernel[_grid(max(max_items, max_write_items), dev, tuning)](
+    verify_kernel[_grid(max(max_items, _write_items(ws, tuning)), dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
         log.first, log.last, log.counters,
         _ptr(batch.out_cache_loc, dummy), ws.write_offsets, ws.write_items, ws.epoch, ws.read_marks, ws.write_marks,
-        ws.write_old_positions,
+        ws.write_old_positions, _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy), ws.seed_links,
+        ws.row_state,
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
-        group.window, PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
-        BLOCK=block, BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block, num_warps=tuning.verify_warps,
+        group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        BLOCK=verify_block(group, tuning), BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
+        FUSED=fused, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
 
@@ -306,8 +381,10 @@ def stamp(
         ws.write_old_positions,
         batch.batch_size, batch.num_tokens, max_tokens + 1, n_lookup, t_rows, t_cols, group.num_slots,
         max_items, log.capacity, group.group_id, group.token_offset, *_reserved(group),
-        n_rows, n_cols, group.page_size, group.window,
+        n_rows, n_cols, group.page_size, group.window, _ptr(batch.extend_lens, dummy), n_cols * group.page_size,
+        int(group.padding_row is not None), group.padding_row or 0,
         HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth, PAGED=group.page_size > 1, CHECK_NEW=group.checks_new_reads,
+        ROWS=_small_step(ws, max_items, tuning),
         BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
         POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
         num_warps=tuning.stamp_warps,

@@ -80,3 +80,9 @@ def find_row(offsets_ptr, b, x, BLOCK_B: tl.constexpr):
         ends = tl.load(offsets_ptr + r + 1, mask=r < b, other=0)
         row += tl.sum(((ends <= x) & (r < b)).to(tl.int64))
     return row
+
+
+@triton.jit
+def pick(sel, values):
+    """The element of ``values`` where ``sel`` (one lane) holds, as a scalar."""
+    return tl.sum(tl.where(sel, values, 0))

@@ -40,10 +40,12 @@ F_STORED_LINK = const(int(Field.STORED_LINK))
 F_BAD_INDEX = const(int(Field.BAD_INDEX))
 
 # Per-phase words of the workspace's sync scratch: violations pending (summed by all programs), finished
-# programs (the ticket), and (stamp) the call's epoch.  Pending and ticket are back to 0 when a call ends.
+# programs (the ticket), (stamp) the call's epoch, and (verify) the pending violations of a plan folded in.
+# Pending and ticket are back to 0 when a call ends.
 PENDING = const(0)
 TICKET = const(1)
 EPOCH = const(2)
+PLAN_PENDING = const(3)  # verify's words only: the plan's violations when the plan runs in the verify launch
 SCAN = const(1024)  # items the finalize scans per step
 NO_ITEM = const(2**62)
 COUNTER_LANES = const(32)  # >= NUM_COUNTERS
@@ -95,6 +97,15 @@ def close_call(sync_ptr):
     k = tl.arange(0, 2)
     old = tl.atomic_xchg(sync_ptr + k, tl.zeros((2,), tl.int64))
     return lane(old, PENDING)
+
+
+@triton.jit
+def close_fused_call(sync_ptr):
+    """close_call for a launch that also ran the plan: (pending violations, the plan's pending violations);
+    PLAN_PENDING is zeroed too."""
+    k = tl.arange(0, 4)
+    old = tl.atomic_xchg(sync_ptr + k, tl.zeros((4,), tl.int64), mask=k != EPOCH)
+    return lane(old, PENDING), lane(old, PLAN_PENDING)
 
 
 @triton.jit

@@ -26,13 +26,11 @@ BAD = const(PlanWorkspace.ROW_BAD)
 
 
 @triton.jit
-def _plan_rows(
-    rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
-    c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
-    res0, res1, res2, res3, res4, res5, res6, res7,
-    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, BLOCK_B: tl.constexpr,
+def row_spans(
+    rows_ptr, pre_ptr, ext_ptr, c0, b, write_carry, n_rows, width, num_tokens, window, has_pad, pad_row,
+    BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """Everything reference.plan derives for batch rows [c0, c0 + BLOCK_B)."""
+    """reference.plan for batch rows [c0, c0 + BLOCK_B) up to the seeds: one coalesced load, no gathers."""
     r = c0 + tl.arange(0, BLOCK_B)
     m = r < b
     rows = tl.load(rows_ptr + r, mask=m, other=0).to(tl.int64)
@@ -47,8 +45,17 @@ def _plan_rows(
     active = live & ~row_bad & ~len_bad
     starts = tl.where(active & (tl.zeros_like(pre) + window > 0), tl.maximum(pre - window, 0), 0)
     counts = tl.where(active, pre - starts, 0)
+    state = tl.where(pad, PADDING, tl.where(active, ACTIVE, BAD))
+    return r, m, rows, pre, ext, ext_sat, active, write_end, starts, counts, state, row_bad, len_bad
 
-    # Seed: the stored link at prefix_len - 1, the anchor when there is none to trust.
+
+@triton.jit
+def row_seeds(
+    table_ptr, lookup_ptr, links_ptr, rows, pre, ext, active, row_bad, len_bad, n_rows, n_cols, n_lookup, num_slots,
+    page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr,
+):  # fmt: skip
+    """The rows' chain seeds and the plan's reasons: the stored link at prefix_len - 1, the anchor when
+    there is none to trust."""
     need_seed = active & (ext > 0) & (pre > 0)
     sfull = table_entry(table_ptr, rows, pre - 1, n_rows, n_cols, page, need_seed, PAGED)
     sslot, slookup_bad = translate(lookup_ptr, n_lookup, sfull, need_seed, HAS_LOOKUP)
@@ -66,7 +73,24 @@ def _plan_rows(
         | tl.where(seed_oor, SEED_OOR, 0)
     ).to(tl.int64)
     bad_index = tl.where(row_bad, rows, tl.where(slookup_bad, sfull, tl.where(seed_oor, sslot, -1)))
-    state = tl.where(pad, PADDING, tl.where(active, ACTIVE, BAD))
+    return seeds, reasons, bad_index
+
+
+@triton.jit
+def _plan_rows(
+    rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
+    c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Everything reference.plan derives for batch rows [c0, c0 + BLOCK_B)."""
+    r, m, rows, pre, ext, ext_sat, active, write_end, starts, counts, state, row_bad, len_bad = row_spans(
+        rows_ptr, pre_ptr, ext_ptr, c0, b, write_carry, n_rows, width, num_tokens, window, has_pad, pad_row, BLOCK_B
+    )  # fmt: skip
+    seeds, reasons, bad_index = row_seeds(
+        table_ptr, lookup_ptr, links_ptr, rows, pre, ext, active, row_bad, len_bad, n_rows, n_cols, n_lookup,
+        num_slots, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP,
+    )  # fmt: skip
     return r, m, rows, pre, ext, active, write_end, tl.sum(ext_sat), starts, counts, seeds, state, reasons, bad_index
 
 
@@ -168,3 +192,57 @@ def plan_kernel(
             )  # fmt: skip
             rank += tl.sum(hit64)
             write_carry += ext_sum
+
+
+# --------------------------------------------------------------------------- the plan folded into verify
+
+
+@triton.jit
+def store_plan(
+    table_ptr, lookup_ptr, links_ptr,
+    write_off_ptr, verify_off_ptr, starts_ptr, seeds_ptr, state_ptr, verify_items_ptr, write_items_ptr,
+    r, m, rows, pre, ext, active, row_bad, len_bad, write_end, verify_end, vitem_end, witem_end, starts, state,
+    n_rows, n_cols, n_lookup, num_slots, page, res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr,
+):  # fmt: skip
+    """One program of a fused plan + verify: the workspace rows plan_kernel would leave (stamp and the
+    digest read them after the launch), from one row block already derived; returns the rows' reasons."""
+    seeds, reasons, _bad = row_seeds(
+        table_ptr, lookup_ptr, links_ptr, rows, pre, ext, active, row_bad, len_bad, n_rows, n_cols, n_lookup,
+        num_slots, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP,
+    )  # fmt: skip
+    tl.store(write_off_ptr, 0)
+    tl.store(verify_off_ptr, 0)
+    tl.store(verify_items_ptr, 0)
+    tl.store(write_items_ptr, 0)
+    tl.store(write_off_ptr + 1 + r, write_end, mask=m)
+    tl.store(verify_off_ptr + 1 + r, verify_end, mask=m)
+    tl.store(verify_items_ptr + 1 + r, vitem_end, mask=m)
+    tl.store(write_items_ptr + 1 + r, witem_end, mask=m)
+    tl.store(starts_ptr + r, starts, mask=m)
+    tl.store(seeds_ptr + r, seeds, mask=m)
+    tl.store(state_ptr + r, state.to(tl.int32), mask=m)
+    return reasons
+
+
+@triton.jit
+def log_plan_rows(
+    first_ptr, last_ptr, log_k, base, found, group_id,
+    rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
+    b, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
+    res0, res1, res2, res3, res4, res5, res6, res7,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """The plan call's ``found`` log rows (one row block), lifetime indices from ``base``, by batch row."""
+    r, _m, rows, pre, ext, _active, _we, _es, _st, _c, _seeds, _state, reasons, bad_index = _plan_rows(
+        rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
+        0, b, tl.zeros((), tl.int64), n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad,
+        pad_row, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
+    )  # fmt: skip
+    hit = reasons != 0
+    hit64 = hit.to(tl.int64)
+    g = base + tl.cumsum(hit64, 0) - hit64
+    store_rows(
+        first_ptr, last_ptr, log_k, g, base + found, hit, reasons, PHASE, group_id, r.to(tl.int64), rows,
+        -1, -1, pre, pre + ext, -1, 0, 0, 0, bad_index,
+    )  # fmt: skip

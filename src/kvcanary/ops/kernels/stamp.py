@@ -14,7 +14,14 @@ import triton.language as tl
 
 from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import mix
-from kvcanary.ops.kernels.indexing import expected_token, find_row, in_pool, is_reserved, table_entry, translate
+from kvcanary.ops.kernels.indexing import (
+    expected_token,
+    find_row,
+    in_pool,
+    is_reserved,
+    pick,
+    translate,
+)
 from kvcanary.ops.kernels.log import (
     CALLS,
     COUNTER_LANES,
@@ -32,6 +39,8 @@ from kvcanary.ops.kernels.log import (
     select_items,
     store_rows,
 )
+from kvcanary.ops.kernels.marks import same_step_reasons
+from kvcanary.ops.kernels.plan import row_spans
 from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
 from kvcanary.workspace import PlanWorkspace
@@ -41,12 +50,7 @@ LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
 RESERVED = const(int(Reason.RESERVED_SLOT))
 WRITE_POSITION_BAD = const(int(Reason.WRITE_POSITION_MISMATCH))
 WRITE_TOKEN_BAD = const(int(Reason.WRITE_TOKEN_MISMATCH))
-INTO_LIVE = const(int(Reason.WRITE_INTO_LIVE_SLOT))
-DUPLICATE = const(int(Reason.DUPLICATE_WRITE))
-NEW_READ_BAD = const(int(Reason.NEW_READ_MISMATCH))
 MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
-READER_BITS = const(PlanWorkspace.READER_BITS)
-READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
 PHASE = const(int(Phase.STAMP))
 NOT_STORED = const(_NOT_STORED)
 FINAL_LANES = const(128)  # tokens per sub-block when the finalize re-derives an item
@@ -114,41 +118,39 @@ def _carry(
 
 
 @triton.jit
-def _same_step(
-    slot, writable, t, exp_pos, pre, trow, batch_row, mark, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr,
-    table_ptr, lookup_ptr,
-    n_rows, n_cols, page, window, n_lookup, num_slots, res0, res1, res2, res3, res4, res5, res6, res7,
-    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, CHECK_NEW: tl.constexpr,
+def _stamp_row(
+    item, row_ends, rb, first_v, end_v, tbegin_v, tend_v, pre_v, rows_v, witems_ptr, woff_ptr, pre_ptr, rows_ptr, b,
+    n_tokens, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """reference same_step.write_reasons: the marks verify left, the ring exception, the new token's entry."""
-    rmark = tl.load(read_marks_ptr + slot, mask=writable, other=0)
-    live = writable & ((rmark >> READER_BITS) == step_epoch)
-    reader = READER_LIMIT - 1 - (rmark & (READER_LIMIT - 1))
-    # A window's ring: the slot held a position of the writer's own window that this token no longer sees.
-    zero = tl.zeros_like(exp_pos)
-    ring = live & (zero + window > 0)
-    q = tl.load(old_pos_ptr + t, mask=ring, other=0).to(tl.int64)  # as verify saw it (see verify.py)
-    ring = ring & (q >= zero + tl.maximum(pre - window, 0)) & (q < zero + pre) & (q < exp_pos - window)
-    qfull = table_entry(table_ptr, trow, q, n_rows, n_cols, page, ring, PAGED)
-    qslot, qbad = translate(lookup_ptr, n_lookup, qfull, ring, HAS_LOOKUP)
-    live = live & ~(ring & ~qbad & in_pool(qslot, num_slots) & (qslot == slot))
-    dup = writable & (tl.load(write_marks_ptr + slot, mask=writable, other=0).to(tl.int64) == 2 * mark + 1)
-    reasons = tl.where(live, INTO_LIVE, 0) | tl.where(dup, DUPLICATE, 0)
-    new_index = tl.zeros_like(slot) - 1
-    if CHECK_NEW:
-        nfull = table_entry(table_ptr, trow, exp_pos, n_rows, n_cols, page, writable, PAGED)
-        nslot, nbad = translate(lookup_ptr, n_lookup, nfull, writable, HAS_LOOKUP)
-        nres = ~nbad & in_pool(nslot, num_slots) & is_reserved(nslot, res0, res1, res2, res3, res4, res5, res6, res7)
-        new_bad = writable & ~nres & (nslot != slot)
-        reasons = reasons | tl.where(new_bad, NEW_READ_BAD, 0)
-        new_index = tl.where(new_bad, nfull, new_index)
-    # A live write's row names the request whose read it hits; BAD_INDEX the writing row (see same_step.py).
-    return reasons, tl.where(live, zero + batch_row, new_index), tl.where(live, reader, zero + batch_row)
+    """Stamp item ``item``'s row: (row, first and end item of the row, its tokens [begin, end), prefix length,
+    table row).  ROWS: from the launch's row vectors; else from the plan's workspace."""
+    if ROWS:
+        r = tl.sum((row_ends <= item).to(tl.int64))
+        sel = rb == tl.zeros_like(rb) + r  # widened before comparing (interpreter, see indexing.py)
+        first_item = pick(sel, first_v)
+        last_item = pick(sel, end_v)
+        t_begin = pick(sel, tbegin_v)
+        t_end = pick(sel, tend_v)
+        pre = pick(sel, pre_v)
+        trow = pick(sel, rows_v)
+    else:
+        if b <= BLOCK_B:
+            r = tl.sum((row_ends <= item).to(tl.int64))
+        else:
+            r = find_row(witems_ptr, b, item, BLOCK_B)
+        first_item = tl.load(witems_ptr + r)
+        last_item = tl.load(witems_ptr + r + 1)
+        t_begin = tl.load(woff_ptr + r)
+        t_end = tl.load(woff_ptr + r + 1)
+        pre = tl.load(pre_ptr + r).to(tl.int64)
+        trow = tl.load(rows_ptr + r).to(tl.int64)
+    return r, first_item, last_item, t_begin, tl.minimum(t_end, n_tokens), pre, trow
 
 
 @triton.jit
 def _stamp_item(
-    item, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
+    item, sub, r, first_item, last_item, t_begin, t_end, pre, trow, rows_ptr, ids_ptr, positions_ptr, loc_ptr,
+    lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
     step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
@@ -162,17 +164,7 @@ def _stamp_item(
     With LOOKBACK (the main pass, LANES == BLOCK) the item publishes its block's sum for the row's
     later items when it has any.
     """
-    if b <= BLOCK_B:
-        r = tl.sum((row_ends <= item).to(tl.int64))
-    else:
-        r = find_row(witems_ptr, b, item, BLOCK_B)
-    first_item = tl.load(witems_ptr + r)
-    last_item = tl.load(witems_ptr + r + 1)
-    t_begin = tl.load(woff_ptr + r)
-    t_end = tl.minimum(tl.load(woff_ptr + r + 1), n_tokens)
     seed = tl.load(seeds_ptr + r)
-    pre = tl.load(pre_ptr + r).to(tl.int64)
-    trow = tl.load(rows_ptr + r).to(tl.int64)
     i = (item - first_item) * BLOCK + sub * LANES + tl.arange(0, LANES)
     t = t_begin + i
     m = (t >= 0) & (t < t_end)
@@ -208,7 +200,7 @@ def _stamp_item(
     exp_tok = expected_token(truth_ptr, truth_lens_ptr, r, trow, exp_pos + token_offset, t_rows, t_cols, m, HAS_TRUTH)
     wpos_bad = m & (pos64 != exp_pos)
     wtok_bad = m & (exp_tok != -1) & (tok32.to(tl.int64) != exp_tok)
-    same, same_index, named = _same_step(
+    same, same_index, named = same_step_reasons(
         slot, writable, t, exp_pos, pre, trow, r, 1 + step_epoch % MARK_PERIOD, step_epoch, read_marks_ptr,
         write_marks_ptr, old_pos_ptr, table_ptr,
         lookup_ptr,
@@ -233,7 +225,7 @@ def _stamp_item(
     do_not_specialize=[
         "b", "n_tokens", "n_powers", "n_lookup", "t_rows", "t_cols", "num_slots", "max_items", "log_k", "group_id",
         "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
-        "n_rows", "n_cols", "page", "window",
+        "n_rows", "n_cols", "page", "window", "width", "has_pad", "pad_row",
     ]
 )  # fmt: skip
 def stamp_kernel(
@@ -242,16 +234,35 @@ def stamp_kernel(
     tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
     first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window,
+    res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window, ext_ptr, width, has_pad, pad_row,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, POLLS: tl.constexpr,
-    PAGED: tl.constexpr, CHECK_NEW: tl.constexpr,
+    PAGED: tl.constexpr, CHECK_NEW: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rb = tl.arange(0, BLOCK_B)
-    row_ends = tl.load(witems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
-    n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
+    if ROWS:  # the batch fits one row block: the plan's row spans again, from one coalesced load
+        _rows_r, m_v, rows_v, pre_v, ext_v, ext_sat, active, write_end, _s, _c, _st, _rb, _lb = row_spans(
+            rows_ptr, pre_ptr, ext_ptr, 0, b, tl.zeros((), tl.int64), n_rows, width, n_tokens, window, has_pad,
+            pad_row, BLOCK_B,
+        )  # fmt: skip
+        witems_v = tl.where(active, (ext_v + BLOCK - 1) // BLOCK, 0)
+        end_v = tl.cumsum(witems_v, 0)
+        row_ends = tl.where(m_v, end_v, NO_ITEM)
+        n_items = tl.minimum(tl.sum(witems_v), max_items)
+        first_v = end_v - witems_v
+        tbegin_v = write_end - ext_sat
+    else:
+        row_ends = tl.load(witems_ptr + 1 + rb, mask=rb < b, other=NO_ITEM)
+        n_items = tl.minimum(tl.load(witems_ptr + b), max_items)
+        # Unused stand-ins for the row vectors.
+        first_v = row_ends
+        end_v = row_ends
+        tbegin_v = row_ends
+        write_end = row_ends
+        pre_v = row_ends
+        rows_v = row_ends
     epoch = tl.load(sync_ptr + EPOCH) + 1  # the last program stores it when the call ends
     step_epoch = tl.load(mark_epoch_ptr)  # the same-step marks' epoch (plan bumped it)
 
@@ -259,9 +270,14 @@ def stamp_kernel(
     written = tl.zeros((), tl.int64)
     bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for item in range(pid, n_items, n_programs):
+        r, first_item, last_item, t_begin, t_end, pre, trow = _stamp_row(
+            item, row_ends, rb, first_v, end_v, tbegin_v, write_end, pre_v, rows_v, witems_ptr, woff_ptr, pre_ptr,
+            rows_ptr, b, n_tokens, BLOCK_B, ROWS,
+        )  # fmt: skip
         _r, _trow, slot, writable, tok32, pos32, _pos64, links, _epos, _etok, _bad, reasons = _stamp_item(
-            item, 0, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr,
-            truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr, flags_ptr, epoch,
+            item, 0, r, first_item, last_item, t_begin, t_end, pre, trow, rows_ptr, ids_ptr, positions_ptr, loc_ptr,
+            lookup_ptr, truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
+            flags_ptr, epoch,
             step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr, n_rows, n_cols, page, window,
             b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, token_offset,
             res0, res1, res2, res3, res4, res5, res6, res7,
@@ -291,10 +307,15 @@ def stamp_kernel(
                 idx, excl, want, prefix = select_items(counts_ptr, c0, n_items, prefix, base, total, log_k)
                 for _ in range(tl.sum(want.to(tl.int32))):
                     j, rank = next_item(idx, excl, want)
+                    jr, first_item, last_item, t_begin, t_end, pre, jtrow = _stamp_row(
+                        j, row_ends, rb, first_v, end_v, tbegin_v, write_end, pre_v, rows_v, witems_ptr, woff_ptr,
+                        pre_ptr, rows_ptr, b, n_tokens, BLOCK_B, ROWS,
+                    )  # fmt: skip
                     for sub in range(BLOCK // FINAL_LANES):  # narrow sub-blocks: see verify.py
                         r, trow, slot, _w, tok32, _p32, pos64, links, exp_pos, exp_tok, bad, reasons = _stamp_item(
-                            j, sub, row_ends, rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr,
-                            truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr, sums_ptr,
+                            j, sub, jr, first_item, last_item, t_begin, t_end, pre, jtrow, rows_ptr, ids_ptr,
+                            positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, woff_ptr, seeds_ptr,
+                            witems_ptr, mult_ptr, inv_ptr, sums_ptr,
                             flags_ptr, epoch, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr, table_ptr,
                             n_rows, n_cols, page, window, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots,
                             token_offset,
