@@ -53,9 +53,7 @@ def main() -> int:
             case = smash(case, rng)
         # The scalar oracle does not model int64 wrap-around, so it only serves the unsmashed cases.
         # Half the cases run plan and verify as one launch (the fused kernel, off by default), half as two.
-        problems = compare_step(
-            case, tuning=FUSING, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2
-        )
+        problems = compare_step(case, tuning=FUSING, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
         if problems:
             failures += 1
             print("MISMATCH", case.describe(), problems[:2], flush=True)
