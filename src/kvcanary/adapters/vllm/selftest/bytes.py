@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
+from kvcanary.adapters.vllm.selftest.context import RunnerFault, VllmInjector, decode_rows, on_runner
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
 
@@ -40,11 +40,10 @@ def _live_position(ctx: VllmInjector, so: Any) -> tuple[str, int, int, int] | No
     return rid, pos, int(table.block_table.np[row, pos // bs]), pos % bs
 
 
-class KVBitFlip(Fault[VllmInjector]):
+class KVBitFlip(RunnerFault):
     spec = SPECS["kv_bit_flip"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        on_runner(ctx, "_update_states", self._corrupt, after=True)
+    method = "_update_states"
+    after = True
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         pick = _live_position(ctx, so)

@@ -12,15 +12,16 @@ block_size]``).  It shares no code with the canary.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import random
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kvcanary.adapters.patching import PatchSet
-from kvcanary.selftest.protocol import InjectMode, Injector
+from kvcanary.selftest.protocol import Fault, InjectMode, Injector
 from kvcanary.selftest.read_oracle import HostView, ReadOracle
 
 
@@ -87,6 +88,20 @@ def on_runner(
         return wrapped
 
     ctx.wrap(ctx.runner, method, make)
+
+
+class RunnerFault(Fault[VllmInjector]):
+    """A fault on the model runner's state: ``_corrupt(ctx, scheduler_output)`` runs (guarded) before the runner's
+    ``method``, or ``after`` it (:func:`on_runner`)."""
+
+    method: ClassVar[str]
+    after: ClassVar[bool] = False
+
+    def install(self, ctx: VllmInjector) -> None:
+        on_runner(ctx, self.method, self._corrupt, after=self.after)
+
+    @abc.abstractmethod
+    def _corrupt(self, ctx: VllmInjector, so: Any) -> None: ...
 
 
 class OracleTap:

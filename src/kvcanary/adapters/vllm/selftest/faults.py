@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvcanary.adapters.vllm.selftest.bytes import CowCopyCorruptsBytes, KVBitFlip, PaddingWriteLiveSlot
-from kvcanary.adapters.vllm.selftest.context import VllmInjector, decode_rows, on_runner
+from kvcanary.adapters.vllm.selftest.context import RunnerFault, VllmInjector, decode_rows
 from kvcanary.adapters.vllm.tiny import VOCAB
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
@@ -21,11 +21,10 @@ from kvcanary.selftest.specs import load_specs
 SPECS, _ = load_specs(__package__)  # faults.toml: each fault's spec, as data
 
 
-class BlockTableCrossRequest(Fault[VllmInjector]):
+class BlockTableCrossRequest(RunnerFault):
     spec = SPECS["block_table_cross_request"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        on_runner(ctx, "_update_states", self._corrupt, after=True)
+    method = "_update_states"
+    after = True
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = decode_rows(ctx, so)
@@ -66,11 +65,9 @@ class SlotMappingOffByOne(Fault[VllmInjector]):
         ctx.injected(f"token {num_tokens - 1} of {rid} writes slot +1", [rid])
 
 
-class WrongTokenId(Fault[VllmInjector]):
+class WrongTokenId(RunnerFault):
     spec = SPECS["wrong_token_id"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        on_runner(ctx, "_prepare_inputs", self._corrupt)
+    method = "_prepare_inputs"
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         rows = decode_rows(ctx, so)
@@ -83,11 +80,9 @@ class WrongTokenId(Fault[VllmInjector]):
         ctx.injected(f"{rid} position {pos}: token id changed", [rid])
 
 
-class ResumeOntoStaleBlocks(Fault[VllmInjector]):
+class ResumeOntoStaleBlocks(RunnerFault):
     spec = SPECS["resume_onto_stale_blocks"]
-
-    def install(self, ctx: VllmInjector) -> None:
-        on_runner(ctx, "_update_states", self._corrupt)
+    method = "_update_states"
 
     def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
         cached = so.scheduled_cached_reqs
