@@ -73,8 +73,10 @@ def main() -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         KVCANARY_PEER_TIMEOUT_S=str(PEER_TIMEOUT_S),
-        VLLM_DIST_IDENT=f"kvcanary-tp-test-{port}",  # names vLLM's CPU all-reduce segments: unique per run
     )
+    # vLLM's CPU all-reduce names its /dev/shm segment after the init method, which the external launcher fixes
+    # to env://, and a worker that ends with os._exit leaves it behind: drop a previous run's before starting.
+    Path(f"/dev/shm/-tp:0-[{'-'.join(map(str, range(world)))}]-cpushm_{rank}").unlink(missing_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = tiny.start_engine(model_dir, tensor_parallel_size=world, distributed_executor_backend="external_launcher")
@@ -94,7 +96,7 @@ def main() -> None:
         results[name] = scenario(llm, name, rank, world)
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # skip the engines' teardown (their collectives would wait on each other)
 
 
 if __name__ == "__main__":
