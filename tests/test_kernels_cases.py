@@ -25,7 +25,12 @@ from test_kernels_differential import DEVICE
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
 
-SMALL = launchers.KernelTuning(verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=3)
+# plan_verify fuses small workspaces only when asked (off by default): the twins ask, so that every other step
+# runs the fused launch and the rest the two-launch path.
+FUSING = launchers.KernelTuning(fuse_max_batch=32)
+SMALL = launchers.KernelTuning(
+    verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=3, fuse_max_batch=32
+)
 
 
 # --------------------------------------------------------------------------- a scripted engine
@@ -104,7 +109,7 @@ class World:
 class Twin:
     """The reference on the CPU and the kernels on DEVICE, fed the same batches, compared after every phase."""
 
-    def __init__(self, world: World, caps: Capacities, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING):
+    def __init__(self, world: World, caps: Capacities, tuning: launchers.KernelTuning = FUSING):
         self.group, self.caps, self.tuning = world.group, caps, tuning
         self.ref = _State.make(world.group, caps, torch.device("cpu"))
         self.dev = _State.make(world.group, caps, DEVICE)
@@ -459,13 +464,13 @@ def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
     """A static choice from the capacities: small workspaces fuse, large ones (or fuse_max_batch=0) don't."""
     group = CanaryGroup(num_slots=64)
 
-    def fuses(max_batch: int, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> bool:
+    def fuses(max_batch: int, tuning: launchers.KernelTuning = FUSING) -> bool:
         caps = _caps(max_batch=max_batch)
         ws = PlanWorkspace.allocate(caps, DEVICE, num_slots=group.num_slots)
         return launchers.fuses_plan(group, ws, caps.verify_entries, tuning)
 
-    assert fuses(8)
-    assert not fuses(8, launchers.KernelTuning(fuse_max_batch=0))
-    assert not fuses(launchers.DEFAULT_TUNING.fuse_max_batch + 1)
+    assert fuses(8) and fuses(32)
+    assert not fuses(8, launchers.DEFAULT_TUNING)  # off by default (launchers.KernelTuning.fuse_max_batch)
+    assert not fuses(33)
     with pytest.raises(ValueError, match="fuse_max_batch"):
         launchers.KernelTuning(fuse_max_batch=-1)

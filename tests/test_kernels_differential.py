@@ -131,7 +131,7 @@ CLEAN_CHUNKS = 3  # 60 clean batches
 
 # Under the interpreter: a few programs; on the GPU: the grid from the SM count.
 _TUNINGS = (
-    launchers.KernelTuning(interpreter_programs=3),
+    launchers.KernelTuning(interpreter_programs=3, fuse_max_batch=32),  # plan_verify: 1 launch (small batches)
     launchers.KernelTuning(interpreter_programs=1, programs_per_sm=1, fuse_max_batch=0),  # plan_verify: 2 launches
     launchers.KernelTuning(
         verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=5, programs_per_sm=2

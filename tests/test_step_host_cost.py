@@ -71,7 +71,7 @@ def two_group_manager(backend: Backend, check_values: bool | None = None) -> Can
     return CanaryManager(groups, CAPS, CanaryConfig(mode=Mode.LOG, check_values=check_values), backend=backend)
 
 
-def test_kernel_path_validates_each_groups_batch_once_and_launches_two_kernels(
+def test_kernel_path_validates_each_groups_batch_once_and_launches_three_kernels(
     counted: collections.Counter[str],
 ) -> None:
     mgr = two_group_manager(Backend.TRITON, check_values=False)
@@ -82,8 +82,8 @@ def test_kernel_path_validates_each_groups_batch_once_and_launches_two_kernels(
         with OpCounter() as ops:
             mgr.before_forward({"a": batch, "b": batch})
             mgr.after_forward()
-        # plan runs inside the verify launch (launchers.plan_verify): two launches per group
-        assert counted == {"validate_batch": 2, "verify_kernel": 2, "stamp_kernel": 2}
+        # plan, verify, stamp a group (the fused plan_verify is off by default: launchers.KernelTuning)
+        assert counted == {"validate_batch": 2, "plan_kernel": 2, "verify_kernel": 2, "stamp_kernel": 2}
         kernels = {op: n for op, n in ops.ops.items() if op not in _NO_KERNEL}
         assert sum(kernels.values()) == BEFORE_OPS + AFTER_OPS, kernels
         assert not _SYNCING & set(ops.ops), ops.ops

@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 import gen  # noqa: E402
+from kvcanary.ops import launchers  # noqa: E402
 from test_kernels_differential import compare_step  # noqa: E402
 
+FUSING = launchers.KernelTuning(fuse_max_batch=32)
 NASTY = [-(2**63), -(2**40), -(2**31), -1, 2**31 - 1, 2**40, 2**62, 2**63 - 1]
 
 
@@ -50,8 +52,8 @@ def main() -> int:
         if i % 2:
             case = smash(case, rng)
         # The scalar oracle does not model int64 wrap-around, so it only serves the unsmashed cases.
-        # Half the cases run plan and verify as one launch (GroupCanary.step's path), half as two.
-        problems = compare_step(case, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
+        # Half the cases run plan and verify as one launch (the fused kernel, off by default), half as two.
+        problems = compare_step(case, tuning=FUSING, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
         if problems:
             failures += 1
             print("MISMATCH", case.describe(), problems[:2], flush=True)

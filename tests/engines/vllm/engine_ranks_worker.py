@@ -66,8 +66,15 @@ def main() -> None:
     from kvcanary.adapters.vllm import tiny
 
     os.environ.update(tiny.ENGINE_ENV)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), KVCANARY_PEER_TIMEOUT_S=str(PEER_TIMEOUT_S))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        KVCANARY_PEER_TIMEOUT_S=str(PEER_TIMEOUT_S),
+        VLLM_DIST_IDENT=f"kvcanary-tp-test-{port}",  # names vLLM's CPU all-reduce segments: unique per run
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = tiny.start_engine(model_dir, tensor_parallel_size=world, distributed_executor_backend="external_launcher")
