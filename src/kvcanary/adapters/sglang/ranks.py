@@ -24,14 +24,17 @@ from kvcanary.workspace import Capacities
 
 
 def sglang_group() -> EngineGroup | None:
-    """sglang's group over this replica's TP x PP ranks (None: one rank, or no groups built yet)."""
+    """sglang's group over this replica's TP x PP ranks (None: one rank, or no groups built yet).
+
+    The groups come from ``runtime_context.get_parallel()``: sglang 0.5.23 deprecates the module-level
+    ``get_tp_group()`` family for callers outside its own package (a ``DeprecationWarning`` on first use)."""
     from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_parallel
 
     if not parallel_state.model_parallel_is_initialized():
         return None
-    return ranked.engine_group(
-        parallel_state.get_tp_group(), parallel_state.get_pp_group(), parallel_state.get_world_group()
-    )
+    groups = get_parallel()
+    return ranked.engine_group(groups.tp_group, groups.pp_group, groups.world_group)
 
 
 def build_manager(
