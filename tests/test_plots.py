@@ -92,7 +92,11 @@ def _make_readme() -> Any:
     spec = importlib.util.spec_from_file_location("make_readme", ROOT / "benchmarks" / "make_readme.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its sibling modules (digest_readme), as when run as a script
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     return module
 
 
