@@ -1,7 +1,7 @@
 """One rank's run of an adapter's ranked manager, for the engines' multi-process tests (imported by their workers).
 
 An engine's worker builds the engine's own distributed state (its ``init_distributed_environment`` and
-``initialize_model_parallel`` on gloo), then hands :func:`run` the adapter's ``ranks.build_manager`` and
+``initialize_model_parallel`` on gloo), then hands :func:`run` ``ranked.build_manager`` on the adapter's group and
 ``ranks.<engine>_group``.  Each scenario builds a fresh manager through the adapter, drives the runtime
 workload of tests/runtime_helpers.py (the same tables on every rank, as tensor parallelism has them; a fault
 edits one rank's own copy) and records what every call returned or raised; results are rewritten to
@@ -32,7 +32,7 @@ PEER_TIMEOUT_S = 3.0  # KVCANARY_PEER_TIMEOUT_S for the workers
 IDS = ["req-a", "req-b"]
 MODES = {"clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE, "kill": Mode.RAISE}
 
-Build = Callable[..., Any]  # the adapter's ranks.build_manager
+Build = Callable[..., Any]  # ranked.build_manager on the engine's group
 
 
 class Warnings(logging.Handler):

@@ -102,13 +102,17 @@ def build_manager(
     on_fail_request: FailRequestCallback | None = None,
     *,
     group: EngineGroup | None,
-    timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> CanaryManager | RankedManager:
-    """This rank's manager: a plain one without ``group`` (or in mode off), else ranked on ``group``."""
+    """This rank's manager: a plain one without ``group`` (or in mode off), else ranked on ``group``.
+
+    An adapter passes its engine's group (``<engine>.ranks.<engine>_group()``); ``timeout_s`` None reads
+    :data:`PEER_TIMEOUT_ENV` (:func:`peer_timeout_s`)."""
     if group is None or config.mode is Mode.OFF:
         return CanaryManager(groups, caps, config, device, backend, on_fail_request)
     inner = CanaryManager(groups, caps, dataclasses.replace(config, mode=Mode.LOG), device, backend)
-    return RankedManager(inner, group, config.mode, on_fail_request, timeout_s=timeout_s)
+    timeout = peer_timeout_s() if timeout_s is None else timeout_s
+    return RankedManager(inner, group, config.mode, on_fail_request, timeout_s=timeout)
 
 
 class RankedManager:

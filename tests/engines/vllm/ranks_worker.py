@@ -4,11 +4,13 @@
 
 Builds vLLM's own distributed state as its CPU workers do (``init_distributed_environment`` and
 ``initialize_model_parallel`` with tensor parallelism WORLD, backend gloo), then runs the scenarios of
-tests/ranked_drive.py on the manager the vLLM adapter builds (``kvcanary.adapters.vllm.ranks``).
+tests/ranked_drive.py on the manager the vLLM adapter builds (``ranked.build_manager`` on
+``kvcanary.adapters.vllm.ranks.vllm_group()``).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -28,6 +30,7 @@ def main() -> None:
 
     import ranked_drive
     from kvcanary.adapters.vllm import ranks
+    from kvcanary.runtime import ranked
 
     os.environ["KVCANARY_PEER_TIMEOUT_S"] = str(ranked_drive.PEER_TIMEOUT_S)
     parallel_state.init_distributed_environment(
@@ -46,7 +49,7 @@ def main() -> None:
         "is_tp_cpu_group": group is not None and group.process_group is tp.cpu_group,
         "is_default_world": group is not None and group.process_group is dist.group.WORLD,
     }
-    ranked_drive.run(ranks.build_manager, found, rank, world, names, out_dir)
+    ranked_drive.run(functools.partial(ranked.build_manager, group=group), found, rank, world, names, out_dir)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown: a killed peer would make it wait
 

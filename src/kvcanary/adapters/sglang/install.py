@@ -30,10 +30,10 @@ from kvcanary.adapters.sglang.capacities import engine_limits, group_capacities
 from kvcanary.adapters.sglang.digest_layout import pool_layouts
 from kvcanary.adapters.sglang.options import SglangCanaryOptions, options_from_args
 from kvcanary.adapters.sglang.pools import attach_pool
-from kvcanary.adapters.sglang.ranks import build_manager
+from kvcanary.adapters.sglang.ranks import sglang_group
 from kvcanary.adapters.sglang.translate import EXTEND_MODES, ForwardTranslator, mode_name
 from kvcanary.adapters.sglang.version import check_version
-from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport, ranked
 from kvcanary.runtime.capture import is_capturing
 
 logger = logging.getLogger("kvcanary")
@@ -105,13 +105,14 @@ class SglangCanary:
                 for g in self.attached.groups
             }
             self.caps = caps
-            self.manager = build_manager(  # ranked on sglang's TP/PP group when there are several ranks
+            self.manager = ranked.build_manager(  # ranked on sglang's TP/PP group when there are several ranks
                 self.attached.groups,
                 caps,
                 options.config,
                 device=self.device,
                 backend=options.backend,
                 on_fail_request=on_fail_request,
+                group=sglang_group(),
             )
             self.translator = ForwardTranslator(
                 self.attached, table, max_batch=max_batch, max_tokens=max_tokens, draft=self.draft

@@ -28,10 +28,10 @@ from kvcanary.adapters.vllm.digest_layout import group_layouts
 from kvcanary.adapters.vllm.features import Features
 from kvcanary.adapters.vllm.groups import VllmGroup, capacities, vllm_groups
 from kvcanary.adapters.vllm.options import VllmCanaryOptions
-from kvcanary.adapters.vllm.ranks import build_manager
+from kvcanary.adapters.vllm.ranks import vllm_group
 from kvcanary.adapters.vllm.truth import TruthTable
 from kvcanary.config import Mode
-from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport
+from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCallback, StepReport, ranked
 
 logger = logging.getLogger("kvcanary")
 
@@ -69,9 +69,9 @@ class VllmCanary:
         caps = {g.canary.name: capacities(runner, g.canary, options.config.log_rows) for g in self.groups}
         self.caps = caps
         self._user_callback = on_fail_request
-        self.manager = build_manager(  # ranked on vLLM's TP/PP group when there are several ranks
+        self.manager = ranked.build_manager(  # ranked on vLLM's TP/PP group when there are several ranks
             [g.canary for g in self.groups], caps, options.config, device=self.device,
-            on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None,
+            on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None, group=vllm_group(),
         )  # fmt: skip
         if options.config.digest is not None:  # every layer's K and V, read in place (docs/design.md §12)
             self.manager.attach_digests(group_layouts(runner, self.groups, options.config.digest.layers))
