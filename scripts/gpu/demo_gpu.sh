@@ -5,22 +5,14 @@
 # batches, warm-up forwards, graph replays the canary reads after).  The three main runs also time the
 # same workload with the canary off (--baseline) and prints the canary's share of step time.
 #
-# Not run by CI.  The device image has transformers 5.17.0 and nothing can be fetched there, so the
-# transformers 5.24.0 wheel (pure Python; its other requirements are already in the image) travels in .whl:
-#   here, once, in the repo root:
-#     echo /.whl/ >> .git/info/exclude
-#     python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0
+# Not run by CI.  The transformers 5.24.0 wheel travels in .whl (scripts/gpu/transformers_wheel.sh says how);
 #   device call: carry [".whl"], command: bash scripts/gpu/demo_gpu.sh
 # Writes $OUT/demo_<model>.txt (summaries), $OUT/demo_dense_async.json and $OUT/demo_hybrid_graphs.json;
 # exit 0 only if every run passed.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcanary-demo-gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/transformers-5.24.0-*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/transformers-5.24.0-*.whl || exit 3
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.cuda.get_device_name(0),

@@ -9,15 +9,11 @@
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device)
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
-# finished.  Needs the transformers 5.24.0 wheel in .whl (see demo_gpu.sh) and COMMIT=<sha>.
+# finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvcanary-e2e-host}
 mkdir -p "$OUT"
-if compgen -G ".whl/transformers-5.24.0-*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/transformers-5.24.0-*.whl || exit 3
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
 BASE_PATH=${PYTHONPATH:-}
 export PYTHONPATH=$PWD/src:$PWD/tests${BASE_PATH:+:$BASE_PATH}
 export PYTHONUNBUFFERED=1

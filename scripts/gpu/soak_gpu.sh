@@ -3,7 +3,7 @@
 # workload on the lent H200, the canary on its Triton kernels.  Not run by CI.  The soak's two phases (dense,
 # hybrid: STEPS/2 each, the same seed, exactly what one `kvcanary soak` process runs one after the other) run
 # side by side in two processes, one engine and one canary each, so that the run fits in one call.  The transformers 5.24.0 wheel
-# travels in .whl (see demo_gpu.sh).  A call may run 10 minutes at most, so after PROBE_S seconds the run's
+# travels in .whl (see transformers_wheel.sh).  A call may run 10 minutes at most, so after PROBE_S seconds the run's
 # pace is projected from its progress lines and the run is stopped at once if it cannot finish within
 # BUDGET_S (exit 4), instead of spending the device time for nothing.
 # Writes $OUT/soak_<model>.json (each phase's result), $OUT/soak_<model>.progress (progress lines, time-stamped).
@@ -13,11 +13,7 @@ PROBE_S=${PROBE_S:-75}
 BUDGET_S=${BUDGET_S:-540}
 OUT=${OUT:-/tmp/kvcanary-soak-gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/transformers-5.24.0-*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/transformers-5.24.0-*.whl || exit 3
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, torch.version.cuda,
