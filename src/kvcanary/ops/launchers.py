@@ -16,13 +16,22 @@ with its block sizes).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
 from kvcanary.batch import StepBatch, validate_batch
 from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.ops.kernel_tuning import (  # KernelTuning, DEFAULT_TUNING, fuses_plan: also public here
+    DEFAULT_TUNING,
+    KernelTuning,
+    fuses_plan,
+    grid,
+    row_block,
+    small_step,
+    verify_block,
+    write_items,
+)
 from kvcanary.ops.kernels.plan import plan_kernel
 from kvcanary.ops.kernels.stamp import stamp_kernel
 from kvcanary.ops.kernels.verify import verify_kernel
@@ -34,50 +43,6 @@ _VERIFY_SYNC = 0
 _STAMP_SYNC = _SYNC_WORDS
 # Sync words that are 0 whenever no call runs: pending and ticket of each phase, verify's plan pending.
 SYNC_CLEAR = [0, 1, 3, 4, 5]
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTuning:
-    """Block sizes and grid shape.  Blocks are powers of two, at least PlanWorkspace.SCRATCH_BLOCK."""
-
-    # Defaults: the best of benchmarks/results/nvidia-h200-9376e1c-sweep.txt (H200, triton 3.6).
-    verify_block: int = 1024  # entries per verify item (a sliding window group uses min(this, window))
-    verify_warps: int = 8
-    stamp_block: int = 512  # tokens per stamp item
-    stamp_warps: int = 8
-    carry_block: int = 512  # tokens per step when the finalize re-sums a row's earlier tokens
-    stamp_polls: int = 32  # times a stamp item re-reads its row's earlier items' flags before recomputing
-    row_block: int = 1024  # batch rows per step of the plan's row walk
-    programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
-    interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
-    interpreter_polls: int = 2  # the interpreter runs programs one after another: polling cannot help there
-    # plan_verify is one launch up to this many rows (see fuses_plan).  Off (0) by default until the fused
-    # kernel's compiled suites and memcheck have run on a GPU: it passed them only under the interpreter and
-    # compiled offline for sm_90 with Triton 3.6 (its measured gain: decode b1 13.5 -> 10.9 us at 32).
-    fuse_max_batch: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
-            v = getattr(self, name)
-            if v < PlanWorkspace.SCRATCH_BLOCK or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= {PlanWorkspace.SCRATCH_BLOCK}, got {v}")
-        for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("stamp_polls", "interpreter_polls", "fuse_max_batch"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-DEFAULT_TUNING = KernelTuning()
-
-
-def verify_block(group: CanaryGroup, tuning: KernelTuning = DEFAULT_TUNING) -> int:
-    """Entries per verify item: a window shorter than the block would leave most lanes idle."""
-    if group.window > 0:
-        fit = max(PlanWorkspace.SCRATCH_BLOCK, 1 << (group.window - 1).bit_length())
-        return min(tuning.verify_block, fit)
-    return tuning.verify_block
 
 
 # --------------------------------------------------------------------------- host-side checks
@@ -174,19 +139,6 @@ def _reserved(group: CanaryGroup) -> list[int]:
     return list(group.reserved_slots) + [-1] * (CanaryGroup.MAX_RESERVED - len(group.reserved_slots))
 
 
-def _grid(max_items: int, dev: torch.device, tuning: KernelTuning) -> tuple[int]:
-    if dev.type == "cuda":
-        cap = torch.cuda.get_device_properties(dev).multi_processor_count * tuning.programs_per_sm
-    else:
-        cap = tuning.interpreter_programs
-    return (max(1, min(max_items, cap)),)
-
-
-def _row_block(ws: PlanWorkspace, tuning: KernelTuning) -> int:
-    b = max(1, int(ws.row_state.shape[0]))
-    return min(tuning.row_block, max(16, 1 << (b - 1).bit_length()))
-
-
 def _truth(batch: StepBatch, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
     if batch.truth is None or batch.truth_lens is None:
         return dummy, dummy, 0, 0, False
@@ -228,7 +180,7 @@ def plan(
         group.group_id, *_reserved(group),
         PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup,
         VERIFY_BLOCK=verify_block(group, tuning), STAMP_BLOCK=tuning.stamp_block,
-        BLOCK_B=_row_block(ws, tuning), num_warps=4,
+        BLOCK_B=row_block(ws, tuning), num_warps=4,
     )  # fmt: skip
 
 
@@ -246,35 +198,6 @@ def verify(
     """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
     dev = _checked_device(group, batch, records, ws, log, checked)
     _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
-
-
-def fuses_plan(group: CanaryGroup, ws: PlanWorkspace, capacity: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
-    """Whether :func:`plan_verify` is one launch: the workspace admits at most ``fuse_max_batch`` rows and
-    the verify launch's grid fits one wave (one program per SM; always under the interpreter).
-
-    Static (capacities only), so a captured graph keeps its launches.  Larger workspaces keep the plan
-    launch: the fused kernel holds every row's spans in registers (198 per thread on Triton 3.6, one
-    block per SM) and pays block-wide reductions per item, which measured slower beyond small steps
-    (benchmarks/README.md, commit 49ac254: decode b32 x 16k 33.9 us fused against 26.4 us in three launches).
-    """
-    max_b = int(ws.row_state.shape[0])
-    verify_items = -(-capacity // verify_block(group, tuning)) + max_b
-    return _small_step(ws, max(verify_items, _write_items(ws, tuning)), tuning)
-
-
-def _write_items(ws: PlanWorkspace, tuning: KernelTuning) -> int:
-    """Stamp items of the largest step the workspace admits."""
-    return -(-(int(ws.mult_powers.shape[0]) - 1) // tuning.stamp_block) + int(ws.row_state.shape[0])
-
-
-def _small_step(ws: PlanWorkspace, items: int, tuning: KernelTuning) -> bool:
-    """Few rows (one row block, at most fuse_max_batch) and a grid of one wave: kernels may derive the row
-    spans from the lengths in registers instead of reading the plan's."""
-    max_b = int(ws.row_state.shape[0])
-    if max_b > tuning.fuse_max_batch or max_b > _row_block(ws, tuning):
-        return False
-    dev = ws.sync.device
-    return dev.type != "cuda" or items <= torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def plan_verify(
@@ -331,7 +254,7 @@ def _launch_verify(
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
     # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
-    verify_kernel[_grid(max(max_items, _write_items(ws, tuning)), dev, tuning)](
+    verify_kernel[grid(max(max_items, write_items(ws, tuning)), dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
@@ -343,7 +266,7 @@ def _launch_verify(
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
         group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
         PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
-        BLOCK=verify_block(group, tuning), BLOCK_B=_row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
+        BLOCK=verify_block(group, tuning), BLOCK_B=row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
         FUSED=fused, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
@@ -374,7 +297,7 @@ def stamp(
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
-    stamp_kernel[_grid(max_items, dev, tuning)](
+    stamp_kernel[grid(max_items, dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.input_ids, dummy),
         _ptr(batch.positions, dummy), _ptr(batch.out_cache_loc, dummy), lookup, truth, truth_lens,
         ws.write_offsets, ws.seed_links, ws.write_items, ws.mult_powers, ws.inv_powers,
@@ -387,8 +310,8 @@ def stamp(
         n_rows, n_cols, group.page_size, group.window, _ptr(batch.extend_lens, dummy), n_cols * group.page_size,
         int(group.padding_row is not None), group.padding_row or 0,
         HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth, PAGED=group.page_size > 1, CHECK_NEW=group.checks_new_reads,
-        ROWS=_small_step(ws, max_items, tuning),
-        BLOCK=tuning.stamp_block, BLOCK_B=_row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
+        ROWS=small_step(ws, max_items, tuning),
+        BLOCK=tuning.stamp_block, BLOCK_B=row_block(ws, tuning), CARRY_BLOCK=tuning.carry_block,
         POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
         num_warps=tuning.stamp_warps,
     )  # fmt: skip
