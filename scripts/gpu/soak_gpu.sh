@@ -1,47 +1,46 @@
 #!/usr/bin/env bash
 # `kvcanary soak` on the GPU (issue 19's long run): STEPS canary steps (default 100,000) of the randomized clean
-# workload on the lent H200, the canary on its Triton kernels.  Not run by CI.  The soak's two phases (dense,
-# hybrid: STEPS/2 each, the same seed, exactly what one `kvcanary soak` process runs one after the other) run
-# side by side in two processes, one engine and one canary each, so that the run fits in one call.  The transformers 5.24.0 wheel
-# travels in .whl (see transformers_wheel.sh).  A call may run 10 minutes at most, so after PROBE_S seconds the run's
-# pace is projected from its progress lines and the run is stopped at once if it cannot finish within
-# BUDGET_S (exit 4), instead of spending the device time for nothing.
-# Writes $OUT/soak_<model>.json (each phase's result), $OUT/soak_<model>.progress (progress lines, time-stamped).
+# workload on the lent H200, the canary on its Triton kernels.  Not run by CI.  A device call may run 10 minutes
+# and 100,000 steps take longer, so the soak runs detached, in a process session of its own (setsid: the device
+# keeps such a process until the machine goes back), and a later call on the same warm machine waits for it:
+#   COMMIT=<sha> scripts/gpu/soak_gpu.sh start   # starts it and returns at once
+#   scripts/gpu/soak_gpu.sh wait [SECONDS]        # waits (default 560 s) for the end; copies the results to $OUT
+# The run's files stay in RUN (default /tmp/kvcanary-soak; $OUT is emptied before each call): env.txt (GPU,
+# driver, torch, triton, transformers, commit), soak.json (the result), soak.progress (time-stamped progress
+# lines), rc (the exit code, written at the end).  Two pace probes (benchmarks/results/soak-h200/) showed that
+# running the two phases in two processes side by side is no faster than one process.
+# The transformers 5.24.0 wheel travels in .whl (see transformers_wheel.sh).
 set -uo pipefail
 STEPS=${STEPS:-100000}
-PROBE_S=${PROBE_S:-75}
-BUDGET_S=${BUDGET_S:-540}
-OUT=${OUT:-/tmp/kvcanary-soak-gpu}
-mkdir -p "$OUT"
-source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
-python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, torch.version.cuda,
-  torch.cuda.get_device_name(0), "triton", triton.__version__, "transformers", transformers.__version__)' || exit 3
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
-start=$(date +%s)
-PHASES=dense,hybrid  # one process, both phases; its steps: STEPS
-PROCS=1
-if [ "${PARALLEL:-0}" = 1 ]; then PHASES="dense hybrid"; PROCS=2; fi  # one process a phase; each: STEPS/2
-pids=()
-for model in $PHASES; do
-  python3 -m kvcanary.cli soak --engine transformers --models "$model" --steps $(( STEPS / PROCS )) --device cuda \
-    --json >"$OUT/soak_$model.json" \
-    2> >(while IFS= read -r line; do echo "$(( $(date +%s) - start ))s $line"; done >"$OUT/soak_$model.progress") &
-  pids+=($!)
-done
-sleep "$PROBE_S"
-elapsed=$(( $(date +%s) - start ))
-for model in $PHASES; do
-  done_steps=$(grep -o 'step [0-9,]*' "$OUT/soak_$model.progress" | tail -1 | tr -dc 0-9)
-  echo "after ${elapsed}s: $model at step ${done_steps:-0}"
-  if [ -z "$done_steps" ] || [ $(( elapsed * STEPS / PROCS / done_steps )) -gt "$BUDGET_S" ]; then
-    echo "$model: projected $(( elapsed * STEPS / PROCS / ${done_steps:-1} ))s > ${BUDGET_S}s: stopped" >&2
-    kill "${pids[@]}"; wait; cat "$OUT"/soak_*.progress; exit 4
-  fi
-done
-rc=0
-for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-echo "soak exit $rc after $(( $(date +%s) - start ))s"
-for model in $PHASES; do tail -n 3 "$OUT/soak_$model.progress"; cat "$OUT/soak_$model.json"; done
-exit $rc
+RUN=${RUN:-/tmp/kvcanary-soak}
+OUT=${OUT:-$RUN}
+case ${1:-} in
+  start)
+    rm -rf "$RUN" && mkdir -p "$RUN" || exit 3
+    source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    { echo "commit ${COMMIT:-unknown} steps $STEPS"
+      nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+      python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "cuda", torch.version.cuda,
+        "triton", triton.__version__, "transformers", transformers.__version__)'
+    } >"$RUN/env.txt" 2>&1 || { cat "$RUN/env.txt"; exit 3; }
+    # shellcheck disable=SC2016  # expanded by the detached shell
+    setsid bash -c 'start=$(date +%s)
+      python3 -m kvcanary.cli soak --engine transformers --steps "$1" --device cuda --json >"$0/soak.json" \
+        2> >(while IFS= read -r line; do echo "$(( $(date +%s) - start ))s $line"; done >"$0/soak.progress")
+      echo $? >"$0/rc"' "$RUN" "$STEPS" </dev/null >/dev/null 2>&1 &
+    cat "$RUN/env.txt"
+    echo "soak started: $STEPS steps, files in $RUN"
+    ;;
+  wait)
+    deadline=$(( $(date +%s) + ${2:-560} ))
+    while [ ! -f "$RUN/rc" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    mkdir -p "$OUT" && [ "$OUT" != "$RUN" ] && cp "$RUN"/* "$OUT"/
+    tail -n 4 "$RUN/soak.progress"
+    if [ ! -f "$RUN/rc" ]; then echo "soak still running"; exit 5; fi
+    echo "soak exit $(cat "$RUN/rc")"
+    cat "$RUN/soak.json"
+    exit "$(cat "$RUN/rc")"
+    ;;
+  *) echo "usage: scripts/gpu/soak_gpu.sh start|wait [SECONDS]" >&2; exit 2 ;;
+esac
