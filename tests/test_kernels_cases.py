@@ -25,8 +25,8 @@ from test_kernels_differential import DEVICE
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
 
-# plan_verify fuses small workspaces only when asked (off by default): the twins ask, so that every other step
-# runs the fused launch and the rest the two-launch path.
+# plan_verify fuses workspaces of up to fuse_max_batch rows (8 by default): the twins ask for 32, so that every
+# other step runs the fused launch and the rest the two-launch path.
 FUSING = launchers.KernelTuning(fuse_max_batch=32)
 SMALL = launchers.KernelTuning(
     verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=3, fuse_max_batch=32
@@ -470,7 +470,8 @@ def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
         return launchers.fuses_plan(group, ws, caps.verify_entries, tuning)
 
     assert fuses(8) and fuses(32)
-    assert not fuses(8, launchers.DEFAULT_TUNING)  # off by default (launchers.KernelTuning.fuse_max_batch)
+    assert fuses(8, launchers.DEFAULT_TUNING) and not fuses(9, launchers.DEFAULT_TUNING)  # the default: 8 rows
+    assert not fuses(8, launchers.KernelTuning(fuse_max_batch=0))
     assert not fuses(33)
     with pytest.raises(ValueError, match="fuse_max_batch"):
         launchers.KernelTuning(fuse_max_batch=-1)

@@ -29,10 +29,10 @@ class KernelTuning:
     programs_per_sm: int = 4  # grid = min(work items the capacities allow, this * SM count)
     interpreter_programs: int = 3  # grid under the interpreter: few, so tests stay fast
     interpreter_polls: int = 2  # the interpreter runs programs one after another: polling cannot help there
-    # plan_verify is one launch up to this many rows (see fuses_plan).  Off (0) by default until the fused
-    # kernel's compiled suites and memcheck have run on a GPU: it passed them only under the interpreter and
-    # compiled offline for sm_90 with Triton 3.6 (its measured gain: decode b1 13.5 -> 10.9 us at 32).
-    fuse_max_batch: int = 0
+    # plan_verify is one launch up to this many rows (see fuses_plan); 0 turns it off.  8: on the H200 the fused
+    # launch took decode b1 from 12.4 to 10.9 us and a prefill step from 15.1 to 13.3 us; at 32 rows it won at
+    # b32 x 512 (15.1 -> 13.5 us) but lost at b32 x 4k (16.2 -> 16.7 us), so batches past 8 keep two launches.
+    fuse_max_batch: int = 8
 
     def __post_init__(self) -> None:
         for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
