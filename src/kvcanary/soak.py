@@ -1,13 +1,10 @@
 """``kvcanary soak``: a long randomized clean workload on a real engine, checked for silence and steadiness.
 
-Requests arrive and finish continuously on one transformers ``ContinuousBatchingManager`` (its
-``add_request`` / ``get_result`` / ``cancel_request`` API, the generation loop on its own thread):
-the soak keeps a random number of requests in flight, each a prompt drawn from the demo's pool
-(shared prefixes, exact repeats: prefix hits and cached-block reuse), two sampled sequences each
-(forks), a random number of new tokens, and cancels about one request in :data:`CANCEL_EVERY`.
-The demo's block budget forces CPU offloads and restores; its 64-token batch budget splits the long
-prompts (chunked prefill).  The steps are split between the dense model and the hybrid
-(sliding + full attention: the sliding ring wraps) one, each on its own engine and canary.
+Engine-neutral: the options, the per-step clock, the verdict and the summary.  Each engine's workload lives
+with its adapter, in the module :data:`SOAK_ENGINES` names, which exposes ``engine_version() -> str`` and
+``run_phase(model, steps, options, out) -> PhaseResult``: requests arrive, finish and are cancelled (about
+one in :data:`CANCEL_EVERY`) continuously on the real engine, with every feature it has, and the phase
+feeds a :class:`PhaseProgress` once per canary step.
 
 The verdict (exit 0) needs, in every phase: no violation, no health failure, no adapter error, and a
 steady state after warm-up (the first :data:`WARM_UP_SHARE` of the phase's steps):
@@ -22,31 +19,40 @@ steady state after warm-up (the first :data:`WARM_UP_SHARE` of the phase's steps
 from __future__ import annotations
 
 import dataclasses
-import random
+import importlib
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from typing import Any, TextIO
 
-import psutil
 import torch
 
-from kvcanary.config import CanaryConfig, Mode
 from kvcanary.ops import Backend
 
-PHASE_MODELS: tuple[str, ...] = ("dense", "hybrid")
+
+@dataclasses.dataclass(frozen=True)
+class SoakEngine:
+    module: str  # exposes engine_version() and run_phase(model, steps, options, out)
+    phases: tuple[str, ...]  # the models it can run, the default all of them, one after the other
+    needs: str  # what to install, for the refusal when it cannot run
+
+
+SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
+    {
+        "transformers": SoakEngine(
+            "kvcanary.adapters.transformers_cb.soak", ("dense", "hybrid"), "transformers 5.24.0 and psutil"
+        ),
+    }
+)
 WARM_UP_SHARE = 0.1  # of a phase's steps: kernel compilation, allocator growth, caches filling
 WINDOW_SHARE = 0.1  # of a phase's steps: the start and end windows of the per-step time
 RSS_GROWTH = 0.02
 RSS_SLACK_BYTES = 16 << 20  # allocator granularity and Python's free lists, not per-request growth
 TIME_GROWTH = 1.5
 CANCEL_EVERY = 12
-MAX_IN_FLIGHT = 12  # requests (x 2 sequences): over the block budget (offloads), a short step
-PROMPT_POOL = 256
 _PROGRESS_EVERY = 1000
-_POLL_S = 0.02
-STALL_S = 120.0  # no canary step for this long: the run failed (engine stuck, requests lost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +61,18 @@ class SoakOptions:
     seed: int = 0
     device: str = "cpu"
     backend: Backend = Backend.AUTO
-    models: tuple[str, ...] = PHASE_MODELS
+    models: tuple[str, ...] = ()  # () = every phase the engine has
+    engine: str = "transformers"
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.models if m not in PHASE_MODELS]
-        if unknown or not self.models or len(set(self.models)) != len(self.models):
-            names = ", ".join(PHASE_MODELS)
+        if self.engine not in SOAK_ENGINES:
+            raise ValueError(f"--engine takes one of {', '.join(SOAK_ENGINES)}, got {self.engine!r}")
+        phases = SOAK_ENGINES[self.engine].phases
+        if not self.models:
+            object.__setattr__(self, "models", phases)
+        unknown = [m for m in self.models if m not in phases]
+        if unknown or len(set(self.models)) != len(self.models):
+            names = ", ".join(phases)
             raise ValueError(f"--models takes distinct names from {names}, got {','.join(self.models)!r}")
         if self.steps < 20 * len(self.models):
             raise ValueError(f"--steps must be at least {20 * len(self.models)}, got {self.steps}")
@@ -142,7 +154,7 @@ class PhaseResult:
 @dataclasses.dataclass
 class SoakResult:
     options: SoakOptions
-    engine: str
+    engine: str  # the engine's version
     phases: list[PhaseResult]
 
     def failures(self) -> list[str]:
@@ -157,7 +169,7 @@ class SoakResult:
         return {
             "passed": self.passed,
             "failures": self.failures(),
-            "engine": {"name": "transformers", "version": self.engine},
+            "engine": {"name": self.options.engine, "version": self.engine},
             "steps": sum(p.steps for p in self.phases),
             "requests": sum(p.requests for p in self.phases),
             "verified_slots": total["verified_slots"],
@@ -172,6 +184,12 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / (1 << 20):.1f} MiB"
 
 
+def _rss() -> int:
+    import psutil  # an optional dependency: run_soak imports it first, so that its absence is refused early
+
+    return int(psutil.Process().memory_info().rss)
+
+
 def _device_bytes(device: str) -> int | None:
     return int(torch.cuda.memory_allocated(device)) if device.startswith("cuda") else None
 
@@ -182,101 +200,56 @@ def _split_steps(options: SoakOptions) -> list[int]:
 
 
 @dataclasses.dataclass
-class _Progress:
-    """Shared between the engine's generation thread (on_step) and the driving loop."""
+class PhaseProgress:
+    """A phase's running state, fed by :meth:`on_step` once per canary step (from whichever thread runs the
+    engine's steps) and turned into its :class:`PhaseResult` at the end."""
 
+    label: str
+    device: str
     clock: StepClock
-    canary: Any = None  # the adapter, set once installed (its on_step callback is given at install)
+    out: TextIO | None
+    # The canary's counters: verified_slots, violations, ..., and tap_us, its host time so far.  Set once
+    # the canary is installed.
+    stats: Callable[[], dict[str, int]] | None = None
     steps: int = 0
     rss_start: int = 0
     device_start: int | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
+    @classmethod
+    def for_phase(cls, label: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseProgress:
+        window = max(int(steps * WINDOW_SHARE), 5)
+        clock = StepClock(warm_up=max(int(steps * WARM_UP_SHARE), 5), window=window, total=steps)
+        return cls(label, options.device, clock, out)
 
-def _on_step(progress: _Progress, device: str, label: str, out: TextIO | None) -> Callable[..., None]:
-    def on_step(step: int, _: object) -> None:
-        progress.steps = step
-        canary = progress.canary
-        if progress.clock.wants(step):
-            progress.clock.sample(step, canary.stats()["tap_us"], time.perf_counter_ns())
-        if step == progress.clock.warm_up:
-            progress.rss_start = psutil.Process().memory_info().rss
-            progress.device_start = _device_bytes(device)
-        if out is not None and step % _PROGRESS_EVERY == 0:
-            s = canary.stats()
-            print(f"  [soak {label}] step {step:,}: {s['verified_slots']:,} slots verified, "
-                  f"{s['violations']} violations, RSS {_mib(psutil.Process().memory_info().rss)}",
-                  file=out, flush=True)  # fmt: skip
+    def on_step(self, step: int) -> None:
+        assert self.stats is not None, "PhaseProgress.stats is set when the canary is installed"
+        self.steps = step
+        if self.clock.wants(step):
+            self.clock.sample(step, self.stats()["tap_us"], time.perf_counter_ns())
+        if step == self.clock.warm_up:
+            self.rss_start = _rss()
+            self.device_start = _device_bytes(self.device)
+        if self.out is not None and step % _PROGRESS_EVERY == 0:
+            s = self.stats()
+            print(f"  [soak {self.label}] step {step:,}: {s['verified_slots']:,} slots verified, "
+                  f"{s['violations']} violations, RSS {_mib(_rss())}",
+                  file=self.out, flush=True)  # fmt: skip
 
-    return on_step
-
-
-def _drive(
-    manager: Any, progress: _Progress, target: int, rng: random.Random, prompts: list[list[int]], chunk: int
-) -> tuple[int, int, int]:
-    """Keep requests arriving and finishing until the canary ran ``target`` steps.
-
-    Returns (requests, cancelled, prompts longer than ``chunk`` tokens: prefilled in several steps)."""
-    in_flight: set[str] = set()
-    requests = cancelled = chunked = 0
-    last_step, last_progress = -1, time.monotonic()
-    while progress.steps < target:
-        if not manager.is_running():
-            raise RuntimeError("the generation thread stopped")
-        if progress.steps != last_step:
-            last_step, last_progress = progress.steps, time.monotonic()
-        elif time.monotonic() - last_progress > STALL_S:  # requests lost, or every step skipped by the canary
-            raise RuntimeError(f"no canary step in {STALL_S:.0f} s (at step {last_step})")
-        while len(in_flight) < rng.randint(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT):
-            rid = f"soak_{requests}"
-            prompt = rng.choice(prompts)
-            manager.add_request(prompt, request_id=rid, max_new_tokens=rng.randint(2, 32))
-            requests, chunked = requests + 1, chunked + (len(prompt) > chunk)
-            in_flight.add(rid)
-            if rng.randrange(CANCEL_EVERY) == 0:
-                cancel = rng.choice(sorted(in_flight))
-                manager.cancel_request(cancel)
-                in_flight.discard(cancel)  # a cancelled request delivers no final result
-                cancelled += 1
-        result = manager.get_result(timeout=_POLL_S)
-        if result is not None and result.is_finished():
-            # Forked children report as "<parent>__child#i"; the parent's own result closes it.
-            in_flight.discard(result.request_id)
-    return requests, cancelled, chunked
-
-
-def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseResult:
-    """One engine, one canary: ``steps`` canary steps of continuous arrivals on ``model_kind``."""
-    from kvcanary.adapters.transformers_cb import install
-    from kvcanary.adapters.transformers_cb.selftest.workload import build_model, build_prompts, engine_configs
-
-    model = build_model(model_kind, options.seed, options.device)
-    prompts = build_prompts(PROMPT_POOL, options.seed)
-    window = max(int(steps * WINDOW_SHARE), 5)
-    progress = _Progress(StepClock(warm_up=max(int(steps * WARM_UP_SHARE), 5), window=window, total=steps))
-    on_step = _on_step(progress, options.device, model_kind, out)
-    canary = progress.canary = install(model, CanaryConfig(mode=Mode.LOG), backend=options.backend, on_step=on_step)
-    gen, cb = engine_configs(model_kind, 32, options.seed)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)  # type: ignore[operator]
-    engine_error = None
-    started = time.perf_counter()
-    try:
-        manager.start()
-        rng = random.Random(options.seed)
-        requests, cancelled, chunked = _drive(manager, progress, steps, rng, prompts, cb.max_batch_tokens)
-    except RuntimeError as exc:
-        engine_error, requests, cancelled, chunked = str(exc), 0, 0, 0
-    finally:
-        manager.stop(block=True, timeout=30, hard_stop=True)
-        canary.flush()
-        canary.uninstall()
-    return PhaseResult(
-        model=model_kind, steps=progress.steps, requests=requests, cancelled=cancelled, stats=canary.stats(),
-        features=canary.features(), rss_start=progress.rss_start, rss_end=psutil.Process().memory_info().rss,
-        device_start=progress.device_start, device_end=_device_bytes(options.device),
-        step_us_start=_median(progress.clock.start_us), step_us_end=_median(progress.clock.end_us),
-        share_start=_median(progress.clock.start_share), share_end=_median(progress.clock.end_share),
-        seconds=time.perf_counter() - started, engine_error=engine_error, chunked_prompts=chunked,
-    )  # fmt: skip
+    def result(
+        self, *, requests: int, cancelled: int, features: dict[str, int], engine_error: str | None,
+        chunked_prompts: int = 0,
+    ) -> PhaseResult:  # fmt: skip
+        assert self.stats is not None, "PhaseProgress.stats is set when the canary is installed"
+        c = self.clock
+        return PhaseResult(
+            model=self.label, steps=self.steps, requests=requests, cancelled=cancelled, stats=self.stats(),
+            features=features, rss_start=self.rss_start, rss_end=_rss(),
+            device_start=self.device_start, device_end=_device_bytes(self.device),
+            step_us_start=_median(c.start_us), step_us_end=_median(c.end_us),
+            share_start=_median(c.start_share), share_end=_median(c.end_share),
+            seconds=time.perf_counter() - self.started, engine_error=engine_error, chunked_prompts=chunked_prompts,
+        )  # fmt: skip
 
 
 def _median(values: list[int] | list[float]) -> float:
@@ -284,21 +257,20 @@ def _median(values: list[int] | list[float]) -> float:
 
 
 def run_soak(options: SoakOptions, progress: TextIO | None = sys.stderr) -> SoakResult:
-    from kvcanary.adapters.transformers_cb.selftest.workload import quiet_engine_logs
-    from kvcanary.adapters.transformers_cb.version import check_version
+    """Every phase of ``options``, one after the other, on the engine's own soak workload."""
+    import psutil  # noqa: F401  (the RSS readings; missing: an ImportError, the environment's refusal)
 
-    engine = check_version()
-    with quiet_engine_logs():
-        phases = [
-            run_phase(m, n, options, progress) for m, n in zip(options.models, _split_steps(options), strict=True)
-        ]
-    return SoakResult(options, engine, phases)
+    engine = importlib.import_module(SOAK_ENGINES[options.engine].module)
+    version: str = engine.engine_version()
+    steps = _split_steps(options)
+    phases = [engine.run_phase(m, n, options, progress) for m, n in zip(options.models, steps, strict=True)]
+    return SoakResult(options, version, phases)
 
 
 def summary(result: SoakResult) -> str:
     o = result.options
     lines = [
-        f"kvcanary soak: transformers {result.engine}, {o.steps:,} steps over {', '.join(o.models)}, seed {o.seed}, "
+        f"kvcanary soak: {o.engine} {result.engine}, {o.steps:,} steps over {', '.join(o.models)}, seed {o.seed}, "
         f"device {o.device}, canary backend {o.backend.value}",
         f"bounds after warm-up ({WARM_UP_SHARE:.0%} of a phase): RSS growth <= {RSS_GROWTH:.0%} + "
         f"{_mib(RSS_SLACK_BYTES)}; median step time, last {WINDOW_SHARE:.0%} / first {WINDOW_SHARE:.0%} "
@@ -311,10 +283,8 @@ def summary(result: SoakResult) -> str:
             f"{p.model}: {p.steps:,} steps, {p.requests:,} requests ({p.cancelled} cancelled), "
             f"{s['verified_slots']:,} slots verified, {s['violations']} violations, "
             f"{s['health_failures']} health failures ({p.seconds:.1f} s)",
-            f"  engine features: chunked prefills {p.chunked_prompts}, prefix hits {f['prefix_hits']}, "
-            f"cached block reuse {f['cached_block_reuse']}, "
-            f"de-dup {f['dedup_swaps']}, forks {f['forks']}, offloads {f['offloads']}, restores {f['restores']}, "
-            f"soft resets {f['soft_resets']}, ring wraps {f['ring_wraps']:,}",
+            f"  engine features: chunked prefills {p.chunked_prompts}"
+            + "".join(f", {name.replace('_', ' ')} {n:,}" for name, n in f.items() if n),
             f"  host RSS {_mib(p.rss_start)} -> {_mib(p.rss_end)}; device memory {_mib(p.device_start)} -> "
             f"{_mib(p.device_end)}; canary host time per step (median) {p.step_us_start:.0f} -> "
             f"{p.step_us_end:.0f} µs ({p.share_start:.0%} -> {p.share_end:.0%} of the step)",

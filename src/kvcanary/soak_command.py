@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-ENGINES = ("transformers",)
 EPILOG = """exit codes:
   0  every phase silent (no violation, health failure or adapter error) and steady after warm-up
      (RSS growth <= 2 % + 16 MiB, median canary step time of the last 10 % of steps <= 1.5 x the first 10 %)
@@ -16,40 +15,40 @@ EPILOG = """exit codes:
 
 HELP = "a long randomized clean workload on a real engine: silent, and steady in memory and step time"
 DESCRIPTION = (
-    "Requests arrive, finish and are cancelled continuously on the engine (prefix reuse, forks, "
-    "CPU offload/restore, chunked prefill, sliding rings), the steps split between a dense and a hybrid "
-    "model, until the canary ran --steps steps; then checks silence and steadiness (see exit codes)."
+    "Requests arrive, finish and are cancelled continuously on the engine, with every feature it has (prefix "
+    "reuse, forks, offload/restore, preemption, chunked prefill, sliding rings), the steps split between the "
+    "engine's phases (models), until the canary ran --steps steps; then checks silence and steadiness (see exit "
+    "codes)."
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvcanary.cli_checks import add_device_options, add_output_options
+    from kvcanary.soak import SOAK_ENGINES
 
-    p.add_argument("--engine", choices=ENGINES, default=ENGINES[0], help="engine to run (default: transformers)")
+    p.add_argument(
+        "--engine", choices=tuple(SOAK_ENGINES), default="transformers", help="engine to run (default: transformers)"
+    )
     p.add_argument("--steps", type=int, default=5000, help="canary steps in all (default: 5000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    phases = "; ".join(f"{name} {','.join(e.phases)}" for name, e in SOAK_ENGINES.items())
     p.add_argument(
-        "--models", default="dense,hybrid",
-        help="the phases, comma-separated (default: dense,hybrid); one model per process lets a many-core host run "
-        "the phases side by side",
+        "--models", default=None,
+        help=f"the phases, comma-separated (default: every phase of the engine: {phases})",
     )  # fmt: skip
     add_device_options(p)
     add_output_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcanary.cli_checks import EXIT_ENVIRONMENT, fail, run_engine_command
+    from kvcanary.cli_checks import run_engine_command
     from kvcanary.ops import Backend
-
-    try:
-        from kvcanary.soak import SoakOptions, run_soak, summary
-    except ImportError as exc:  # psutil (the RSS readings) is missing
-        return fail(f"kvcanary soak: {exc}", EXIT_ENVIRONMENT)
+    from kvcanary.soak import SOAK_ENGINES, SoakOptions, run_soak, summary
 
     def options() -> SoakOptions:
         return SoakOptions(
             steps=args.steps, seed=args.seed, device=args.device, backend=Backend(args.backend),
-            models=tuple(args.models.split(",")),
+            models=() if args.models is None else tuple(args.models.split(",")), engine=args.engine,
         )  # fmt: skip
 
-    return run_engine_command(args, "soak", "transformers 5.24.0 and psutil", options, run_soak, summary)
+    return run_engine_command(args, "soak", SOAK_ENGINES[args.engine].needs, options, run_soak, summary)
