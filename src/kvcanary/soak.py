@@ -44,6 +44,7 @@ SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
         "transformers": SoakEngine(
             "kvcanary.adapters.transformers_cb.soak", ("dense", "hybrid"), "transformers 5.24.0 and psutil"
         ),
+        "sglang": SoakEngine("kvcanary.adapters.sglang.soak", ("dense",), "sglang 0.5.23 and psutil"),
     }
 )
 WARM_UP_SHARE = 0.1  # of a phase's steps: kernel compilation, allocator growth, caches filling
