@@ -34,10 +34,11 @@ SYSTEM_PROMPTS = 4  # shared prefixes of the pool
 MAX_NEW_TOKENS = 28  # longest prompt (36) + this stays within the loop's 64-token context
 STALL_ITERATIONS = 1000  # loop iterations without a canary step: the run failed (requests lost)
 # sglang raises its admission estimate (NewTokenRatioTracker.current) to up to 1.0 after a retraction and lets it
-# fall by about 5e-5 a decode step (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS=600 from 0.035): one retraction, then an
-# admission so careful that the pool never runs short again for thousands of steps.  The soak lets it fall by
-# this much a step instead, so admission turns optimistic again within ~20 steps and retractions keep coming.
-RATIO_DECAY = 0.05
+# fall by (init - min) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS a decode step: at the default 600 steps one retraction
+# is followed by thousands of steps of admission too careful for the pool ever to run short again.  The soak runs
+# the scheduler as a server started with SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS=1 (the fastest decay sglang allows):
+# admission turns optimistic again within ~35 steps, and retractions keep coming.
+RATIO_DECAY_STEPS = 1
 DIGEST_BUDGET = 1.0  # the KV digest verifies every read slot's bytes, every forward
 # The engine features the summary lists: the name shown <- SchedulerLoop's counter.
 FEATURES = {
@@ -192,7 +193,7 @@ def _run_phase(
 ) -> PhaseResult:  # fmt: skip
     loop.reset()
     tracker = loop.scheduler.new_token_ratio_tracker
-    sglang_decay, tracker.decay = tracker.decay, RATIO_DECAY
+    sglang_decay, tracker.decay = tracker.decay, (tracker.init - tracker.min) / RATIO_DECAY_STEPS
     progress = PhaseProgress.for_phase(label, steps, options, out)
     canary = loop.install("log", kv_canary_backend=options.backend.value, kv_canary_digest_budget=DIGEST_BUDGET)
     timer = HookTimer()
