@@ -115,12 +115,12 @@ def test_the_public_launchers_and_canary_calls_keep_their_own_checks(counted: co
     can.stamp(batch, log)
     assert counted["validate_batch"] == 3 and counted["check_state"] == 2  # verify and stamp check again
     counted.clear()
-    launchers.plan(group, batch, can.records, can.workspace, log)
+    launchers.plan(can.state(log), batch)
     assert counted["validate_batch"] == 1 and counted["check_state"] == 1
     bad = Workload().batch([(1, 4)])
     bad.positions = bad.positions.float()
     with pytest.raises(TypeError, match="positions must be int32 or int64"):
-        launchers.verify(group, bad, can.records, can.workspace, log, CAPS.verify_entries)
+        launchers.verify(can.state(log), bad, CAPS.verify_entries)
 
 
 def test_reference_path_validates_each_groups_batch_once(counted: collections.Counter[str]) -> None:
