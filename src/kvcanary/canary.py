@@ -138,8 +138,8 @@ class GroupCanary:
         self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
     ) -> None:
         """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
-        On the kernels plan and verify can share one launch (:func:`~kvcanary.ops.launchers.plan_verify`;
-        off in the default tuning until the fused kernel has run its compiled suites on a GPU)."""
+        On the kernels plan and verify share one launch for small batches
+        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`)."""
         if not self.uses_kernels:
             self.plan(batch, log, check_values=check_values, validated=validated)
             self._verify(batch, log, same_batch=True)
