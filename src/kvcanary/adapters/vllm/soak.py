@@ -29,6 +29,7 @@ MAX_NEW_TOKENS = 48
 DIGEST_BUDGET = 1.0  # the K/V bytes of every read slot, as in the self-test
 STALL_STEPS = 200  # engine steps in a row without a canary step: the engine stopped making progress
 DRAIN_STEPS = 16  # engine steps granted to the aborts of what is left at the end
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 
 # (llm, canary) -> undo: installs something on the live engine for the phase (the tests' faults)
 Arm = Callable[[Any, Any], Callable[[], None]]
@@ -57,6 +58,10 @@ def engine(seed: int) -> Iterator[Any]:
     from kvcanary.selftest.quiet import quiet_loggers
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # oneDNN's process-wide primitive cache (1,024 entries by default) keeps a kernel per GEMM shape, and the
+    # step's token count varies: without the canary, RSS climbs ~100 MiB over the first thousands of steps,
+    # which would bury the canary's own growth.  Read when oneDNN first runs: set before the engine starts.
+    os.environ.setdefault(ONEDNN_CACHE_ENV, "0")
     with tempfile.TemporaryDirectory(prefix="kvcanary-vllm-soak-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # vLLM's start-up trips deprecation notices of torch and its deps
         with quiet_loggers("vllm"):
