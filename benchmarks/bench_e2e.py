@@ -44,7 +44,7 @@ from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import reference as ref
 from kvcanary.runtime import CanaryManager
-from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 16
@@ -153,8 +153,8 @@ def build_canary(pt: Point, dev: torch.device, gen: torch.Generator) -> CanaryWo
         setup = Capacities(max_batch=pt.batch, max_tokens=pt.batch * pt.prefix, verify_entries=1)
         ws = PlanWorkspace.allocate(setup, dev, num_slots=num_slots)
         log = ViolationLog.allocate(4, dev)
-        ref.plan(group, pre, records, ws, log)
-        ref.stamp(group, pre, records, ws, log)
+        ref.plan(GroupState(group, records, ws, log), pre)
+        ref.stamp(GroupState(group, records, ws, log), pre)
         if log.total():
             raise RuntimeError(f"{pt.name}: stamping the prefixes raised violations")
     batch = StepBatch(

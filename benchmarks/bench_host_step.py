@@ -205,8 +205,7 @@ def measure_launch(groups: int, batch: int, prefix: int, steps: int, device: str
         mgr.after_forward()
 
     def verify() -> None:
-        launchers.verify(canary.group, built[0][2], canary.records, canary.workspace, log, canary.caps.verify_entries,
-                         checked=True)  # fmt: skip
+        launchers.verify(canary.state(log), built[0][2], canary.caps.verify_entries, checked=True)
 
     def forward_step() -> None:  # the same pair through forward_step: on CUDA, replays the canary's own graph
         mgr.forward_step(batches)

@@ -39,7 +39,7 @@ from kvcanary.batch import StepBatch
 from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
-from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RUN = 64  # slots per allocator run
@@ -147,8 +147,8 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
                 lookup=lut,
             )
             slog = ViolationLog.allocate(4, dev)
-            ref.plan(group, pre, records, sws, slog)
-            ref.stamp(group, pre, records, sws, slog)
+            ref.plan(GroupState(group, records, sws, slog), pre)
+            ref.stamp(GroupState(group, records, sws, slog), pre)
             if slog.total():
                 raise RuntimeError(f"{s.name}: prefix stamping raised violations")
             del sws
@@ -175,14 +175,14 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
 def kernel_step(w: World, batch: StepBatch, tuning: launchers.KernelTuning, parts: str = "step") -> None:
     """GroupCanary.step's launches (``step``: plan + verify in one launch, then stamp); for the breakdown
     also ``plan_verify`` alone and ``unfused`` (plan, verify, stamp as three launches)."""
-    state = (w.group, batch, w.records, w.ws, w.log)
+    state = GroupState(w.group, w.records, w.ws, w.log)
     if parts == "unfused":
-        launchers.plan(*state, tuning=tuning)
-        launchers.verify(*state, w.caps.verify_entries, tuning=tuning)
+        launchers.plan(state, batch, tuning=tuning)
+        launchers.verify(state, batch, w.caps.verify_entries, tuning=tuning)
     else:
-        launchers.plan_verify(*state, w.caps.verify_entries, tuning=tuning)
+        launchers.plan_verify(state, batch, w.caps.verify_entries, tuning=tuning)
     if parts != "plan_verify":
-        launchers.stamp(*state, tuning=tuning)
+        launchers.stamp(state, batch, tuning=tuning)
 
 
 def time_graph(record_steps, steps: int, replays: int) -> list[float]:
@@ -237,9 +237,9 @@ def time_reference(w: World, iters: int) -> list[float]:
         b = w.batches[i % len(w.batches)]
         sync()
         t0 = time.perf_counter()
-        ref.plan(w.group, b, w.records, w.ws, log)
-        ref.verify(w.group, b, w.records, w.ws, log, w.caps.verify_entries)
-        ref.stamp(w.group, b, w.records, w.ws, log)
+        ref.plan(GroupState(w.group, w.records, w.ws, log), b)
+        ref.verify(GroupState(w.group, w.records, w.ws, log), b, w.caps.verify_entries)
+        ref.stamp(GroupState(w.group, w.records, w.ws, log), b)
         sync()
         if i >= 2:
             out.append((time.perf_counter() - t0) * 1e6)

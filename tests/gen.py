@@ -21,7 +21,7 @@ from kvcanary.batch import StepBatch
 from kvcanary.layout import CanaryGroup, GroupKind, RecordStore
 from kvcanary.ops import reference as ref
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH, Counter
-from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
 
 MAX_ROWS = 12  # live batch rows
 MAX_STEP_TOKENS = 200
@@ -61,9 +61,9 @@ class Case:
 def run_reference(case: Case) -> Case:
     """plan, verify and stamp with the reference on a clone of ``case``; returns the clone."""
     out = case.clone()
-    ref.plan(out.group, out.batch, out.records, out.ws, out.log)
-    ref.verify(out.group, out.batch, out.records, out.ws, out.log, out.caps.verify_entries)
-    ref.stamp(out.group, out.batch, out.records, out.ws, out.log)
+    ref.plan(GroupState(out.group, out.records, out.ws, out.log), out.batch)
+    ref.verify(GroupState(out.group, out.records, out.ws, out.log), out.batch, out.caps.verify_entries)
+    ref.stamp(GroupState(out.group, out.records, out.ws, out.log), out.batch)
     return out
 
 
@@ -481,9 +481,9 @@ def _warm_up(rng: random.Random, world: _World, records: RecordStore) -> None:
             continue
         raw = _step_batch(rng, world, chunks, padding_rows=0, with_truth=False)
         batch = raw.to_batch(rng)
-        ref.plan(world.group, batch, records, ws, log)
-        ref.verify(world.group, batch, records, ws, log, caps.verify_entries)
-        ref.stamp(world.group, batch, records, ws, log)
+        ref.plan(GroupState(world.group, records, ws, log), batch)
+        ref.verify(GroupState(world.group, records, ws, log), batch, caps.verify_entries)
+        ref.stamp(GroupState(world.group, records, ws, log), batch)
     if log.total():
         raise RuntimeError(f"warm-up is not clean: {log.rows().tolist()}")
 

@@ -3,7 +3,13 @@ emulation of a CUDA-graph replay on the CPU (the manager's device work run alone
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import socket
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from kvcanary import CanaryConfig, CanaryGroup, Capacities, Mode, StepBatch
 from kvcanary.runtime import CanaryManager, StepReport
@@ -100,3 +106,18 @@ def replay(mgr: CanaryManager, batch: StepBatch, before: bool = True, after: boo
         mgr._work.before([batch])
     if after:
         mgr._work.after()
+
+
+@contextlib.contextmanager
+def gloo_world() -> Iterator[dist.ProcessGroup]:
+    """A one-rank gloo world on a free local port, destroyed on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+    )
+    try:
+        yield dist.group.WORLD  # type: ignore[misc]
+    finally:
+        dist.destroy_process_group()

@@ -24,7 +24,7 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.batch import StepBatch
-from transformers_helpers import PAGE, STRIDE, FakeEngine
+from transformers_helpers import PAGE, STRIDE, FakeEngine, kwargs_to
 
 # Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
 _NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "unsqueeze", "select", "scalar_tensor"}
@@ -60,7 +60,7 @@ def decode_step(n_requests: int, window: int, device: str = "cpu") -> tuple[Fake
     eng = FakeEngine(g, tables, tokens)
     tr = StepTranslator([g], max_batch=4, max_context=32, device=device)
     kwargs, host = eng.step(dict.fromkeys(rids, 7))
-    tr.translate(_to(kwargs, device), host)
+    tr.translate(kwargs_to(kwargs, device), host)
     return eng, tr
 
 
@@ -138,19 +138,6 @@ def test_staging_sends_typed_aligned_views_and_grows() -> None:
         st.send([np.zeros(2, dtype=np.float32)])
 
 
-def _to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(device)
-        if isinstance(x, list):
-            return [move(v) for v in x]
-        if isinstance(x, dict):
-            return {k: move(v) for k, v in x.items()}
-        return x
-
-    return {k: move(v) for k, v in kwargs.items()}
-
-
 @contextlib.contextmanager
 def sync_debug(mode: str) -> Iterator[None]:
     """torch's CUDA sync-debug mode for a block, whatever it was before (it is process-wide)."""
@@ -173,7 +160,7 @@ def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> Non
         eng, cpu = decode_step(4, window)
         _, gpu = decode_step(4, window, device="cuda")
         steps = [eng.step(dict.fromkeys(eng.tables, 1)) for _ in range(6)]
-        cuda_steps = [(_to(kw, "cuda"), host) for kw, host in steps]
+        cuda_steps = [(kwargs_to(kw, "cuda"), host) for kw, host in steps]
         torch.cuda.synchronize()
     outs = []
     with sync_debug("error"):

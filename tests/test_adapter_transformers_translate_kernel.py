@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
-from transformers_helpers import PAGE, FakeEngine, geometry
+from transformers_helpers import PAGE, FakeEngine, geometry, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,22 +33,9 @@ def engine(window: int, n: int) -> FakeEngine:
     return FakeEngine(g, tables, tokens)
 
 
-def to_device(kwargs: dict[str, Any]) -> dict[str, Any]:
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(DEVICE)
-        if isinstance(x, list):
-            return [move(v) for v in x]
-        if isinstance(x, dict):
-            return {k: move(v) for k, v in x.items()}
-        return x
-
-    return {k: move(v) for k, v in kwargs.items()}
-
-
 def same_translation(torch_tr: StepTranslator, kernel_tr: StepTranslator, kwargs: dict[str, Any], host: Any) -> None:
-    want = torch_tr.translate(to_device(kwargs), host)
-    got = kernel_tr.translate(to_device(kwargs), host)
+    want = torch_tr.translate(kwargs_to(kwargs, DEVICE), host)
+    got = kernel_tr.translate(kwargs_to(kwargs, DEVICE), host)
     for name, wb in want.batches.items():
         gb = got.batches[name]
         for field, w in wb.tensors().items():

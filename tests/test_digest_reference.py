@@ -20,7 +20,7 @@ from kvcanary.layout import RecordStore
 from kvcanary.ops import digest_reference as dref
 from kvcanary.ops import reference as ref
 from kvcanary.schema import Field, Phase, Reason
-from kvcanary.workspace import PlanWorkspace, ViolationLog
+from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 
 
 def _digests(pool: dc.Pool) -> torch.Tensor:
@@ -150,7 +150,7 @@ def planned_step(
     batch = StepBatch(**{k: v.to(device) for k, v in parts.items()})
     caps = Capacities(max_batch=max(b, 1), max_tokens=max(b, 1), verify_entries=sum(prefix) + 1)
     ws = PlanWorkspace.allocate(caps, device, num_slots=num_slots)
-    ref.plan(group, batch, RecordStore.allocate(num_slots, device), ws, ViolationLog.allocate(8, device))
+    ref.plan(GroupState(group, RecordStore.allocate(num_slots, device), ws, ViolationLog.allocate(8, device)), batch)
     return group, batch, ws
 
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import pickle
 import re
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +16,7 @@ from kvcanary.runtime import CanaryManager, StepReport
 from kvcanary.runtime.distributed import DistributedCanary, RankedViolation, RankVerdict
 from kvcanary.runtime.exchange import VerdictExchange
 from kvcanary.runtime.verdict import portable_bytes
-from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot, gloo_world
 
 GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
 
@@ -32,16 +30,8 @@ def test_needs_an_initialized_process_group() -> None:
 
 @pytest.fixture
 def world() -> Iterator[dist.ProcessGroup]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
-    )
-    try:
-        yield dist.group.WORLD  # type: ignore[misc]
-    finally:
-        dist.destroy_process_group()
+    with gloo_world() as group:
+        yield group
 
 
 def make(world: dist.ProcessGroup, mode: Mode, **kw: object) -> DistributedCanary:

@@ -20,7 +20,7 @@ from kvcanary.layout import RecordStore
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
 from kvcanary.schema import NOT_STORED, Counter, Reason
-from kvcanary.workspace import PlanWorkspace, ViolationLog
+from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 from test_kernels_differential import DEVICE
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
@@ -126,10 +126,8 @@ class Twin:
             ref_phases = ("plan", "verify") if phase == "plan_verify" else (phase,)
             for p in ref_phases:
                 p_args = (self.caps.verify_entries,) if p == "verify" else ()
-                getattr(ref, p)(self.group, batch, self.ref.records, self.ref.ws, self.ref.log, *p_args)
-            getattr(launchers, phase)(
-                self.group, dev_batch, self.dev.records, self.dev.ws, self.dev.log, *args, tuning=self.tuning
-            )
+                getattr(ref, p)(self.ref.of(self.group), batch, *p_args)
+            getattr(launchers, phase)(self.dev.of(self.group), dev_batch, *args, tuning=self.tuning)
             self.ref.assert_equal(self.dev, batch.batch_size, phase)
         new = self.ref.log.clone()
         new.counters[Counter.VIOLATIONS] -= before
@@ -150,6 +148,9 @@ class _State:
             PlanWorkspace.allocate(caps, dev, num_slots=group.num_slots),
             ViolationLog.allocate(caps.log_rows, dev),
         )
+
+    def of(self, group: CanaryGroup) -> GroupState:
+        return GroupState(group, self.records, self.ws, self.log)
 
     def assert_equal(self, other: _State, b: int, phase: str) -> None:
         pairs = {
@@ -421,8 +422,8 @@ def test_slot_written_twice_holds_one_of_the_writes() -> None:
     batch.out_cache_loc[4] = batch.out_cache_loc[1]
     dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
     for impl, st, bt in ((ref, ref_state, batch), (launchers, dev_state, dev_batch)):
-        impl.plan(world.group, bt, st.records, st.ws, st.log)
-        impl.stamp(world.group, bt, st.records, st.ws, st.log)
+        impl.plan(st.of(world.group), bt)
+        impl.stamp(st.of(world.group), bt)
     slot = int(batch.out_cache_loc[1])
     keep = torch.ones(world.group.num_slots, dtype=torch.bool)
     keep[slot] = False
@@ -445,16 +446,16 @@ def test_launchers_refuse_bad_metadata_before_running() -> None:
     counters = st.log.counters.clone()
     bad_records = RecordStore(st.records.tokens.long(), st.records.positions, st.records.links)
     with pytest.raises(TypeError, match=r"records\.tokens"):
-        launchers.plan(world.group, batch, bad_records, st.ws, st.log)
+        launchers.plan(GroupState(world.group, bad_records, st.ws, st.log), batch)
     with pytest.raises(ValueError, match="capacity"):
-        launchers.verify(world.group, batch, st.records, st.ws, st.log, 10**9)
+        launchers.verify(st.of(world.group), batch, 10**9)
     with pytest.raises(ValueError, match="capacity"):
-        launchers.verify(world.group, batch, st.records, st.ws, st.log, 0)
+        launchers.verify(st.of(world.group), batch, 0)
     with pytest.raises(ValueError, match="capacity"):
-        launchers.plan_verify(world.group, batch, st.records, st.ws, st.log, 10**9)
+        launchers.plan_verify(st.of(world.group), batch, 10**9)
     short = dataclasses.replace(batch, positions=batch.positions[:1])
     with pytest.raises(ValueError, match="positions"):
-        launchers.stamp(world.group, short, st.records, st.ws, st.log)
+        launchers.stamp(st.of(world.group), short)
     with pytest.raises(ValueError, match="verify_block"):
         launchers.KernelTuning(verify_block=100)
     assert torch.equal(st.log.counters, counters)

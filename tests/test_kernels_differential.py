@@ -22,7 +22,7 @@ from kvcanary.batch import StepBatch
 from kvcanary.layout import RecordStore
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
-from kvcanary.workspace import PlanWorkspace, ViolationLog
+from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 
 # Without CUDA the kernels run under the Triton interpreter on CPU tensors (conftest.py switches it on);
 # with CUDA they run compiled.  The reference always runs on the CPU.
@@ -50,14 +50,14 @@ def to_device(case: gen.Case, dev: torch.device, *, index_dtype: torch.dtype | N
 def run_phase(impl: str, case: gen.Case, phase: str, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> None:
     """``plan_verify``: the reference's plan then verify, the kernels' one fused launch."""
     args = (case.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
-    state = (case.group, case.batch, case.records, case.ws, case.log)
+    state = GroupState(case.group, case.records, case.ws, case.log)
     if impl == "ref" and phase == "plan_verify":
-        ref.plan(*state)
-        ref.verify(*state, *args)
+        ref.plan(state, case.batch)
+        ref.verify(state, case.batch, *args)
     elif impl == "ref":
-        getattr(ref, phase)(*state, *args)
+        getattr(ref, phase)(state, case.batch, *args)
     else:
-        getattr(launchers, phase)(*state, *args, tuning=tuning)
+        getattr(launchers, phase)(state, case.batch, *args, tuning=tuning)
 
 
 def rewritten_slots(case: gen.Case, *, use_oracle: bool = True) -> dict[int, list[tuple[int, int, int]]]:

@@ -50,9 +50,9 @@ def _refill(static: StepBatch, batch: StepBatch) -> None:
 
 
 def _run(group: CanaryGroup, batch: StepBatch, st: _State, caps: Capacities) -> None:
-    launchers.plan(group, batch, st.records, st.ws, st.log)
-    launchers.verify(group, batch, st.records, st.ws, st.log, caps.verify_entries)
-    launchers.stamp(group, batch, st.records, st.ws, st.log)
+    launchers.plan(st.of(group), batch)
+    launchers.verify(st.of(group), batch, caps.verify_entries)
+    launchers.stamp(st.of(group), batch)
 
 
 @pytest.mark.parametrize("shape", [{}, {"window": 9, "lookup": True}], ids=["full", "window-lookup"])
@@ -85,9 +85,9 @@ def test_graph_replay_matches_eager_and_reference(shape: dict[str, int]) -> None
         _refill(static, batch)
         graph.replay()
         _run(group, _static_like(batch), eager_st, caps)
-        ref.plan(group, batch, ref_st.records, ref_st.ws, ref_st.log)
-        ref.verify(group, batch, ref_st.records, ref_st.ws, ref_st.log, caps.verify_entries)
-        ref.stamp(group, batch, ref_st.records, ref_st.ws, ref_st.log)
+        ref.plan(ref_st.of(group), batch)
+        ref.verify(ref_st.of(group), batch, caps.verify_entries)
+        ref.stamp(ref_st.of(group), batch)
         torch.cuda.synchronize()
         eager_st.assert_equal(graph_st, batch.batch_size, f"graph step {step} vs eager")
         ref_st.assert_equal(graph_st, batch.batch_size, f"graph step {step} vs reference")

@@ -62,9 +62,9 @@ def _run_both(world: World, caps, batch: StepBatch, dup_slot: int):  # type: ign
     for impl, bt, dev in ((ref, batch, torch.device("cpu")), (launchers, dev_batch, DEVICE)):
         st = _State.make(world.group, caps, dev)
         kw = {"tuning": SMALL} if impl is launchers else {}
-        impl.plan(world.group, bt, st.records, st.ws, st.log, **kw)
-        impl.verify(world.group, bt, st.records, st.ws, st.log, caps.verify_entries, **kw)
-        impl.stamp(world.group, bt, st.records, st.ws, st.log, **kw)
+        impl.plan(st.of(world.group), bt, **kw)
+        impl.verify(st.of(world.group), bt, caps.verify_entries, **kw)
+        impl.stamp(st.of(world.group), bt, **kw)
         states.append(st)
     a, b = states
     for x, y in ((a.log.counters, b.log.counters), (a.log.first, b.log.first), (a.log.last, b.log.last)):

@@ -4,8 +4,6 @@ the multi-rank behaviour is in tests/test_distributed.py and the engines' own te
 
 from __future__ import annotations
 
-import datetime
-import socket
 import types
 from collections.abc import Iterator
 
@@ -15,7 +13,7 @@ import torch.distributed as dist
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryManager, CanaryViolation, StepReport, ranked
 from kvcanary.runtime.distributed import RankedViolation
-from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
+from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot, gloo_world
 
 GROUPS = [CanaryGroup(num_slots=NUM_SLOTS, name="full")]
 IDS = ["req-a", "req-b"]
@@ -23,16 +21,8 @@ IDS = ["req-a", "req-b"]
 
 @pytest.fixture
 def world() -> Iterator[dist.ProcessGroup]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
-    )
-    try:
-        yield dist.group.WORLD  # type: ignore[misc]
-    finally:
-        dist.destroy_process_group()
+    with gloo_world() as group:
+        yield group
 
 
 def coordinator(size: int, cpu: object = None, device: object = None) -> types.SimpleNamespace:

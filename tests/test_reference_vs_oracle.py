@@ -18,6 +18,7 @@ import gen
 import oracle
 from kvcanary.ops import reference as ref
 from kvcanary.schema import NUM_REASONS, Counter, Field, Reason
+from kvcanary.workspace import GroupState
 
 EXAMPLES = 320  # per test; two tests (clean, corrupted) give 640 random batches
 
@@ -33,17 +34,17 @@ _SETTINGS = settings(
 def _compare_phases(case: gen.Case) -> None:
     """Run both implementations phase by phase on clones of ``case``; fail on the first difference."""
     a, b = case.clone(), case.clone()
-    ref.plan(a.group, a.batch, a.records, a.ws, a.log)
+    ref.plan(GroupState(a.group, a.records, a.ws, a.log), a.batch)
     oracle.plan(b.group, b.batch, b.records, b.ws, b.log)
     diffs = gen.diff_outputs(a, b)
     assert not diffs, f"plan: {case.describe()}\n" + "\n".join(diffs)
 
-    ref.verify(a.group, a.batch, a.records, a.ws, a.log, a.caps.verify_entries)
+    ref.verify(GroupState(a.group, a.records, a.ws, a.log), a.batch, a.caps.verify_entries)
     oracle.verify(b.group, b.batch, b.records, b.ws, b.log, b.caps.verify_entries)
     diffs = gen.diff_outputs(a, b)
     assert not diffs, f"verify: {case.describe()}\n" + "\n".join(diffs)
 
-    ref.stamp(a.group, a.batch, a.records, a.ws, a.log)
+    ref.stamp(GroupState(a.group, a.records, a.ws, a.log), a.batch)
     twice = oracle.stamp(b.group, b.batch, b.records, b.ws, b.log)
     diffs = gen.diff_outputs(a, b, skip_slots=twice)
     assert not diffs, f"stamp: {case.describe()}\n" + "\n".join(diffs)

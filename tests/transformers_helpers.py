@@ -95,3 +95,18 @@ def tiny_generate(model: torch.nn.Module, n: int = 4) -> dict[str, object]:
     cb = ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=32, max_requests_per_batch=4)
     with quiet_engine_logs():
         return model.generate_batch(build_prompts(n), generation_config=gen, continuous_batching_config=cb)
+
+
+def kwargs_to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """The engine's forward kwargs with every tensor (in lists and dicts too) moved to ``device``."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, list):
+            return [move(v) for v in x]
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return {k: move(v) for k, v in kwargs.items()}

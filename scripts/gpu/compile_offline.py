@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 import gen
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
+from kvcanary.workspace import GroupState
 
 _TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8"}
 
@@ -73,13 +74,13 @@ def main() -> int:
     tunings = (launchers.DEFAULT_TUNING, launchers.KernelTuning(verify_block=128, stamp_block=128, carry_block=128))
     for seed in range(n):
         case = gen.random_case(seed, corrupt=seed % 2 == 0)
-        state = (case.group, case.batch, case.records, case.ws, case.log)
+        state = GroupState(case.group, case.records, case.ws, case.log)
         for tuning in tunings:
-            launchers.plan_verify(*state, case.caps.verify_entries, tuning=tuning)
-            launchers.plan(*state, tuning=tuning)
-            launchers.verify(*state, case.caps.verify_entries, tuning=tuning)
-            launchers.stamp(*state, tuning=tuning)
-        ref.plan(*state)
+            launchers.plan_verify(state, case.batch, case.caps.verify_entries, tuning=tuning)
+            launchers.plan(state, case.batch, tuning=tuning)
+            launchers.verify(state, case.batch, case.caps.verify_entries, tuning=tuning)
+            launchers.stamp(state, case.batch, tuning=tuning)
+        ref.plan(state, case.batch)
     target = GPUTarget("cuda", 90, 32)
     failures = 0
     for (kname, _s, _c, warps), (sig, consts, _w) in sorted(seen.items(), key=lambda kv: str(kv[0])):

@@ -9,7 +9,7 @@ from kvcanary.batch import StepBatch, validate_batch
 from kvcanary.layout import CanaryGroup, RecordStore
 from kvcanary.ops import Backend
 from kvcanary.ops import reference as ref
-from kvcanary.workspace import Capacities, PlanWorkspace, ViolationLog
+from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -63,6 +63,10 @@ class GroupCanary:
     def new_log(self) -> ViolationLog:
         return ViolationLog.allocate(self.caps.log_rows, self.device)
 
+    def state(self, log: ViolationLog) -> GroupState:
+        """This group's state for an operation whose violations go to ``log``."""
+        return GroupState(self.group, self.records, self.workspace, log)
+
     def validate(self, batch: StepBatch, check_values: bool | None = None, *, engine_values: bool = True) -> None:
         """``engine_values=False``: leave lengths and rows to the plan, which reports them as violations."""
         if check_values is None:
@@ -99,9 +103,9 @@ class GroupCanary:
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.plan(self.group, batch, self.records, self.workspace, log, checked=True)
+            launchers.plan(self.state(log), batch, checked=True)
         else:
-            ref.plan(self.group, batch, self.records, self.workspace, log)
+            ref.plan(self.state(log), batch)
 
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Check the entries of the last :meth:`plan` (same batch)."""
@@ -113,11 +117,9 @@ class GroupCanary:
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.verify(
-                self.group, batch, self.records, self.workspace, log, self.caps.verify_entries, checked=same_batch
-            )
+            launchers.verify(self.state(log), batch, self.caps.verify_entries, checked=same_batch)
         else:
-            ref.verify(self.group, batch, self.records, self.workspace, log, self.caps.verify_entries)
+            ref.verify(self.state(log), batch, self.caps.verify_entries)
 
     def stamp(self, batch: StepBatch, log: ViolationLog) -> None:
         """Stamp the tokens written this step (same batch as the last :meth:`plan`)."""
@@ -128,16 +130,16 @@ class GroupCanary:
         if self.uses_kernels:
             from kvcanary.ops import launchers
 
-            launchers.stamp(self.group, batch, self.records, self.workspace, log, checked=same_batch)
+            launchers.stamp(self.state(log), batch, checked=same_batch)
         else:
-            ref.stamp(self.group, batch, self.records, self.workspace, log)
+            ref.stamp(self.state(log), batch)
 
     def step(
         self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
     ) -> None:
         """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
-        On the kernels plan and verify can share one launch (:func:`~kvcanary.ops.launchers.plan_verify`;
-        off in the default tuning until the fused kernel has run its compiled suites on a GPU)."""
+        On the kernels plan and verify share one launch for small batches
+        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`)."""
         if not self.uses_kernels:
             self.plan(batch, log, check_values=check_values, validated=validated)
             self._verify(batch, log, same_batch=True)
@@ -149,9 +151,9 @@ class GroupCanary:
         if not validated:
             self.validate(batch, check_values)
         self._planned = _shape_key(batch)
-        args = (self.group, batch, self.records, self.workspace, log)
-        launchers.plan_verify(*args, self.caps.verify_entries, checked=True)
-        launchers.stamp(*args, checked=True)
+        state = self.state(log)
+        launchers.plan_verify(state, batch, self.caps.verify_entries, checked=True)
+        launchers.stamp(state, batch, checked=True)
 
 
 def _shape_key(batch: StepBatch) -> tuple[int, int]:

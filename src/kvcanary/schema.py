@@ -10,23 +10,26 @@ import enum
 
 
 class Reason(enum.IntFlag):
-    LINK_MISMATCH = 1 << 0
-    POSITION_MISMATCH = 1 << 1
-    TOKEN_MISMATCH = 1 << 2
-    NEVER_WRITTEN = 1 << 3
-    RESERVED_SLOT = 1 << 4
-    SLOT_OUT_OF_RANGE = 1 << 5
-    PREDECESSOR_OUT_OF_RANGE = 1 << 6
-    LOOKUP_OUT_OF_RANGE = 1 << 7
-    SEED_OUT_OF_RANGE = 1 << 8
-    WRITE_POSITION_MISMATCH = 1 << 9
-    WRITE_TOKEN_MISMATCH = 1 << 10
-    ROW_OUT_OF_RANGE = 1 << 11
-    LENGTH_OUT_OF_RANGE = 1 << 12
-    WRITE_INTO_LIVE_SLOT = 1 << 13  # a write lands on a slot attention reads as live this step
-    DUPLICATE_WRITE = 1 << 14  # two tokens of one step write one slot
-    NEW_READ_MISMATCH = 1 << 15  # a new token's table entry does not resolve to the slot it writes
-    DIGEST_MISMATCH = 1 << 16  # a slot's K/V bytes no longer match the digest stamped when they landed
+    """Bit i is the i-th member (``auto``), which is also its counter's index and its place in ``REASONS``:
+    logs and kernels store these bits, so a new reason goes last and none is ever reordered."""
+
+    LINK_MISMATCH = enum.auto()
+    POSITION_MISMATCH = enum.auto()
+    TOKEN_MISMATCH = enum.auto()
+    NEVER_WRITTEN = enum.auto()
+    RESERVED_SLOT = enum.auto()
+    SLOT_OUT_OF_RANGE = enum.auto()
+    PREDECESSOR_OUT_OF_RANGE = enum.auto()
+    LOOKUP_OUT_OF_RANGE = enum.auto()
+    SEED_OUT_OF_RANGE = enum.auto()
+    WRITE_POSITION_MISMATCH = enum.auto()
+    WRITE_TOKEN_MISMATCH = enum.auto()
+    ROW_OUT_OF_RANGE = enum.auto()
+    LENGTH_OUT_OF_RANGE = enum.auto()
+    WRITE_INTO_LIVE_SLOT = enum.auto()  # a write lands on a slot attention reads as live this step
+    DUPLICATE_WRITE = enum.auto()  # two tokens of one step write one slot
+    NEW_READ_MISMATCH = enum.auto()  # a new token's table entry does not resolve to the slot it writes
+    DIGEST_MISMATCH = enum.auto()  # a slot's K/V bytes no longer match the digest stamped when they landed
 
 
 REASONS: tuple[Reason, ...] = tuple(Reason)

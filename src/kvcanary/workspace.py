@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from kvcanary import hashing
 from kvcanary.arguments import require_int
+from kvcanary.layout import CanaryGroup, RecordStore
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH, Counter, Field
 
 
@@ -182,3 +184,13 @@ class ViolationLog:
     def rows_with(self, field: Field, value: int) -> torch.Tensor:
         rows = self.rows()
         return rows[rows[:, field] == value]
+
+
+class GroupState(NamedTuple):
+    """What plan, verify and stamp work on besides the step's batch: the group, its records and plan
+    workspace, and the log their violations go to (the reference and the kernels take it alike)."""
+
+    group: CanaryGroup
+    records: RecordStore
+    ws: PlanWorkspace
+    log: ViolationLog

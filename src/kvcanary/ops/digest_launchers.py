@@ -10,6 +10,7 @@ tensors must stay allocated (and in place) while it is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -212,39 +213,28 @@ def _launch(
 
 
 def _list(
-    group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
-    locs: torch.Tensor, lookup: torch.Tensor | None, report_range: bool, stamp: bool, tuning: DigestTuning,
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    locs: torch.Tensor, *, stamp: bool, lookup: torch.Tensor | None = None, report_range: bool = False,
+    tuning: DigestTuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
-    _check(group, dl, digests, ws, log)
+    """digest_reference.stamp_list (``stamp``) or verify_list on device: one kernel launch, told by its STAMP flag."""
+    _check(group, layout, digests, ws, log)
     if not isinstance(locs, torch.Tensor) or locs.dim() != 1 or locs.dtype not in (torch.int32, torch.int64):
         raise TypeError("locs must be a 1-D int32/int64 tensor")
-    if locs.device != dl.layout.device or not locs.is_contiguous():
-        raise ValueError(f"locs must be contiguous on {dl.layout.device}")
+    if locs.device != layout.layout.device or not locs.is_contiguous():
+        raise ValueError(f"locs must be contiguous on {layout.layout.device}")
     tiles = -(-int(locs.shape[0]) // TILE_TOKENS)
     if tiles * TILE_TOKENS > ws.entries:
         raise ValueError(f"{locs.shape[0]} entries exceed the digest workspace ({ws.entries} entries)")
     _launch(
-        group, dl, digests, ws, log, locs=locs, lookup=lookup, batch=None, plan_ws=None, stamp=stamp,
+        group, layout, digests, ws, log, locs=locs, lookup=lookup, batch=None, plan_ws=None, stamp=stamp,
         report_range=report_range, period=1, max_tiles=tiles, tuning=tuning,
     )  # fmt: skip
 
 
-def stamp_list(
-    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
-    locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
-    tuning: DigestTuning = DEFAULT_TUNING,
-) -> None:  # fmt: skip
-    """digest_reference.stamp_list on device."""
-    _list(group, layout, digests, ws, log, locs, lookup, report_range, True, tuning)
-
-
-def verify_list(
-    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
-    locs: torch.Tensor, *, lookup: torch.Tensor | None = None, report_range: bool = False,
-    tuning: DigestTuning = DEFAULT_TUNING,
-) -> None:  # fmt: skip
-    """digest_reference.verify_list on device."""
-    _list(group, layout, digests, ws, log, locs, lookup, report_range, False, tuning)
+# The reference's two list calls are one launch here, apart from the kernel's STAMP flag.
+stamp_list = functools.partial(_list, stamp=True)
+verify_list = functools.partial(_list, stamp=False)
 
 
 def verify_planned(

@@ -21,7 +21,7 @@ import os
 import torch
 
 from kvcanary.batch import StepBatch, validate_batch
-from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.layout import CanaryGroup
 from kvcanary.ops.kernel_tuning import (  # KernelTuning, DEFAULT_TUNING, fuses_plan: also public here
     DEFAULT_TUNING,
     KernelTuning,
@@ -36,7 +36,7 @@ from kvcanary.ops.kernels.plan import plan_kernel
 from kvcanary.ops.kernels.stamp import stamp_kernel
 from kvcanary.ops.kernels.verify import verify_kernel
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
-from kvcanary.workspace import PlanWorkspace, ViolationLog
+from kvcanary.workspace import GroupState, PlanWorkspace
 
 _SYNC_WORDS = 4  # per phase: the sync scratch words of one kernel (see kernels/log.py)
 _VERIFY_SYNC = 0
@@ -61,8 +61,11 @@ def _check_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ..
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> torch.device:
+def _check_state(state: GroupState) -> torch.device:
     """The canary's own state: records, workspace and log on one device with consistent shapes."""
+    if not isinstance(state, GroupState):
+        raise TypeError(f"state must be a kvcanary.workspace.GroupState, got {type(state).__name__}")
+    group, records, ws, log = state
     if not isinstance(group, CanaryGroup):
         raise TypeError(f"group must be a CanaryGroup, got {type(group).__name__}")
     dev = records.links.device
@@ -102,16 +105,14 @@ def _check_state(group: CanaryGroup, records: RecordStore, ws: PlanWorkspace, lo
     return dev
 
 
-def _checked_device(
-    group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog, checked: bool
-) -> torch.device:
+def _checked_device(state: GroupState, batch: StepBatch, checked: bool) -> torch.device:
     """The device of the canary's state, after the host checks (``checked``: the caller -- a
     :class:`~kvcanary.canary.GroupCanary`, which allocated the state -- validated this batch this step)."""
     if not checked:
-        dev = _check_state(group, records, ws, log)
-        _check_batch(group, batch, ws, dev)
+        dev = _check_state(state)
+        _check_batch(state.group, batch, state.ws, dev)
         return dev
-    dev = records.links.device
+    dev = state.records.links.device
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the kernels got CPU tensors: set TRITON_INTERPRET=1 before importing kvcanary.ops.kernels")
     return dev
@@ -155,18 +156,10 @@ def _lookup(batch: StepBatch, dummy: torch.Tensor) -> tuple[torch.Tensor, int, b
 # --------------------------------------------------------------------------- the three operations
 
 
-def plan(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    *,
-    tuning: KernelTuning = DEFAULT_TUNING,
-    checked: bool = False,
-) -> None:
+def plan(state: GroupState, batch: StepBatch, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False) -> None:
     """reference.plan on device (one program; the batch is small next to its verify work)."""
-    _checked_device(group, batch, records, ws, log, checked)
+    _checked_device(state, batch, checked)
+    group, records, ws, log = state
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
@@ -185,41 +178,25 @@ def plan(
 
 
 def verify(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    capacity: int,
-    *,
-    tuning: KernelTuning = DEFAULT_TUNING,
-    checked: bool = False,
+    state: GroupState, batch: StepBatch, capacity: int, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False
 ) -> None:
     """reference.verify on device: entries of the last plan, up to ``capacity`` (the rest counted skipped)."""
-    dev = _checked_device(group, batch, records, ws, log, checked)
-    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+    dev = _checked_device(state, batch, checked)
+    _launch_verify(state, batch, capacity, tuning, dev, fused=False)
 
 
 def plan_verify(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    capacity: int,
-    *,
-    tuning: KernelTuning = DEFAULT_TUNING,
-    checked: bool = False,
+    state: GroupState, batch: StepBatch, capacity: int, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False
 ) -> None:
     """reference.plan then reference.verify, in one launch where :func:`fuses_plan` (else two): the same
     workspace, records and log as the two calls (the plan's log rows before verify's)."""
-    dev = _checked_device(group, batch, records, ws, log, checked)
-    _check_capacity(ws, group, capacity, tuning)  # before the plan changes anything
-    if not fuses_plan(group, ws, capacity, tuning):
-        plan(group, batch, records, ws, log, tuning=tuning, checked=True)
-        _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=False)
+    dev = _checked_device(state, batch, checked)
+    _check_capacity(state.ws, state.group, capacity, tuning)  # before the plan changes anything
+    if not fuses_plan(state.group, state.ws, capacity, tuning):
+        plan(state, batch, tuning=tuning, checked=True)
+        _launch_verify(state, batch, capacity, tuning, dev, fused=False)
         return
-    _launch_verify(group, batch, records, ws, log, capacity, tuning, dev, fused=True)
+    _launch_verify(state, batch, capacity, tuning, dev, fused=True)
 
 
 def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning: KernelTuning) -> int:
@@ -237,17 +214,9 @@ def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning
 
 
 def _launch_verify(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    capacity: int,
-    tuning: KernelTuning,
-    dev: torch.device,
-    *,
-    fused: bool,
+    state: GroupState, batch: StepBatch, capacity: int, tuning: KernelTuning, dev: torch.device, *, fused: bool
 ) -> None:
+    group, records, ws, log = state
     max_items = _check_capacity(ws, group, capacity, tuning)
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
@@ -271,23 +240,15 @@ def _launch_verify(
     )  # fmt: skip
 
 
-def stamp(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    *,
-    tuning: KernelTuning = DEFAULT_TUNING,
-    checked: bool = False,
-) -> None:
+def stamp(state: GroupState, batch: StepBatch, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False) -> None:
     """reference.stamp on device: records of the tokens of active rows, chained from the plan's seeds.
 
     Two tokens of one step that write the same slot are both reported (``duplicate_write``); which record
     survives is unspecified, and here each of the three fields holds one of the writes (they are stored
     separately, so the record may mix them; the next verify reports a mixed record too).
     """
-    dev = _checked_device(group, batch, records, ws, log, checked)
+    dev = _checked_device(state, batch, checked)
+    group, records, ws, log = state
     max_b = int(ws.row_state.shape[0])
     max_tokens = int(ws.mult_powers.shape[0]) - 1
     max_items = -(-max_tokens // tuning.stamp_block) + max_b

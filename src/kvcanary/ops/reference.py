@@ -24,7 +24,7 @@ from kvcanary.ops.resolution import (  # noqa: F401  (re-exported: the reference
     through_lookup,
 )
 from kvcanary.schema import NUM_REASONS, ROW_WIDTH, UNKNOWN_TOKEN, Counter, Field, Phase, Reason
-from kvcanary.workspace import PlanWorkspace, ViolationLog
+from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 
 _ANCHOR = hashing.to_signed64(hashing.LINK_ANCHOR)
 # extend_lens saturate here before their row sums: no real step writes 2**32 tokens, and a corrupt int64
@@ -84,7 +84,7 @@ def _log_hits(
 # --------------------------------------------------------------------------- plan
 
 
-def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
+def plan(state: GroupState, batch: StepBatch) -> None:
     """Per batch row: classify it, size its verify span and write range, and resolve its chain seed.
 
     ``write_offsets`` is the exclusive prefix sum of ``extend_lens`` clamped to ``[0, MAX_EXTEND]`` (padding
@@ -92,6 +92,7 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     when a length is negative, ``prefix_len + extend_len`` exceeds the table width, or its write range
     ends past ``num_tokens``; both tests are exact for any int64 value (no wrap).
     """
+    group, records, ws, log = state
     b = batch.batch_size
     dev = batch.device
     rows = batch.rows.long()
@@ -112,10 +113,10 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     ws.verify_offsets[: b + 1] = verify_offsets
     ws.window_starts[:b] = starts
     ws.seed_links[:b] = seed_links
-    state = torch.where(
+    row_state = torch.where(
         pad, PlanWorkspace.ROW_PADDING, torch.where(active, PlanWorkspace.ROW_ACTIVE, PlanWorkspace.ROW_BAD)
     )
-    ws.row_state[:b] = state.to(torch.int32)
+    ws.row_state[:b] = row_state.to(torch.int32)
     ws.epoch += 1  # a new step: the same-step marks of earlier steps go stale
 
     reasons = (
@@ -180,15 +181,9 @@ def _seed_links(
 # --------------------------------------------------------------------------- verify
 
 
-def verify(
-    group: CanaryGroup,
-    batch: StepBatch,
-    records: RecordStore,
-    ws: PlanWorkspace,
-    log: ViolationLog,
-    capacity: int,
-) -> None:
+def verify(state: GroupState, batch: StepBatch, capacity: int) -> None:
     """Check every planned entry (up to ``capacity``; the rest are counted as skipped)."""
+    group, records, ws, log = state
     n_slots = records.num_slots
     total, n, r, pos = _planned_entries(batch, ws, capacity)
     trow = batch.rows.long()[r]
@@ -276,7 +271,7 @@ def _predecessors(
 # --------------------------------------------------------------------------- stamp
 
 
-def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWorkspace, log: ViolationLog) -> None:
+def stamp(state: GroupState, batch: StepBatch) -> None:
     """Write (token, position, link) for every token of an active row, chaining from the row's seed.
 
     Links follow the tokens actually written (so one bad input does not cascade).  A token whose
@@ -286,6 +281,7 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     into a slot read live this step, a slot written twice (every writer reported; which record survives
     is unspecified) and a new token's table entry that resolves elsewhere.
     """
+    group, records, ws, log = state
     n_slots = records.num_slots
     wt = same_step.write_tokens(group, batch, ws, n_slots)
     t, r, i = wt.t, wt.r, wt.i

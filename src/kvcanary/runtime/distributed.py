@@ -233,7 +233,8 @@ class DistributedCanary:
             reports = {r: mine if r == self.rank and mine is not None else pickle.loads(payloads[r]) for r in ranks}
         violations = [v for r in sorted(reports) for v in reports[r].violations]
         return RankVerdict(
-            # the manager's host step k (or flush) decodes step k - 1, and exchanges under marker k
+            # with reports: their earliest step (on CUDA the pump may decode two steps behind); with health
+            # findings only: the step before the exchange's marker (host step k decodes step k - 1 at the least)
             step=min((rep.step for rep in reports.values()), default=exchange.step - 1),
             reported_at=self._calls - 1,
             reports=reports,

@@ -19,12 +19,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
-from kvcanary.ops import Backend
 from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary
 from kvcanary.runtime.manager import CanaryManager
 from kvcanary.runtime.report import FailRequestCallback, StepReport
@@ -97,20 +95,21 @@ def build_manager(
     groups: Sequence[CanaryGroup],
     caps: Capacities | Mapping[str, Capacities],
     config: CanaryConfig,
-    device: torch.device | str = "cpu",
-    backend: Backend = Backend.AUTO,
-    on_fail_request: FailRequestCallback | None = None,
     *,
     group: EngineGroup | None,
+    on_fail_request: FailRequestCallback | None = None,
     timeout_s: float | None = None,
+    **manager_options: Any,
 ) -> CanaryManager | RankedManager:
     """This rank's manager: a plain one without ``group`` (or in mode off), else ranked on ``group``.
 
     An adapter passes its engine's group (``<engine>.ranks.<engine>_group()``); ``timeout_s`` None reads
-    :data:`PEER_TIMEOUT_ENV` (:func:`peer_timeout_s`)."""
+    :data:`PEER_TIMEOUT_ENV` (:func:`peer_timeout_s`).  Ranked, the mode and ``on_fail_request`` act on the
+    common verdict, so the inner manager logs; ``manager_options`` (``device``, ``backend``...) go to
+    :class:`CanaryManager` as they are."""
     if group is None or config.mode is Mode.OFF:
-        return CanaryManager(groups, caps, config, device, backend, on_fail_request)
-    inner = CanaryManager(groups, caps, dataclasses.replace(config, mode=Mode.LOG), device, backend)
+        return CanaryManager(groups, caps, config, on_fail_request=on_fail_request, **manager_options)
+    inner = CanaryManager(groups, caps, dataclasses.replace(config, mode=Mode.LOG), **manager_options)
     timeout = peer_timeout_s() if timeout_s is None else timeout_s
     return RankedManager(inner, group, config.mode, on_fail_request, timeout_s=timeout)
 

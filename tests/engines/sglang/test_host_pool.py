@@ -26,10 +26,10 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
         dst[dst_indices.long()] = src[src_indices.long()]
 
 
-@pytest.fixture
-def host_engine(monkeypatch):
+def _engine_with_host_pool(monkeypatch, **server_kw):
+    """Two requests submitted on an engine whose canary mirrors an ``MHATokenToKVPoolHost``."""
     monkeypatch.setattr(host_mha, "transfer_kv_direct", _transfer_kv_direct, raising=False)
-    eng = Engine(pool_size=96, rows=3, chunk=32, radix=False)
+    eng = Engine(pool_size=96, rows=3, chunk=32, radix=False, server_kw=server_kw or None)
     pool = eng.pool
     host = host_mha.MHATokenToKVPoolHost(
         pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, 1, "layer_first", pin_memory=False,
@@ -40,6 +40,12 @@ def host_engine(monkeypatch):
     mirror = attach_host_pool(eng.canary, host)
     eng.submit("a", [3 + j for j in range(20)], max_new=12)
     eng.submit("b", [50 + j for j in range(20)], max_new=12)
+    return eng, host, mirror
+
+
+@pytest.fixture
+def host_engine(monkeypatch):
+    eng, host, mirror = _engine_with_host_pool(monkeypatch)
     yield eng, host, mirror
     mirror.detach()
 
@@ -127,18 +133,7 @@ def test_out_of_range_host_indices_never_index_out_of_bounds(host_engine) -> Non
 
 @pytest.fixture
 def digest_host_engine(monkeypatch):
-    monkeypatch.setattr(host_mha, "transfer_kv_direct", _transfer_kv_direct, raising=False)
-    eng = Engine(pool_size=96, rows=3, chunk=32, radix=False, server_kw={"kv_canary_digest_budget": 1.0})
-    pool = eng.pool
-    host = host_mha.MHATokenToKVPoolHost(
-        pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, 1, "layer_first", pin_memory=False,
-        device_capacity_tokens=pool.size, start_layer=pool.start_layer, end_layer=pool.end_layer,
-        write_back_staging=pool.hicache_write_back_staging,
-    )  # fmt: skip
-    assert eng.canary is not None
-    mirror = attach_host_pool(eng.canary, host)
-    eng.submit("a", [3 + j for j in range(20)], max_new=12)
-    eng.submit("b", [50 + j for j in range(20)], max_new=12)
+    eng, host, mirror = _engine_with_host_pool(monkeypatch, kv_canary_digest_budget=1.0)
     yield eng, host, mirror
     mirror.detach()
 

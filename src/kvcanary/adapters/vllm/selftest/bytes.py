@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.vllm.selftest.context import RunnerFault, VllmInjector, decode_rows, on_runner
+from kvcanary.adapters.vllm.selftest.context import RunnerFault, VllmInjector, decode_rows
 from kvcanary.selftest.protocol import Fault
 from kvcanary.selftest.specs import load_specs
 
@@ -28,7 +28,10 @@ def flip_k_sign(kv: torch.Tensor, block: int, offset: int) -> int:
     return j
 
 
-def _live_position(ctx: VllmInjector, so: Any) -> tuple[str, int, int, int] | None:
+LivePosition = tuple[str, int, int, int]  # request, position, kernel block, offset
+
+
+def _live_position(ctx: VllmInjector, so: Any) -> LivePosition | None:
     """(request, position, kernel block, offset) of a cached position of a decoding request, drawn."""
     rows = decode_rows(ctx, so)
     if not rows:
@@ -45,18 +48,20 @@ class KVBitFlip(RunnerFault):
     method = "_update_states"
     after = True
 
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        pick = _live_position(ctx, so)
-        if pick is None or not ctx.take(self.name):
-            return
+    def _eligible(self, ctx: VllmInjector, so: Any) -> LivePosition | None:
+        return _live_position(ctx, so)  # drawn at every opportunity, taken or not
+
+    def _corrupt(self, ctx: VllmInjector, so: Any, pick: LivePosition) -> None:
         rid, pos, block, offset = pick
         layer = ctx.rng.randrange(len(ctx.runner.kv_caches))
         j = flip_k_sign(ctx.runner.kv_caches[layer], block, offset)
         ctx.injected(f"{rid} position {pos}: sign bit of K[{j}] flipped in layer {layer}", [rid])
 
 
-class PaddingWriteLiveSlot(Fault[VllmInjector]):
+class PaddingWriteLiveSlot(RunnerFault):
     spec = SPECS["padding_write_live_slot"]
+    method = "_update_states"
+    after = True
 
     def __init__(self) -> None:
         self.victim: int | None = None  # the live slot the next forward's layers also write
@@ -65,13 +70,13 @@ class PaddingWriteLiveSlot(Fault[VllmInjector]):
     def install(self, ctx: VllmInjector) -> None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-        on_runner(ctx, "_update_states", self._pick, after=True)
+        super().install(ctx)  # the victim is picked after _update_states
         ctx.wrap(CPUAttentionBackendImpl, "do_kv_cache_update", lambda original: self._write(ctx, original))
 
-    def _pick(self, ctx: VllmInjector, so: Any) -> None:
-        pick = _live_position(ctx, so)
-        if pick is None or not ctx.take(self.name):
-            return
+    def _eligible(self, ctx: VllmInjector, so: Any) -> LivePosition | None:
+        return _live_position(ctx, so)
+
+    def _corrupt(self, ctx: VllmInjector, so: Any, pick: LivePosition) -> None:
         rid, pos, block, offset = pick
         bs = int(ctx.runner.input_batch.block_table.block_tables[0].block_size)
         self.victim, self.layers_written = block * bs + offset, set()

@@ -91,17 +91,30 @@ def on_runner(
 
 
 class RunnerFault(Fault[VllmInjector]):
-    """A fault on the model runner's state: ``_corrupt(ctx, scheduler_output)`` runs (guarded) before the runner's
-    ``method``, or ``after`` it (:func:`on_runner`)."""
+    """A fault on the model runner's state, at its ``method`` (before it, or ``after`` it: :func:`on_runner`).
+
+    Each call, ``_eligible(ctx, scheduler_output)`` finds what could be corrupted now (empty or None: nothing);
+    when it found something and the injector takes the opportunity, ``_corrupt(ctx, scheduler_output, found)``
+    corrupts it.  ``_eligible`` runs at every opportunity (its draws from ``ctx.rng`` too), ``_corrupt`` at the
+    one taken.
+    """
 
     method: ClassVar[str]
     after: ClassVar[bool] = False
 
     def install(self, ctx: VllmInjector) -> None:
-        on_runner(ctx, self.method, self._corrupt, after=self.after)
+        on_runner(ctx, self.method, self._at_method, after=self.after)
+
+    def _at_method(self, ctx: VllmInjector, so: Any) -> None:
+        found = self._eligible(ctx, so)
+        if found and ctx.take(self.name):
+            self._corrupt(ctx, so, found)
 
     @abc.abstractmethod
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None: ...
+    def _eligible(self, ctx: VllmInjector, so: Any) -> Any: ...
+
+    @abc.abstractmethod
+    def _corrupt(self, ctx: VllmInjector, so: Any, found: Any) -> None: ...
 
 
 class OracleTap:

@@ -26,10 +26,11 @@ class BlockTableCrossRequest(RunnerFault):
     method = "_update_states"
     after = True
 
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
+    def _eligible(self, ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
         rows = decode_rows(ctx, so)
-        if len(rows) < 2 or not ctx.take(self.name):
-            return
+        return rows if len(rows) >= 2 else []
+
+    def _corrupt(self, ctx: VllmInjector, so: Any, rows: list[tuple[int, str]]) -> None:
         (victim, vid), (donor, did) = ctx.rng.sample(rows, 2)
         table = ctx.runner.input_batch.block_table.block_tables[0].block_table.np
         state = ctx.runner.requests[vid]
@@ -69,10 +70,10 @@ class WrongTokenId(RunnerFault):
     spec = SPECS["wrong_token_id"]
     method = "_prepare_inputs"
 
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
-        rows = decode_rows(ctx, so)
-        if not rows or not ctx.take(self.name):
-            return
+    def _eligible(self, ctx: VllmInjector, so: Any) -> list[tuple[int, str]]:
+        return decode_rows(ctx, so)
+
+    def _corrupt(self, ctx: VllmInjector, so: Any, rows: list[tuple[int, str]]) -> None:
         row, rid = ctx.rng.choice(rows)
         pos = ctx.runner.requests[rid].num_computed_tokens
         ids = ctx.runner.input_batch.token_ids_cpu
@@ -84,7 +85,7 @@ class ResumeOntoStaleBlocks(RunnerFault):
     spec = SPECS["resume_onto_stale_blocks"]
     method = "_update_states"
 
-    def _corrupt(self, ctx: VllmInjector, so: Any) -> None:
+    def _eligible(self, ctx: VllmInjector, so: Any) -> list[str]:
         cached = so.scheduled_cached_reqs
         width = ctx.runner.input_batch.block_table.block_tables[0].max_num_blocks_per_req
         stale = []
@@ -94,11 +95,11 @@ class ResumeOntoStaleBlocks(RunnerFault):
             # Eligible: a resumed request whose old and new blocks fit one block-table row together.
             if rid in cached.resumed_req_ids and old and new is not None and len(old) + len(new[0]) <= width:
                 stale.append(rid)
-        resumed = cached.resumed_req_ids
-        if not stale or not ctx.take(self.name):
-            return
+        return stale
+
+    def _corrupt(self, ctx: VllmInjector, so: Any, stale: list[str]) -> None:
         rid = ctx.rng.choice(stale)
-        resumed.discard(rid)
+        so.scheduled_cached_reqs.resumed_req_ids.discard(rid)
         ctx.injected(f"{rid} resumed onto its {len(ctx.runner.requests[rid].block_ids[0])} old blocks", [rid])
 
 
