@@ -91,3 +91,14 @@ def test_a_device_sglangs_cpu_path_cannot_use_is_refused_before_anything_runs(lo
     with pytest.raises(ValueError, match="dense"):
         run_phase("hybrid", STEPS, _options(), None, loop=loop)
     assert loop.forwards_started == forwards and loop.canary is None
+
+
+def test_an_engine_error_mid_run_is_reported_not_raised(loop) -> None:
+    def broken_engine(batch: Any) -> None:
+        if loop.forwards_started >= 50:
+            raise RuntimeError("the engine broke")
+
+    result = run_phase("dense", STEPS, _options(), None, loop=loop, before_forward=broken_engine)
+    assert result.engine_error == "RuntimeError: the engine broke" and result.steps == 49
+    assert any("the engine stopped: RuntimeError: the engine broke" in why for why in result.failures())
+    assert loop.canary is None and loop.idle  # the loop was reset for the next run

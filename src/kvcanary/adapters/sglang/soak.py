@@ -209,13 +209,15 @@ def _run_phase(
         _drive(loop, timer, progress, steps, traffic, random.Random(options.seed), before_forward)
     except Exception as exc:  # the engine failing mid-run is a finding of the soak, reported, never raised
         engine_error = f"{type(exc).__name__}: {exc}"
-    if not loop.in_forward:
-        canary.flush()  # the last step's report
+    canary.flush()  # the last step's report
     features = {name: int(loop.features[key]) for name, key in FEATURES.items()}
     result = progress.result(
         requests=traffic.requests, cancelled=traffic.cancelled, features=features, engine_error=engine_error,
         chunked_prompts=traffic.chunked,
     )  # fmt: skip
-    loop.reset()  # drops the requests still in flight, uninstalls the canary
     tracker.decay = sglang_decay
+    try:
+        loop.reset()  # uninstalls the canary, drops the requests still in flight, flushes sglang's cache
+    except RuntimeError as exc:  # a scheduler left inconsistent by the engine's error refuses the flush
+        result.engine_error = result.engine_error or f"after the run: {exc}"
     return result
