@@ -98,4 +98,8 @@ say "pytest tests/engines/sglang"
 # clean controls; exit status 0 only when every fault is caught within one step and no control reports.
 say "kvcanary selftest --engine sglang --trials ${SGLANG_SELFTEST_TRIALS:-5}"
 "$VENV/bin/python" -m kvcanary selftest --engine sglang --trials "${SGLANG_SELFTEST_TRIALS:-5}"
+# The soak: continuous randomized traffic on sglang's scheduler (prefix hits, chunked prefill, retractions, aborts)
+# until the canary ran N steps; exit status 0 only when silent and steady (docs/soak.md). 12,000 steps: ~2-3 min.
+say "kvcanary soak --engine sglang --steps ${SGLANG_SOAK_STEPS:-12000}"
+"$VENV/bin/python" -m kvcanary soak --engine sglang --steps "${SGLANG_SOAK_STEPS:-12000}"
 say "done"

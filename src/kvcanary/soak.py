@@ -44,6 +44,7 @@ SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
         "transformers": SoakEngine(
             "kvcanary.adapters.transformers_cb.soak", ("dense", "hybrid"), "transformers 5.24.0 and psutil"
         ),
+        "sglang": SoakEngine("kvcanary.adapters.sglang.soak", ("dense",), "sglang 0.5.23 and psutil"),
         "vllm": SoakEngine("kvcanary.adapters.vllm.soak", ("dense",), "vLLM 0.32.0 and psutil (scripts/ci-vllm.sh)"),
     }
 )

@@ -33,7 +33,7 @@ import collections
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcanary.adapters.sglang.install import SglangCanary, install_canary
@@ -148,6 +148,7 @@ class SchedulerLoop:
         self.requests: dict[str, Any] = {}  # rid -> sglang Req, as seen in batches
         self._extended: set[tuple[str, int]] = set()
         self._slots_seen: set[int] = set()
+        self._forgotten_retractions = 0  # of the requests :meth:`forget` dropped
         self.forwards_started = 0  # forwards begun since the last reset: the canary's step label of the next
         self.in_forward = False  # between a batch's scheduling and its result (hooks and forward)
         self.pending_arrivals = 0  # requests a workload has yet to submit (set by workload.run_workload)
@@ -232,9 +233,18 @@ class SchedulerLoop:
                 s.process_batch_result(batch, result)
             finally:
                 self.in_forward = False
-            self.features["retractions"] = sum(r.retraction_count for r in self.requests.values())
+            live = sum(r.retraction_count for r in self.requests.values())
+            self.features["retractions"] = self._forgotten_retractions + live
         s.last_batch = batch
         return batch if batch else None
+
+    def forget(self, rids: Iterable[str]) -> None:
+        """Drop finished requests' bookkeeping (a long run's memory stays flat); their retractions stay counted."""
+        for rid in rids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self._forgotten_retractions += req.retraction_count
+                self._extended.difference_update((rid, n) for n in range(req.retraction_count + 1))
 
     @property
     def idle(self) -> bool:
@@ -272,6 +282,7 @@ class SchedulerLoop:
         self.requests.clear()
         self._extended.clear()
         self._slots_seen.clear()
+        self._forgotten_retractions = 0
         self.forwards_started = 0
         self.in_forward = False
 
