@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvcanary.adapters.vllm import hooks
 from kvcanary.adapters.vllm.selftest.context import VllmInjector
 from kvcanary.adapters.vllm.selftest.faults import BlockTableCrossRequest
 from kvcanary.adapters.vllm.soak import run_phase, soak_engine
@@ -47,7 +48,8 @@ def test_clean_soak_exercises_the_engine(clean: Any) -> None:
     assert clean.step_us_start > 0 and clean.step_us_end > 0
 
 
-def test_fault_fails_the_verdict(llm: Any) -> None:
+def test_fault_fails_the_verdict_and_the_kept_reports_stay_bounded(llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hooks, "MAX_KEPT_REPORTS", 2)  # read at install
     injected: list[VllmInjector] = []
 
     def arm(llm: Any, canary: Any) -> Any:
@@ -63,6 +65,12 @@ def test_fault_fails_the_verdict(llm: Any) -> None:
     assert result.engine_error is None  # log mode: the engine keeps serving
     assert result.stats["violations"] > 0, result.stats
     assert any("violations" in why for why in result.failures()), result.failures()
+    # Every report counted, two kept in full, each mapped to the engine step it came from (the fault's or later).
+    canary = ctx.canary
+    assert result.stats["reports"] > 2 and len(canary.reports) == 2, result.stats
+    assert sorted(canary.engine_step_of) == [r.step for r in canary.reports]
+    assert all(FAULT_STEP <= canary.engine_step_of[r.step] < 3 * FAULT_STEP for r in canary.reports)
+    assert len(canary._recent_engine_steps) <= hooks.RECENT_STEPS
 
 
 def test_cuda_is_refused() -> None:

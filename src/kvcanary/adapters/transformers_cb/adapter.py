@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.patching import PatchSet, Wrapper
+from kvcanary.adapters.reports import ReportKeeper
 from kvcanary.adapters.transformers_cb import patches
 from kvcanary.adapters.transformers_cb.binding import Binding, Bindings
 from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
@@ -34,7 +35,6 @@ from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters, FeatureWatch
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import ModeActions
-from kvcanary.adapters.transformers_cb.reports import ReportKeeper
 from kvcanary.adapters.transformers_cb.step_tap import StepCallback, StepTap
 from kvcanary.adapters.transformers_cb.version import check_version
 from kvcanary.config import CanaryConfig, Mode

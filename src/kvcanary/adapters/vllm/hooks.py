@@ -16,6 +16,7 @@ the violation as the cause; ``fail-request`` hands the affected ids to the sched
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import time
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcanary.adapters.patching import PatchSet
+from kvcanary.adapters.reports import ReportKeeper
 from kvcanary.adapters.vllm import failing, moves, translate
 from kvcanary.adapters.vllm.digest_layout import group_layouts
 from kvcanary.adapters.vllm.features import Features
@@ -36,6 +38,8 @@ from kvcanary.runtime import CanaryHealthError, CanaryViolation, FailRequestCall
 logger = logging.getLogger("kvcanary")
 
 _VERDICTS = (CanaryViolation, CanaryHealthError)
+MAX_KEPT_REPORTS = 32  # reports kept in full for inspection; every report is counted (the manager's stats)
+RECENT_STEPS = 64  # engine steps remembered for reports still in flight (the pump decodes a step or two late)
 
 
 def check_runner(runner: Any) -> None:
@@ -85,10 +89,14 @@ class VllmCanary:
         self.synchronous = self.device.type == "cpu"
         self.features_ = Features()
         self.last_report: StepReport | None = None
-        self.reports: list[StepReport] = []
+        self._kept = ReportKeeper(MAX_KEPT_REPORTS)
         self.to_fail: dict[str, str] = {}
-        self.failed: set[str] = set()
-        self.engine_step_of: list[int] = []  # manager step (report.step) -> engine step (features "steps" - 1)
+        self.failed: set[str] = set()  # failed and still in the runner (pruned as they leave)
+        # manager step (report.step) -> engine step (features "steps" - 1), for the kept reports only; the
+        # recent steps' engine steps wait in a bounded window until their reports are decoded.
+        self.engine_step_of: dict[int, int] = {}
+        self._recent_engine_steps: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
+        self._manager_steps = 0
         self._candidates: set[str] = set()
         self._written: dict[str, Any] | None = None  # this step's batches (all rows), stamped after the forward
         self._in_step = False
@@ -255,7 +263,10 @@ class VllmCanary:
         self.features_.rows(view.prefix_lens, view.extend_lens, prompt_lens)
 
     def _host_step(self, request_ids: list[str]) -> None:
-        self.engine_step_of.append(self.features_.counts["steps"] - 1)  # a step may take several passes
+        self._recent_engine_steps.append(self.features_.counts["steps"] - 1)  # a step may take several passes
+        self._manager_steps += 1
+        if self.failed:
+            self.failed.intersection_update(self.runner.requests)
         start = time.perf_counter()
         try:
             self._keep(self.manager.host_step(list(request_ids)))
@@ -265,9 +276,20 @@ class VllmCanary:
             self.features_.core_seconds += time.perf_counter() - start
 
     def _keep(self, report: StepReport | None) -> None:
-        if report is not None:
-            self.last_report = report
-            self.reports.append(report)
+        if report is None:
+            return
+        self.last_report = report
+        kept = len(self._kept.kept)
+        self._kept.collect(report)
+        if len(self._kept.kept) > kept:
+            back = self._manager_steps - 1 - report.step  # steps since the reported one
+            recent = self._recent_engine_steps
+            self.engine_step_of[report.step] = recent[-1 - back] if 0 <= back < len(recent) else -1
+
+    @property
+    def reports(self) -> list[StepReport]:
+        """The first MAX_KEPT_REPORTS reports with violations (all are counted in ``stats``)."""
+        return self._kept.kept
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run canary work; outside raise mode a canary-side error is logged, never raised into the engine."""
@@ -299,7 +321,7 @@ class VllmCanary:
         return report
 
     def stats(self) -> dict[str, int]:
-        return self.manager.stats()
+        return {**self.manager.stats(), "reports": self._kept.total}
 
     def features(self) -> dict[str, int]:
         return dict(self.features_.snapshot())

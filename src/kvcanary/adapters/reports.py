@@ -1,4 +1,5 @@
-"""The reports an install kept: the first few in full, all of them counted."""
+"""The reports an adapter keeps for inspection: the first few in full, all of them counted (bounded in a
+violation storm)."""
 
 from __future__ import annotations
 
