@@ -50,5 +50,5 @@ if "$VENV/bin/kvcanary" selftest --help 2>/dev/null | grep -q -- --engine; then
   tail -c 2000 "$VENV/selftest.json"; echo
 fi
 say "kvcanary soak --engine vllm"
-"$VENV/bin/kvcanary" soak --engine vllm --steps "${VLLM_SOAK_STEPS:-1500}"
+"$VENV/bin/kvcanary" soak --engine vllm --steps "${VLLM_SOAK_STEPS:-10000}"
 say "done"
