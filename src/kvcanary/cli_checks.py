@@ -125,6 +125,7 @@ def run_engine_command(
     try:
         result = execute(built, progress=None if args.quiet else sys.stderr)
     except (ImportError, UnsupportedEngineVersion) as exc:
-        return fail(f"kvcanary {prog} needs {needs} ({INSTALL_HINT}): {exc}", EXIT_ENVIRONMENT)
+        hint = "" if "(" in needs else f" ({INSTALL_HINT})"  # a needs that names its own install keeps it
+        return fail(f"kvcanary {prog} needs {needs}{hint}: {exc}", EXIT_ENVIRONMENT)
     print(json.dumps(result.as_json()) if args.json else summary(result))
     return EXIT_OK if result.passed else EXIT_CHECK_FAILED

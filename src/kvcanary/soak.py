@@ -36,7 +36,7 @@ from kvcanary.ops import Backend
 class SoakEngine:
     module: str  # exposes engine_version() and run_phase(model, steps, options, out)
     phases: tuple[str, ...]  # the models it can run, the default all of them, one after the other
-    needs: str  # what to install, for the refusal when it cannot run
+    needs: str  # what to install, for the refusal when it cannot run (with where to read how, in parentheses)
 
 
 SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
@@ -44,8 +44,12 @@ SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
         "transformers": SoakEngine(
             "kvcanary.adapters.transformers_cb.soak", ("dense", "hybrid"), "transformers 5.24.0 and psutil"
         ),
-        "sglang": SoakEngine("kvcanary.adapters.sglang.soak", ("dense",), "sglang 0.5.23 and psutil"),
-        "vllm": SoakEngine("kvcanary.adapters.vllm.soak", ("dense",), "vLLM 0.32.0 and psutil (scripts/ci-vllm.sh)"),
+        "sglang": SoakEngine(
+            "kvcanary.adapters.sglang.soak", ("dense",), "sglang 0.5.23 and psutil (a venv of its own: docs/sglang.md)"
+        ),
+        "vllm": SoakEngine(
+            "kvcanary.adapters.vllm.soak", ("dense",), "vLLM 0.32.0 and psutil (a venv of its own: docs/vllm.md)"
+        ),
     }
 )
 WARM_UP_SHARE = 0.1  # of a phase's steps: kernel compilation, allocator growth, caches filling
