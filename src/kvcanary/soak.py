@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import random
 import statistics
 import sys
 import time
@@ -82,6 +83,38 @@ class SoakOptions:
             raise ValueError(f"--models takes distinct names from {names}, got {','.join(self.models)!r}")
         if self.steps < 20 * len(self.models):
             raise ValueError(f"--steps must be at least {20 * len(self.models)}, got {self.steps}")
+
+
+@dataclasses.dataclass
+class Traffic:
+    """The requests a soak keeps in flight, topped up to a random count in [low, high] before each engine step;
+    about one in :data:`CANCEL_EVERY` is cancelled as it arrives (a cancelled request delivers no final result).
+    ``submit(rid, prompt)`` and ``cancel(rid)`` are the engine's own calls; the engine's loop discards the
+    requests that finish."""
+
+    low: int
+    high: int
+    chunk: int  # prompt tokens a step prefills: longer prompts are chunked
+    requests: int = 0
+    cancelled: int = 0
+    chunked: int = 0  # prompts longer than ``chunk``
+    in_flight: set[str] = dataclasses.field(default_factory=set)
+
+    def top_up(
+        self, rng: random.Random, prompts: list[list[int]], submit: Callable[[str, list[int]], None],
+        cancel: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        while len(self.in_flight) < rng.randint(self.low, self.high):
+            rid, prompt = f"soak_{self.requests}", rng.choice(prompts)
+            submit(rid, prompt)
+            self.requests += 1
+            self.chunked += len(prompt) > self.chunk
+            self.in_flight.add(rid)
+            if rng.randrange(CANCEL_EVERY) == 0:
+                victim = rng.choice(sorted(self.in_flight))
+                cancel(victim)
+                self.in_flight.discard(victim)
+                self.cancelled += 1
 
 
 @dataclasses.dataclass

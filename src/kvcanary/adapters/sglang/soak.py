@@ -16,7 +16,6 @@ The sglang adapter keeps no host-time counter, so the soak times the canary's pe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 import time
@@ -26,7 +25,7 @@ from typing import Any, TextIO
 
 from kvcanary.adapters.sglang.selftest.scheduler_loop import BatchHook, SchedulerLoop
 from kvcanary.adapters.sglang.selftest.tiny_model import VOCAB
-from kvcanary.soak import CANCEL_EVERY, PhaseProgress, PhaseResult, SoakOptions
+from kvcanary.soak import PhaseProgress, PhaseResult, SoakOptions, Traffic
 
 MAX_IN_FLIGHT = 8  # requests: twice the scheduler's max_running_requests, so that some wait
 PROMPT_POOL = 64
@@ -109,35 +108,12 @@ def build_prompts(seed: int, chunk: int) -> list[list[int]]:
     return prompts
 
 
-@dataclasses.dataclass
-class Traffic:
-    """What the soak submitted and what came back."""
-
-    requests: int = 0
-    cancelled: int = 0
-    chunked: int = 0  # prompts longer than the prefill chunk
-    in_flight: set[str] = dataclasses.field(default_factory=set)
-
-    def arrive(self, loop: SchedulerLoop, rng: random.Random, prompts: list[list[int]]) -> None:
-        """Top the requests in flight up to a random count; abort one in about ``CANCEL_EVERY`` submitted."""
-        while len(self.in_flight) < rng.randint(1, MAX_IN_FLIGHT):
-            rid, prompt = f"soak_{self.requests}", rng.choice(prompts)
-            loop.submit(rid, prompt, rng.randint(2, MAX_NEW_TOKENS))
-            self.requests += 1
-            self.chunked += len(prompt) > loop.config.chunked_prefill_size
-            self.in_flight.add(rid)
-            if rng.randrange(CANCEL_EVERY) == 0:
-                victim = rng.choice(sorted(self.in_flight))
-                loop.abort(victim)
-                self.in_flight.discard(victim)  # its abort output is ignored like any unknown rid's
-                self.cancelled += 1
-
-    def collect(self, loop: SchedulerLoop) -> None:
-        """Finished requests (and aborted ones) leave: out of flight, out of the loop's bookkeeping."""
-        done = [rid for out in loop.outputs for rid, why in zip(out.rids, out.finished_reasons, strict=True) if why]
-        loop.outputs.clear()
-        self.in_flight.difference_update(done)
-        loop.forget(done)
+def collect(loop: SchedulerLoop, traffic: Traffic) -> None:
+    """Finished requests (and aborted ones) leave: out of flight, out of the loop's bookkeeping."""
+    done = [rid for out in loop.outputs for rid, why in zip(out.rids, out.finished_reasons, strict=True) if why]
+    loop.outputs.clear()
+    traffic.in_flight.difference_update(done)
+    loop.forget(done)
 
 
 def _drive(
@@ -146,12 +122,16 @@ def _drive(
 ) -> None:  # fmt: skip
     """Step sglang's scheduler with requests arriving, finishing and aborted until the canary ran ``target`` steps."""
     prompts = build_prompts(rng.randrange(1 << 30), loop.config.chunked_prefill_size)
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        loop.submit(rid, prompt, rng.randint(2, MAX_NEW_TOKENS))
+
     idle_iterations = 0
     while progress.steps < target:
-        traffic.arrive(loop, rng, prompts)
+        traffic.top_up(rng, prompts, submit, loop.abort)  # an aborted request's output is ignored, as an unknown rid's
         seen = timer.host_steps
         loop.step(before_forward)
-        traffic.collect(loop)
+        collect(loop, traffic)
         if timer.host_steps == seen:
             idle_iterations += 1
             if idle_iterations > STALL_ITERATIONS:
@@ -204,7 +184,7 @@ def _run_phase(
         return {**canary.stats(), "adapter_errors": 0, "hook_misses": max(missed, 0), "tap_us": timer.total_ns // 1000}
 
     progress.stats = stats
-    traffic, engine_error = Traffic(), None
+    traffic, engine_error = Traffic(1, MAX_IN_FLIGHT, loop.config.chunked_prefill_size), None
     try:
         _drive(loop, timer, progress, steps, traffic, random.Random(options.seed), before_forward)
     except Exception as exc:  # the engine failing mid-run is a finding of the soak, reported, never raised

@@ -17,7 +17,7 @@ import time
 from typing import Any, TextIO
 
 from kvcanary.config import CanaryConfig, Mode
-from kvcanary.soak import CANCEL_EVERY, PhaseProgress, PhaseResult, SoakOptions
+from kvcanary.soak import PhaseProgress, PhaseResult, SoakOptions, Traffic
 
 MAX_IN_FLIGHT = 12  # requests (x 2 sequences): over the block budget (offloads), a short step
 PROMPT_POOL = 256
@@ -33,12 +33,13 @@ def engine_version() -> str:
 
 def _drive(
     manager: Any, progress: PhaseProgress, target: int, rng: random.Random, prompts: list[list[int]], chunk: int
-) -> tuple[int, int, int]:
-    """Keep requests arriving and finishing until the canary ran ``target`` steps.
+) -> Traffic:
+    """Keep requests arriving and finishing until the canary ran ``target`` steps; what was submitted."""
+    traffic = Traffic(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT, chunk)
 
-    Returns (requests, cancelled, prompts longer than ``chunk`` tokens: prefilled in several steps)."""
-    in_flight: set[str] = set()
-    requests = cancelled = chunked = 0
+    def submit(rid: str, prompt: list[int]) -> None:
+        manager.add_request(prompt, request_id=rid, max_new_tokens=rng.randint(2, 32))
+
     last_step, last_progress = -1, time.monotonic()
     while progress.steps < target:
         if not manager.is_running():
@@ -47,22 +48,12 @@ def _drive(
             last_step, last_progress = progress.steps, time.monotonic()
         elif time.monotonic() - last_progress > STALL_S:  # requests lost, or every step skipped by the canary
             raise RuntimeError(f"no canary step in {STALL_S:.0f} s (at step {last_step})")
-        while len(in_flight) < rng.randint(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT):
-            rid = f"soak_{requests}"
-            prompt = rng.choice(prompts)
-            manager.add_request(prompt, request_id=rid, max_new_tokens=rng.randint(2, 32))
-            requests, chunked = requests + 1, chunked + (len(prompt) > chunk)
-            in_flight.add(rid)
-            if rng.randrange(CANCEL_EVERY) == 0:
-                cancel = rng.choice(sorted(in_flight))
-                manager.cancel_request(cancel)
-                in_flight.discard(cancel)  # a cancelled request delivers no final result
-                cancelled += 1
+        traffic.top_up(rng, prompts, submit, manager.cancel_request)
         result = manager.get_result(timeout=POLL_S)
         if result is not None and result.is_finished():
             # Forked children report as "<parent>__child#i"; the parent's own result closes it.
-            in_flight.discard(result.request_id)
-    return requests, cancelled, chunked
+            traffic.in_flight.discard(result.request_id)
+    return traffic
 
 
 def run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseResult:
@@ -90,14 +81,14 @@ def _run_phase(model_kind: str, steps: int, options: SoakOptions, out: TextIO | 
     try:
         manager.start()
         rng = random.Random(options.seed)
-        requests, cancelled, chunked = _drive(manager, progress, steps, rng, prompts, cb.max_batch_tokens)
+        traffic = _drive(manager, progress, steps, rng, prompts, cb.max_batch_tokens)
     except RuntimeError as exc:
-        engine_error, requests, cancelled, chunked = str(exc), 0, 0, 0
+        engine_error, traffic = str(exc), Traffic(0, 0, 0)
     finally:
         manager.stop(block=True, timeout=30, hard_stop=True)
         canary.flush()
         canary.uninstall()
     return progress.result(
-        requests=requests, cancelled=cancelled, features=canary.features(), engine_error=engine_error,
-        chunked_prompts=chunked,
+        requests=traffic.requests, cancelled=traffic.cancelled, features=canary.features(),
+        engine_error=engine_error, chunked_prompts=traffic.chunked,
     )  # fmt: skip

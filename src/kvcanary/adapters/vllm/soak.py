@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.soak import CANCEL_EVERY, PhaseProgress, PhaseResult, SoakOptions
+from kvcanary.soak import PhaseProgress, PhaseResult, SoakOptions, Traffic
 
 MAX_IN_FLIGHT = 12  # requests; the engine runs at most 8 at once (tiny.engine_kwargs): a waiting queue
 PROMPT_POOL = 64  # prompts of the self-test's workload generator (its shared prefixes, chunked prompts)
@@ -98,10 +98,11 @@ def soak_engine(
         if undo is not None:
             undo()
         canary.uninstall()
-    features = {**canary.features(), "aborted_requests": drive.cancelled}
+    t = drive.traffic
+    features = {**canary.features(), "aborted_requests": t.cancelled}
     return progress.result(
-        requests=drive.requests, cancelled=drive.cancelled, features=features, engine_error=drive.error,
-        chunked_prompts=drive.chunked,
+        requests=t.requests, cancelled=t.cancelled, features=features, engine_error=drive.error,
+        chunked_prompts=t.chunked,
     )  # fmt: skip
 
 
@@ -123,11 +124,9 @@ class _Drive:
         self.engine = engine
         self.progress = progress
         self.rng = rng
-        self.budget = budget  # tokens a step: longer prompts are prefilled in chunks
+        self.traffic = Traffic(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT, budget)  # longer prompts: prefilled in chunks
         self.prompts: list[list[int]] = []
         self.canary_steps: Callable[[], int] = lambda: 0
-        self.in_flight: set[str] = set()
-        self.requests = self.cancelled = self.chunked = 0
         self.error: str | None = None
 
     def run(self, target: int) -> None:
@@ -136,7 +135,7 @@ class _Drive:
             self._top_up()
             for output in self.engine.step():
                 if output.finished:
-                    self.in_flight.discard(output.request_id)
+                    self.traffic.in_flight.discard(output.request_id)
             now = self.canary_steps()
             idle = 0 if now > self.progress.steps else idle + 1
             if idle > STALL_STEPS:
@@ -147,24 +146,18 @@ class _Drive:
     def _top_up(self) -> None:
         from vllm import SamplingParams
 
-        while len(self.in_flight) < self.rng.randint(MAX_IN_FLIGHT // 3, MAX_IN_FLIGHT):
-            rid = f"soak-{self.requests}"
-            prompt = self.rng.choice(self.prompts)
+        def submit(rid: str, prompt: list[int]) -> None:
             params = SamplingParams(max_tokens=self.rng.randint(1, MAX_NEW_TOKENS), temperature=0.0, ignore_eos=True)
             self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
-            self.requests, self.chunked = self.requests + 1, self.chunked + (len(prompt) > self.budget)
-            self.in_flight.add(rid)
-            if self.rng.randrange(CANCEL_EVERY) == 0:
-                victim = self.rng.choice(sorted(self.in_flight))
-                self.engine.abort_request([victim])  # an aborted request delivers no final output
-                self.in_flight.discard(victim)
-                self.cancelled += 1
+
+        # an aborted request delivers no final output
+        self.traffic.top_up(self.rng, self.prompts, submit, lambda rid: self.engine.abort_request([rid]))
 
     def drain(self) -> None:
         """Abort what is left and let the aborts through (boundedly): the engine is clean for its next user."""
         try:
-            self.engine.abort_request(sorted(self.in_flight))
-            self.in_flight.clear()
+            self.engine.abort_request(sorted(self.traffic.in_flight))
+            self.traffic.in_flight.clear()
             for _ in range(DRAIN_STEPS):
                 if not self.engine.has_unfinished_requests():
                     break
