@@ -193,8 +193,10 @@ def _launch(
         hb, bj, exact, vec = lc.path(tuning)
         units = max_tiles * lc.rows
         programs = _programs(units, dl.layout.device, tuning)
-        cpu = 1  # components per unit: more where tiles alone keep every program busy (amortizes the entries)
-        while cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
+        # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
+        # planned verify knows only its capacity, not its tiles, so it keeps one (all programs in use).
+        cpu = 1
+        while batch is None and cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
             cpu *= 2
         digest_kernel[(programs,)](
             dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,

@@ -153,10 +153,13 @@ def _unit_words(
     if EXACT:
         for h0 in range(0, heads, HB):
             h = h0 + hh
-            key = tl.load(keys_ptr + word_base + (h * BJ)[:, None] + jj[None, :]).to(tl.uint64, bitcast=True)
+            # The key tile is loaded in the word tile's own shape (every slot's lane loads its keys, cached):
+            # a [heads, words] load would need a shared-memory exchange and two barriers per step.
+            kidx = word_base + (h * BJ)[:, None, None] + (jj[None, None, :] + tl.zeros((1, G, 1), tl.int32))
+            key = tl.load(keys_ptr + kidx).to(tl.uint64, bitcast=True)
             woff = h.to(tl.int64)[:, None] * s_head + jj[None, :]
             word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :]).to(tl.uint64, bitcast=True)
-            term = fmix64(word ^ key[:, None, :])
+            term = fmix64(word ^ key)
             total += tl.sum(tl.sum(term, axis=0), axis=1)
     else:
         for h0 in range(0, heads, HB):
@@ -223,16 +226,19 @@ def _finalize(
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
 ):  # fmt: skip
-    """Every entry in order: store or compare its digest, count, then write the kept violation rows."""
-    n_mismatch = tl.zeros((), tl.int64)
-    n_range = tl.zeros((), tl.int64)
-    done = tl.zeros((), tl.int64)
+    """Every entry in order: store or compare its digest, count, then write the kept violation rows.
+
+    Runs in the program whose ticket came last: that acquire synchronises with every program's release
+    of its sums, so the exchanges need no fences of their own (relaxed)."""
+    n_mismatch = tl.zeros((FIN,), tl.int64)  # per lane, summed once after the loop (no barriers per step)
+    n_range = tl.zeros((FIN,), tl.int64)
+    done = tl.zeros((FIN,), tl.int64)
     for e0 in range(0, n_entries, FIN):
         e = e0 + tl.arange(0, FIN)
         m = e < n_entries
         slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
         usable = m & (slot >= 0)
-        d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m) | 1
+        d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m, sem="relaxed") | 1
         if STAMP:
             tl.store(digests_ptr + slot, d, mask=usable)
             mismatch = usable & (slot < 0)
@@ -240,9 +246,12 @@ def _finalize(
             stored = tl.load(digests_ptr + slot, mask=usable, other=0)
             mismatch = usable & (stored != 0) & (stored != d)
             tl.store(acc_ptr + e, d, mask=mismatch)  # kept for the rows' pass: nonzero marks a mismatch
-        n_mismatch += tl.sum(mismatch.to(tl.int64))
-        n_range += tl.sum((m & (slot == BAD)).to(tl.int64))
-        done += tl.sum(usable.to(tl.int64))
+        n_mismatch += mismatch.to(tl.int64)
+        n_range += (m & (slot == BAD)).to(tl.int64)
+        done += usable.to(tl.int64)
+    n_mismatch = tl.sum(n_mismatch)
+    n_range = tl.sum(n_range)
+    done = tl.sum(done)
     found = n_mismatch + n_range
     if STAMP:
         tl.atomic_add(stats_ptr + STAT_STAMPED, done)
@@ -258,7 +267,7 @@ def _finalize(
             e = e0 + tl.arange(0, FIN)
             m = e < n_entries
             slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
-            computed = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m)
+            computed = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m, sem="relaxed")
             mismatch = m & (slot >= 0) & (computed != 0)
             bad = m & (slot == BAD)
             hit = mismatch | bad
