@@ -57,7 +57,7 @@ def slot_digests(layout: DigestLayout, slots: torch.Tensor) -> torch.Tensor:
         total = torch.zeros_like(part)
         for comp, base in zip(layout.components, layout.word_bases(), strict=True):
             words = _component_words(comp.view, part)
-            terms = hashing.fmix64_t(words ^ keys[base : base + comp.words])
+            terms = hashing.fmix64_t(words ^ keys[base : base + comp.shape.words])
             total += terms.sum(dim=1)  # int64 sums wrap: arithmetic mod 2**64
         out[c0 : c0 + _CHUNK] = total | 1
     return out
