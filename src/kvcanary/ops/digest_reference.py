@@ -177,7 +177,7 @@ def verify_planned(
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
 ) -> None:  # fmt: skip
     """Verify the budgeted share of the last plan's verify entries (see the module docstring)."""
-    dev = batch.device
+    dev = batch.rows.device
     epoch = int(ws.epoch[0])
     first, tiles, start, end = selected_tiles(plan_ws, batch.rows, epoch, period, group_tokens)
     max_tiles = ws.entries // group_tokens
