@@ -46,7 +46,7 @@ from kvcanary.adapters.vllm.groups import VllmGroup
 K_ORDERS = ("transposed", "token_major")
 PAGED_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 # Cache dtypes whose cells are plain K then V elements (fp8 ones stored as uint8, scaled per layer).
-PLAIN_CACHE_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
