@@ -60,11 +60,11 @@ def _median_us(record, replays: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(time_graph(record, STEPS_PER_GRAPH, replays))
 
 
-TUNINGS = [
+TUNINGS = [  # the default and its neighbours (digest_sweep.py sweeps the whole grid)
     dl.DEFAULT_TUNING,
-    dl.DigestTuning(block_words=256, warps=4, programs_per_sm=8),
+    dl.DigestTuning(block_words=64, warps=4, programs_per_sm=16),
+    dl.DigestTuning(block_words=64, warps=8, programs_per_sm=8),
     dl.DigestTuning(block_words=128, warps=4, programs_per_sm=8),
-    dl.DigestTuning(block_words=512, warps=8, programs_per_sm=4),
 ]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvcanary import cli
 from kvcanary.cli_checks import EXIT_USAGE
-from kvcanary.soak import RSS_SLACK_BYTES, PhaseResult
+from kvcanary.soak import RSS_SLACK_BYTES, PhaseProgress, PhaseResult, SoakOptions
 
 MIB = 1 << 20
 STEADY = PhaseResult(
@@ -38,6 +38,12 @@ def test_a_steady_silent_phase_passes() -> None:
 def test_each_bound_can_fail(change: dict[str, object], expected: str) -> None:
     failures = dataclasses.replace(STEADY, **change).failures()  # type: ignore[arg-type]
     assert len(failures) == 1 and expected in failures[0]
+
+
+@pytest.mark.parametrize(("steps", "warm_up"), [(20, 10), (300, 150), (1000, 200), (5000, 500), (100_000, 10_000)])
+def test_warm_up_is_a_share_of_the_phase_with_a_floor(steps: int, warm_up: int) -> None:
+    # A 300-step vLLM phase measured its RSS after 30 steps, before the engine's pools had filled, and failed.
+    assert PhaseProgress.for_phase("dense", steps, SoakOptions(), None).clock.warm_up == warm_up
 
 
 def test_slower_steps_under_outside_load_pass() -> None:

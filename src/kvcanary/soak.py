@@ -7,7 +7,8 @@ one in :data:`CANCEL_EVERY`) continuously on the real engine, with every feature
 feeds a :class:`PhaseProgress` once per canary step.
 
 The verdict (exit 0) needs, in every phase: no violation, no health failure, no adapter error, and a
-steady state after warm-up (the first :data:`WARM_UP_SHARE` of the phase's steps):
+steady state after warm-up (the first :data:`WARM_UP_SHARE` of the phase's steps, and at least
+:data:`WARM_UP_MIN_STEPS` or half of a shorter phase):
 
 * host RSS at the end <= RSS after warm-up x (1 + :data:`RSS_GROWTH`) + :data:`RSS_SLACK_BYTES`;
 * the median canary host time per step over the last :data:`WINDOW_SHARE` of the steps <=
@@ -54,6 +55,7 @@ SOAK_ENGINES: types.MappingProxyType[str, SoakEngine] = types.MappingProxyType(
     }
 )
 WARM_UP_SHARE = 0.1  # of a phase's steps: kernel compilation, allocator growth, caches filling
+WARM_UP_MIN_STEPS = 200  # a short phase's 10 % ends before the engine's pools and caches have filled
 WINDOW_SHARE = 0.1  # of a phase's steps: the start and end windows of the per-step time
 RSS_GROWTH = 0.02
 RSS_SLACK_BYTES = 16 << 20  # allocator granularity and Python's free lists, not per-request growth
@@ -258,7 +260,8 @@ class PhaseProgress:
     @classmethod
     def for_phase(cls, label: str, steps: int, options: SoakOptions, out: TextIO | None) -> PhaseProgress:
         window = max(int(steps * WINDOW_SHARE), 5)
-        clock = StepClock(warm_up=max(int(steps * WARM_UP_SHARE), 5), window=window, total=steps)
+        warm_up = max(int(steps * WARM_UP_SHARE), min(WARM_UP_MIN_STEPS, steps // 2), 5)
+        clock = StepClock(warm_up=warm_up, window=window, total=steps)
         return cls(label, options.device, clock, out)
 
     def on_step(self, step: int) -> None:
@@ -311,7 +314,8 @@ def summary(result: SoakResult) -> str:
     lines = [
         f"kvcanary soak: {o.engine} {result.engine}, {o.steps:,} steps over {', '.join(o.models)}, seed {o.seed}, "
         f"device {o.device}, canary backend {o.backend.value}",
-        f"bounds after warm-up ({WARM_UP_SHARE:.0%} of a phase): RSS growth <= {RSS_GROWTH:.0%} + "
+        f"bounds after warm-up ({WARM_UP_SHARE:.0%} of a phase, at least {WARM_UP_MIN_STEPS} steps or half): "
+        f"RSS growth <= {RSS_GROWTH:.0%} + "
         f"{_mib(RSS_SLACK_BYTES)}; median step time, last {WINDOW_SHARE:.0%} / first {WINDOW_SHARE:.0%} "
         f"<= {TIME_GROWTH}",
     ]

@@ -33,9 +33,11 @@ class DigestTuning:
     component of 16 entries, read ``block_words`` words per entry a step (whole head rows where they fit)
     by ``warps`` warps; ``programs_per_sm`` persistent programs per SM share the units."""
 
-    block_words: int = 256
-    warps: int = 8
-    programs_per_sm: int = 4
+    # Defaults: the fastest of a 72-point sweep on the H200 (benchmarks/digest_sweep.py), a 28-layer bf16
+    # pool: small steps keep registers low enough for several programs per SM.
+    block_words: int = 64
+    warps: int = 4
+    programs_per_sm: int = 8
     max_comps_per_unit: int = 8
     vector: bool = True  # two-word loads where offsets allow (a switch for measuring them)
 
@@ -193,8 +195,10 @@ def _launch(
         hb, bj, exact, vec = lc.path(tuning)
         units = max_tiles * lc.rows
         programs = _programs(units, dl.layout.device, tuning)
-        cpu = 1  # components per unit: more where tiles alone keep every program busy (amortizes the entries)
-        while cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
+        # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
+        # planned verify knows only its capacity, not its tiles, so it keeps one (all programs in use).
+        cpu = 1
+        while batch is None and cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
             cpu *= 2
         digest_kernel[(programs,)](
             dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,

@@ -2,12 +2,12 @@
 """The KV digest on device: :mod:`kvcanary.ops.digest_reference` as one kernel.
 
 Work units are (tile, component): a tile is G entries (G list indices, or G consecutive positions of one
-row's budgeted verify span), a component one strided tensor of the layout (its address and strides come
-from a device table, so one launch reads every layer; the word keys from a key table built with it).
-Each unit sums its words' terms per entry and adds
-them into ``acc`` (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever
-the schedule).  Components of one element size share a launch; the last launch's last program (a
-ticket) finalizes every entry in order: stores digests or compares them, then writes violation rows
+row's budgeted verify span; :mod:`.digest_entries` finds them), a component one strided tensor of the
+layout (its address and strides come from a device table, so one launch reads every layer; the word keys
+from a key table built with it).  Each unit sums its words' terms per entry and adds them into ``acc``
+(wrapping int64 atomics: the sum is order-independent, so the result is exact whatever the schedule).
+Components of one element size share a launch; the last launch's last program (a ticket) finalizes every
+entry in order: stores digests or compares them, then writes violation rows
 through :mod:`.log`'s first-K / last-K placement.
 """
 
@@ -17,21 +17,17 @@ import triton
 import triton.language as tl
 
 from kvcanary import digest as spec
-from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
+from kvcanary.ops.kernels.digest_entries import BAD, MARK_PERIOD, POS_BITS, POS_MASK, SKIP, row_spans, tile_entries
+from kvcanary.ops.kernels.hashing import fmix64
 from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, store_rows
 from kvcanary.schema import Phase, Reason
-from kvcanary.workspace import PlanWorkspace
 
-C1 = tl.constexpr(0xBF58476D1CE4E5B9)
-C2 = tl.constexpr(0x94D049BB133111EB)
 MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
 OUT_OF_RANGE = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
 MISMATCH_BIT = tl.constexpr(int(Reason.DIGEST_MISMATCH).bit_length() - 1)  # its lane in the counters
 RANGE_BIT = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE).bit_length() - 1)
 PHASE_STAMP = tl.constexpr(int(Phase.DIGEST_STAMP))
 PHASE_VERIFY = tl.constexpr(int(Phase.DIGEST_VERIFY))
-SKIP = tl.constexpr(-1)  # entry_slot: nothing to digest
-BAD = tl.constexpr(-2)  # entry_slot: an index out of range, reported
 TICKET = tl.constexpr(1)
 STAT_STAMPED = tl.constexpr(spec.DigestWorkspace.STAT_STAMPED)
 STAT_VERIFIED = tl.constexpr(spec.DigestWorkspace.STAT_VERIFIED)
@@ -41,78 +37,6 @@ STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
 # block_size, heads, dim, words per head, word base.
 COMP_WIDTH = tl.constexpr(10)
 FIN = tl.constexpr(512)  # entries per step of the finalize
-POS_BITS = tl.constexpr(32)
-POS_MASK = tl.constexpr((1 << 32) - 1)
-MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
-
-
-@triton.jit
-def fmix64(x):
-    x = x ^ (x >> 30)
-    x = x * C1
-    x = x ^ (x >> 27)
-    x = x * C2
-    return x ^ (x >> 31)
-
-
-@triton.jit
-def _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.constexpr, G: tl.constexpr):
-    """Per row (BLOCK_B lanes): first selected group, selected tiles, and the tiles' exclusive prefix."""
-    rb = tl.arange(0, BLOCK_B)
-    rm = rb < b
-    active = tl.load(state_ptr + rb, mask=rm, other=1) == 0
-    start = tl.load(starts_ptr + rb, mask=rm, other=0)
-    count = tl.load(voff_ptr + rb + 1, mask=rm, other=0) - tl.load(voff_ptr + rb, mask=rm, other=0)
-    end = tl.where(active & rm, start + count, start)
-    lo = start // G
-    hi = tl.where(end > start, (end + G - 1) // G, lo)
-    ph = epoch % period
-    tiles = tl.maximum((hi - ph + period - 1) // period, 0) - tl.maximum((lo - ph + period - 1) // period, 0)
-    first = lo + ((ph - lo) % period + period) % period
-    incl = tl.cumsum(tiles, 0)
-    return first, tiles, incl - tiles, start, end
-
-
-@triton.jit
-def _pick(values, i):
-    return tl.sum(tl.where(tl.arange(0, values.shape[0]) == i, values, 0))
-
-
-@triton.jit
-def _tile_entries(
-    tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-    first, tiles_excl, tiles_incl, starts, ends, period, wmarks_ptr, mark,
-    res0, res1, res2, res3, res4, res5, res6, res7,
-    FROM_PLAN: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr, REPORT_RANGE: tl.constexpr,
-    G: tl.constexpr,
-):  # fmt: skip
-    """One tile's entries: (entry index, slot marker, info) with marker = slot, SKIP or BAD."""
-    lane = tl.arange(0, G)
-    e = tile * G + lane
-    if FROM_PLAN:
-        r = tl.sum((tiles_incl <= tile).to(tl.int64))  # rows whose tiles all come before this one
-        grp = _pick(first, r) + (tile - _pick(tiles_excl, r)) * period
-        pos = grp * G + lane
-        inside = (pos >= _pick(starts, r)) & (pos < _pick(ends, r))
-        trow = tl.load(rows_ptr + r).to(tl.int64)
-        full = table_entry(table_ptr, trow, pos, n_rows, n_cols, page, inside, PAGED)
-        info = (tl.zeros_like(pos) + r) << POS_BITS | pos
-        stored = inside
-    else:
-        m = e < n_list
-        full = tl.load(locs_ptr + e, mask=m, other=-1).to(tl.int64)
-        stored = m & (full != -1)
-        info = full
-    slot, lookup_bad = translate(lookup_ptr, n_lookup, full, stored, HAS_LOOKUP)
-    ok = stored & ~lookup_bad & in_pool(slot, num_slots)
-    usable = ok & ~is_reserved(slot, res0, res1, res2, res3, res4, res5, res6, res7)
-    if FROM_PLAN:  # slots this step also writes are left to the stamp (digest_reference.written_this_step)
-        written = tl.load(wmarks_ptr + slot, mask=usable, other=0)
-        usable = usable & ((written >> 1) != mark)
-    marker = tl.where(usable, slot, SKIP)
-    if REPORT_RANGE:
-        marker = tl.where(stored & ~ok, BAD, marker)
-    return e, marker, info
 
 
 @triton.jit
@@ -153,10 +77,13 @@ def _unit_words(
     if EXACT:
         for h0 in range(0, heads, HB):
             h = h0 + hh
-            key = tl.load(keys_ptr + word_base + (h * BJ)[:, None] + jj[None, :]).to(tl.uint64, bitcast=True)
+            # The key tile is loaded in the word tile's own shape (every slot's lane loads its keys, cached):
+            # a [heads, words] load would need a shared-memory exchange and two barriers per step.
+            kidx = word_base + (h * BJ)[:, None, None] + (jj[None, None, :] + tl.zeros((1, G, 1), tl.int32))
+            key = tl.load(keys_ptr + kidx).to(tl.uint64, bitcast=True)
             woff = h.to(tl.int64)[:, None] * s_head + jj[None, :]
             word = tl.load(comp_ptr + row_off[None, :, None] + woff[:, None, :]).to(tl.uint64, bitcast=True)
-            term = fmix64(word ^ key[:, None, :])
+            term = fmix64(word ^ key)
             total += tl.sum(tl.sum(term, axis=0), axis=1)
     else:
         for h0 in range(0, heads, HB):
@@ -223,16 +150,19 @@ def _finalize(
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
     n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
 ):  # fmt: skip
-    """Every entry in order: store or compare its digest, count, then write the kept violation rows."""
-    n_mismatch = tl.zeros((), tl.int64)
-    n_range = tl.zeros((), tl.int64)
-    done = tl.zeros((), tl.int64)
+    """Every entry in order: store or compare its digest, count, then write the kept violation rows.
+
+    Runs in the program whose ticket came last: that acquire synchronises with every program's release
+    of its sums, so the exchanges need no fences of their own (relaxed)."""
+    n_mismatch = tl.zeros((FIN,), tl.int64)  # per lane, summed once after the loop (no barriers per step)
+    n_range = tl.zeros((FIN,), tl.int64)
+    done = tl.zeros((FIN,), tl.int64)
     for e0 in range(0, n_entries, FIN):
         e = e0 + tl.arange(0, FIN)
         m = e < n_entries
         slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
         usable = m & (slot >= 0)
-        d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m) | 1
+        d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m, sem="relaxed") | 1
         if STAMP:
             tl.store(digests_ptr + slot, d, mask=usable)
             mismatch = usable & (slot < 0)
@@ -240,9 +170,12 @@ def _finalize(
             stored = tl.load(digests_ptr + slot, mask=usable, other=0)
             mismatch = usable & (stored != 0) & (stored != d)
             tl.store(acc_ptr + e, d, mask=mismatch)  # kept for the rows' pass: nonzero marks a mismatch
-        n_mismatch += tl.sum(mismatch.to(tl.int64))
-        n_range += tl.sum((m & (slot == BAD)).to(tl.int64))
-        done += tl.sum(usable.to(tl.int64))
+        n_mismatch += mismatch.to(tl.int64)
+        n_range += (m & (slot == BAD)).to(tl.int64)
+        done += usable.to(tl.int64)
+    n_mismatch = tl.sum(n_mismatch)
+    n_range = tl.sum(n_range)
+    done = tl.sum(done)
     found = n_mismatch + n_range
     if STAMP:
         tl.atomic_add(stats_ptr + STAT_STAMPED, done)
@@ -258,7 +191,7 @@ def _finalize(
             e = e0 + tl.arange(0, FIN)
             m = e < n_entries
             slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
-            computed = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m)
+            computed = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m, sem="relaxed")
             mismatch = m & (slot >= 0) & (computed != 0)
             bad = m & (slot == BAD)
             hit = mismatch | bad
@@ -310,7 +243,7 @@ def digest_kernel(
     if FROM_PLAN:
         mark = (1 + tl.load(pepoch_ptr) % MARK_PERIOD).to(tl.int32)
         epoch = tl.load(epoch_ptr)
-        first, tiles, excl, starts, ends = _row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G)
+        first, tiles, excl, starts, ends = row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G)
         total_tiles = tl.sum(tiles)
         n_tiles = tl.minimum(total_tiles, max_tiles)
         incl = excl + tiles
@@ -326,7 +259,7 @@ def digest_kernel(
     for u in range(pid, n_tiles * n_chunks, n_programs):
         tile = u // n_chunks
         chunk = u % n_chunks
-        e, marker, info = _tile_entries(
+        e, marker, info = tile_entries(
             tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
             first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
             FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,

@@ -19,15 +19,20 @@ EVEN = const(hashing.MASK64 - 1)
 
 
 @triton.jit
-def mix(token32, position32):
-    """:func:`kvcanary.hashing.mix` on int32 tensors; returns the even int64 contribution."""
-    word = (position32.to(tl.int64) << 32) | (token32.to(tl.int64) & LOW32)
-    x = word.to(tl.uint64, bitcast=True) ^ MIX_SALT
+def fmix64(x):
+    """:func:`kvcanary.hashing.fmix64` on uint64 (the link's mixer and the digest's term)."""
     x = x ^ (x >> 30)
     x = x * FMIX_C1
     x = x ^ (x >> 27)
     x = x * FMIX_C2
-    x = x ^ (x >> 31)
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def mix(token32, position32):
+    """:func:`kvcanary.hashing.mix` on int32 tensors; returns the even int64 contribution."""
+    word = (position32.to(tl.int64) << 32) | (token32.to(tl.int64) & LOW32)
+    x = fmix64(word.to(tl.uint64, bitcast=True) ^ MIX_SALT)
     return (x & EVEN).to(tl.int64, bitcast=True)
 
 

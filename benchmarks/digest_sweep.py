@@ -1,0 +1,63 @@
+"""The KV digest kernel's tile shape and grid, swept on a CUDA GPU (which tuning reads fastest here).
+
+Times one list call over 16,384 scattered slots of ``bench_digest``'s Qwen3-0.6B-shaped pool, stamp and
+verify, under every combination of ``DigestTuning``'s words per step, warps, programs per SM and
+components per unit.  Prints one line per tuning and writes the table beside the results
+(``<gpu>-<commit>-digest-sweep.txt``); ``bench_digest.py`` then times its scenarios with the tuning it picks.
+
+Usage: PYTHONPATH=src:benchmarks python benchmarks/digest_sweep.py --commit <sha> [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+from bench_digest import RESULTS, Pool, list_throughput
+from bench_kernels import copy_bandwidth
+from kvcanary.ops import digest_launchers as dl
+
+GRID = {"block_words": (32, 64, 128, 256), "warps": (2, 4, 8), "programs_per_sm": (8, 16),
+        "max_comps_per_unit": (1, 2, 8)}  # fmt: skip
+QUICK = {"block_words": (64, 128), "warps": (4,), "programs_per_sm": (8, 16), "max_comps_per_unit": (1, 8)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", default=None)
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="a few tunings only")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    pool = Pool(1 << 16, dev)
+    copy_gbps = copy_bandwidth(dev) / 1e9
+    grid = QUICK if args.quick else GRID
+    name = torch.cuda.get_device_name(dev)
+    lines = [f"# digest tuning sweep, commit {args.commit}, {name}, copy {copy_gbps:.0f} GB/s (read + written)",
+             "block_words warps programs_per_sm comps | stamp GB/s (% copy) | verify GB/s (% copy)"]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    for values in itertools.product(*grid.values()):
+        t = dl.DigestTuning(**dict(zip(grid, values, strict=True)))
+        res = [list_throughput(pool, 16384, True, stamp, args.replays, dev, t)["gbps"] for stamp in (True, False)]
+        cells = [f"{g:.0f} ({100 * g / copy_gbps:.1f})" for g in res]
+        line = " ".join(str(v) for v in values) + " | " + " | ".join(cells)
+        lines.append(line)
+        print(line, flush=True)
+    gpu = name.replace(" ", "-").lower()
+    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest-sweep.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
