@@ -190,7 +190,7 @@ def test_components_hold_each_slots_bytes_and_the_digest_sees_one_byte(name: str
             layout_ = group_layouts(al.runner, [al.group], None)["full"]
             comps = layout_.components
             assert [c.name for c in comps] == ["layer0.k", "layer0.v", "layer1.k", "layer1.v"]
-            assert all(c.block_size == al.kernel_block and c.heads == case.heads for c in comps)
+            assert all(c.shape.block_size == al.kernel_block and c.shape.heads == case.heads for c in comps)
             storage = al.raw.untyped_storage().data_ptr()
             assert all(c.view.untyped_storage().data_ptr() == storage for c in comps)  # views, never copies
             for li, layer in enumerate(LAYERS):
