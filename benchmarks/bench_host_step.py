@@ -115,7 +115,7 @@ def decode_batch(batch: int, prefix: int, page: int, device: str) -> tuple[Canar
 def prefill_batch(decode: StepBatch, page: int, prefix: int) -> StepBatch:
     """The prefill that writes each request's ``prefix`` tokens, so the decode step verifies clean."""
     n = decode.batch_size
-    rows, table, dev = decode.rows.cpu(), decode.table.cpu(), decode.device
+    rows, table, dev = decode.rows.cpu(), decode.table.cpu(), decode.rows.device
     pos = torch.arange(prefix, dtype=torch.int32).repeat(n)
     req = rows.repeat_interleave(prefix)
     loc = (table[req.long(), (pos // page).long()].long() * page + pos % page).to(torch.int32)

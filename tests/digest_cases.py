@@ -75,7 +75,7 @@ def random_pool(rng: random.Random, *, kind: str | None = None, dtype: torch.dty
 
 
 def element(comp: D.KVComponent, slot: int, head: int, d: int) -> tuple[int, int, int, int]:
-    return (slot // comp.block_size, slot % comp.block_size, head, d)
+    return (*divmod(slot, comp.shape.block_size), head, d)
 
 
 def flip_bit(comp: D.KVComponent, slot: int, head: int, d: int, bit: int) -> None:
@@ -86,5 +86,12 @@ def flip_bit(comp: D.KVComponent, slot: int, head: int, d: int, bit: int) -> Non
     comp.view[idx] = raw.view(comp.view.dtype)[0]
 
 
+def flip_random_bit(comp: D.KVComponent, slot: int, rng: random.Random) -> None:
+    """Flip one random bit of one random element of ``slot`` (draws: head, element, bit)."""
+    shape = comp.shape
+    flip_bit(comp, slot, rng.randrange(shape.heads), rng.randrange(shape.dim), rng.randrange(8 * shape.element_size))
+
+
 def copy_slot_bytes(comp: D.KVComponent, dst: int, src: int) -> None:
-    comp.view[dst // comp.block_size, dst % comp.block_size] = comp.view[src // comp.block_size, src % comp.block_size]
+    bs = comp.shape.block_size
+    comp.view[divmod(dst, bs)] = comp.view[divmod(src, bs)]

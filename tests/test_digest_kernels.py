@@ -76,7 +76,7 @@ def _on_device(pool: dc.Pool) -> dc.Pool:
         return pool
     comps = []
     for c in pool.layout.components:  # keep the strides: move the base storage, rebuild the view
-        base = c.view.as_strided((c.view.untyped_storage().nbytes() // c.element_size,), (1,), 0).to(DEVICE)
+        base = c.view.as_strided((c.view.untyped_storage().nbytes() // c.shape.element_size,), (1,), 0).to(DEVICE)
         comps.append(D.KVComponent(base.as_strided(c.view.shape, c.view.stride(), c.view.storage_offset())))
     return dc.Pool(D.DigestLayout(tuple(comps)), pool.num_slots)
 
@@ -105,7 +105,7 @@ def test_list_calls_match_reference_and_oracle(kind: str, dtype: torch.dtype) ->
         assert int(twin.digests[s]) == digest_oracle.slot_digest(pool.layout, s)
     comp = rng.choice(pool.layout.components)
     victim = rng.choice(stamped)
-    dc.flip_bit(comp, victim, rng.randrange(comp.heads), rng.randrange(comp.dim), rng.randrange(8 * comp.element_size))
+    dc.flip_random_bit(comp, victim, rng)
     twin.call("verify_list", torch.arange(-2, pool.num_slots + 2, device=DEVICE), report_range=True)
     mismatched = twin.log.rows()
     assert mismatched[:, 0].tolist().count(int(D_MISMATCH)) == 1
@@ -123,9 +123,9 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     twin.call("stamp_list", everything)
     caught = 0
     for comp in pool.layout.components:
-        for bit in range(0, 8 * comp.element_size, 5):
+        for bit in range(0, 8 * comp.shape.element_size, 5):
             slot = rng.randrange(pool.num_slots)
-            dc.flip_bit(comp, slot, rng.randrange(comp.heads), rng.randrange(comp.dim), bit)
+            dc.flip_bit(comp, slot, rng.randrange(comp.shape.heads), rng.randrange(comp.shape.dim), bit)
             before = int(twin.log.counters[16])
             twin.call("verify_list", everything)
             assert int(twin.log.counters[16]) == before + 1
@@ -240,7 +240,7 @@ FAST_CASES = {
 @pytest.mark.parametrize("case", list(FAST_CASES))
 def test_engine_shaped_pools_take_the_fast_paths_and_match(case: str, tuning: str) -> None:
     comps = _fast_case(case, torch.Generator().manual_seed(len(case)))
-    slots = min(c.num_slots for c in comps)
+    slots = min(c.shape.num_slots for c in comps)
     pool = _on_device(dc.Pool(D.DigestLayout(tuple(comps)), slots))
     t = TUNINGS[tuning]
     taken = [(*lc.path(t)[2:], lc.block_log) for lc in dl.DeviceLayout.build(pool.layout).classes]
@@ -254,7 +254,7 @@ def test_engine_shaped_pools_take_the_fast_paths_and_match(case: str, tuning: st
     flipped = set()
     for comp in pool.layout.components:
         s = rng.choice([0, 2, slots - 1, rng.randrange(slots)])
-        dc.flip_bit(comp, s, rng.randrange(comp.heads), rng.randrange(comp.dim), rng.randrange(8 * comp.element_size))
+        dc.flip_random_bit(comp, s, rng)
         flipped.add(s)
     twin.call("verify_list", everything)
     assert int(twin.log.counters[16]) == len(flipped - {1})

@@ -46,8 +46,8 @@ def test_every_single_bit_of_a_slot_changes_its_digest_and_no_other() -> None:
         before = _digests(pool)
         slot = rng.randrange(pool.num_slots)
         for comp in pool.layout.components:  # every layer, K and V and scales
-            for bit in range(8 * comp.element_size):
-                head, d = rng.randrange(comp.heads), rng.randrange(comp.dim)
+            for bit in range(8 * comp.shape.element_size):
+                head, d = rng.randrange(comp.shape.heads), rng.randrange(comp.shape.dim)
                 dc.flip_bit(comp, slot, head, d, bit)
                 after = _digests(pool)
                 changed = (after != before).nonzero().flatten().tolist()
@@ -65,11 +65,11 @@ def test_structured_edits_change_the_digest() -> None:
         comp = pool.layout.components[-1]
         before = _digests(pool)
         s = rng.randrange(1, pool.num_slots - 1)
-        row = comp.view[s // comp.block_size, s % comp.block_size]
+        row = comp.view[s // comp.shape.block_size, s % comp.shape.block_size]
         saved = row.clone()
 
         def row_of(slot: int, comp: D.KVComponent = comp) -> torch.Tensor:
-            return comp.view[slot // comp.block_size, slot % comp.block_size].clone()
+            return comp.view[slot // comp.shape.block_size, slot % comp.shape.block_size].clone()
 
         edits = {
             "zeroed row": torch.zeros_like(saved),
@@ -102,7 +102,7 @@ def test_content_only_and_order_independent() -> None:
     parts = torch.zeros_like(slots)
     for comp, base in zip(pool.layout.components, pool.layout.word_bases(), strict=True):
         words = dref._component_words(comp.view, slots)
-        parts += torch.ops.aten.sum(dref.hashing.fmix64_t(words ^ keys[base : base + comp.words]), 1)
+        parts += torch.ops.aten.sum(dref.hashing.fmix64_t(words ^ keys[base : base + comp.shape.words]), 1)
     assert torch.equal(parts | 1, whole)
 
 

@@ -39,10 +39,6 @@ class StepBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def device(self) -> torch.device:
-        return self.rows.device
-
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 

@@ -19,6 +19,7 @@ reference is :mod:`kvcanary.ops.digest_reference`, the kernel :mod:`kvcanary.ops
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -30,17 +31,42 @@ ELEMENT_SIZES = (1, 2, 4, 8)
 TILE_TOKENS = 16  # budgeted verify selects positions in runs of this many (a kernel tile's entries)
 
 
+class ComponentShape(NamedTuple):
+    """A component's geometry: ``blocks`` blocks of ``block_size`` slots; a slot holds ``heads`` head rows of
+    ``dim`` elements of ``element_size`` bytes each."""
+
+    blocks: int
+    block_size: int
+    heads: int
+    dim: int
+    element_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def words_per_head(self) -> int:
+        """64-bit words of one head row (its bytes zero-padded to a whole word)."""
+        return -(-self.dim * self.element_size // WORD_BYTES)
+
+    @property
+    def words(self) -> int:
+        return self.heads * self.words_per_head
+
+
 @dataclasses.dataclass(frozen=True)
 class KVComponent:
     """One tensor's bytes of each slot, as a 4-D strided view ``[num_blocks, block_size, heads, dim]``.
 
     Slot ``s`` is ``view[s // block_size, s % block_size]``.  The view may have any strides (a permuted or
     ``as_strided`` view of the engine's tensor, never a copy); its element size must be 1, 2, 4 or 8 bytes.
-    Build it with the layout helpers below.
+    ``shape`` is its geometry, read once when the component is built.  Build it with the layout helpers below.
     """
 
     view: torch.Tensor
     name: str = ""
+    shape: ComponentShape = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         v = self.view
@@ -56,34 +82,8 @@ class KVComponent:
             raise ValueError(f"component {self.name!r}: needs a real dtype and non-empty dims, got {v.dtype} {v.shape}")
         if any(s < 0 for s in v.stride()):
             raise ValueError(f"component {self.name!r}: negative strides are not supported")
-
-    @property
-    def block_size(self) -> int:
-        return int(self.view.shape[1])
-
-    @property
-    def heads(self) -> int:
-        return int(self.view.shape[2])
-
-    @property
-    def dim(self) -> int:
-        return int(self.view.shape[3])
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.view.shape[0]) * self.block_size
-
-    @property
-    def element_size(self) -> int:
-        return self.view.element_size()
-
-    @property
-    def words_per_head(self) -> int:
-        return -(-self.dim * self.element_size // WORD_BYTES)
-
-    @property
-    def words(self) -> int:
-        return self.heads * self.words_per_head
+        blocks, block_size, heads, dim = v.shape
+        object.__setattr__(self, "shape", ComponentShape(blocks, block_size, heads, dim, v.element_size()))  # frozen
 
 
 def token_major(t: torch.Tensor, name: str = "") -> KVComponent:
@@ -131,22 +131,22 @@ class DigestLayout:
     @property
     def num_slots(self) -> int:
         """Slots every component covers."""
-        return min(c.num_slots for c in self.components)
+        return min(c.shape.num_slots for c in self.components)
 
     def word_bases(self) -> list[int]:
         bases, total = [], 0
         for c in self.components:
             bases.append(total)
-            total += c.words
+            total += c.shape.words
         return bases
 
     @property
     def words(self) -> int:
-        return sum(c.words for c in self.components)
+        return sum(c.shape.words for c in self.components)
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(c.heads * c.dim * c.element_size for c in self.components)
+        return sum(c.shape.heads * c.shape.dim * c.shape.element_size for c in self.components)
 
 
 @dataclasses.dataclass

@@ -68,7 +68,7 @@ def component_terms(layout: DigestLayout, slot: int) -> torch.Tensor:
     out = []
     for comp, base in zip(layout.components, layout.word_bases(), strict=True):
         words = dref._component_words(comp.view, idx)[0]
-        out.append(hashing.fmix64_t(words ^ keys[base : base + comp.words]).sum())
+        out.append(hashing.fmix64_t(words ^ keys[base : base + comp.shape.words]).sum())
     return torch.stack(out).cpu()
 
 
@@ -108,12 +108,12 @@ def single_bit_flip(layout: DigestLayout, stored: int, slot: int, now: torch.Ten
     found: list[str] = []
     for c, (comp, base) in enumerate(zip(layout.components, layout.word_bases(), strict=True)):
         words = dref._component_words(comp.view, idx)[0].cpu()
-        k = keys[base : base + comp.words]
+        k = keys[base : base + comp.shape.words]
         old = hashing.fmix64_t(words ^ k)
         new = hashing.fmix64_t((words[:, None] ^ bits[None, :]) ^ k[:, None])
         hit = (((total - old)[:, None] + new) | 1) == stored
         for w, b in hit.nonzero().tolist():
-            head, word = divmod(w, comp.words_per_head)
+            head, word = divmod(w, comp.shape.words_per_head)
             found.append(f"{_name(layout, c)} head {head} byte {word * WORD_BYTES + b // 8} bit {b % 8}")
     return found[0] if len(found) == 1 else None
 

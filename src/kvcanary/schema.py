@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import enum
 
-
-class Reason(enum.IntFlag):
-    """Bit i is the i-th member (``auto``), which is also its counter's index and its place in ``REASONS``:
-    logs and kernels store these bits, so a new reason goes last and none is ever reordered."""
-
-    LINK_MISMATCH = enum.auto()
-    POSITION_MISMATCH = enum.auto()
-    TOKEN_MISMATCH = enum.auto()
-    NEVER_WRITTEN = enum.auto()
-    RESERVED_SLOT = enum.auto()
-    SLOT_OUT_OF_RANGE = enum.auto()
-    PREDECESSOR_OUT_OF_RANGE = enum.auto()
-    LOOKUP_OUT_OF_RANGE = enum.auto()
-    SEED_OUT_OF_RANGE = enum.auto()
-    WRITE_POSITION_MISMATCH = enum.auto()
-    WRITE_TOKEN_MISMATCH = enum.auto()
-    ROW_OUT_OF_RANGE = enum.auto()
-    LENGTH_OUT_OF_RANGE = enum.auto()
-    WRITE_INTO_LIVE_SLOT = enum.auto()  # a write lands on a slot attention reads as live this step
-    DUPLICATE_WRITE = enum.auto()  # two tokens of one step write one slot
-    NEW_READ_MISMATCH = enum.auto()  # a new token's table entry does not resolve to the slot it writes
-    DIGEST_MISMATCH = enum.auto()  # a slot's K/V bytes no longer match the digest stamped when they landed
+# Bit i is the i-th name (``1 << i``), which is also its counter's index and its place in ``REASONS``: logs and
+# kernels store these bits, so a new reason goes last and none is ever reordered.  One line a family of checks.
+Reason = enum.IntFlag("Reason", [
+    # a read's record does not chain to its predecessor, or was never written (verify)
+    "LINK_MISMATCH", "POSITION_MISMATCH", "TOKEN_MISMATCH", "NEVER_WRITTEN",
+    # an index lands on a reserved slot, or outside the pool or the full->window lookup
+    "RESERVED_SLOT", "SLOT_OUT_OF_RANGE", "PREDECESSOR_OUT_OF_RANGE", "LOOKUP_OUT_OF_RANGE", "SEED_OUT_OF_RANGE",
+    # a written token is not the one expected at its place (stamp)
+    "WRITE_POSITION_MISMATCH", "WRITE_TOKEN_MISMATCH",
+    # a batch row's table row or lengths are out of range (plan)
+    "ROW_OUT_OF_RANGE", "LENGTH_OUT_OF_RANGE",
+    # a write against the same step's reads and writes: onto a live slot, twice, or where its own read goes (stamp)
+    "WRITE_INTO_LIVE_SLOT", "DUPLICATE_WRITE", "NEW_READ_MISMATCH",
+    # a slot's K/V bytes no longer match the digest stamped when they landed (digest verify)
+    "DIGEST_MISMATCH",
+])  # fmt: skip
 
 
 REASONS: tuple[Reason, ...] = tuple(Reason)

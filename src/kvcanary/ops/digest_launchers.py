@@ -63,19 +63,19 @@ DEFAULT_TUNING = DigestTuning()
 
 def _row(comp: KVComponent, base: int) -> tuple[int, list[int]]:
     """(element size the kernel reads, table row with the component's absolute address) of one component."""
-    v = comp.view
+    v, shape = comp.view, comp.shape
     es = v.element_size()
     s_block, s_off, s_head, s_dim = v.stride()
-    if comp.block_size == 1:
+    if shape.block_size == 1:
         s_off = 0  # never multiplied by a non-zero offset
-    if comp.heads == 1:
+    if shape.heads == 1:
         s_head = 0
-    addr, dim = v.data_ptr(), comp.dim
+    addr, dim = v.data_ptr(), shape.dim
     words_ok = (s_dim == 1 or dim == 1) and (dim * es) % WORD_BYTES == 0 and addr % WORD_BYTES == 0
     if es < WORD_BYTES and words_ok and all((s * es) % WORD_BYTES == 0 for s in (s_block, s_off, s_head)):
         k = WORD_BYTES // es
         es, dim, s_block, s_off, s_head, s_dim = WORD_BYTES, dim // k, s_block // k, s_off // k, s_head // k, 1
-    return es, [addr, s_block, s_off, s_head, s_dim, comp.block_size, comp.heads, dim, comp.words_per_head, base]
+    return es, [addr, s_block, s_off, s_head, s_dim, shape.block_size, shape.heads, dim, shape.words_per_head, base]
 
 
 @dataclasses.dataclass(frozen=True)

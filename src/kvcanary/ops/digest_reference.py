@@ -57,7 +57,7 @@ def slot_digests(layout: DigestLayout, slots: torch.Tensor) -> torch.Tensor:
         total = torch.zeros_like(part)
         for comp, base in zip(layout.components, layout.word_bases(), strict=True):
             words = _component_words(comp.view, part)
-            terms = hashing.fmix64_t(words ^ keys[base : base + comp.words])
+            terms = hashing.fmix64_t(words ^ keys[base : base + comp.shape.words])
             total += terms.sum(dim=1)  # int64 sums wrap: arithmetic mod 2**64
         out[c0 : c0 + _CHUNK] = total | 1
     return out
@@ -177,7 +177,7 @@ def verify_planned(
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
 ) -> None:  # fmt: skip
     """Verify the budgeted share of the last plan's verify entries (see the module docstring)."""
-    dev = batch.device
+    dev = batch.rows.device
     epoch = int(ws.epoch[0])
     first, tiles, start, end = selected_tiles(plan_ws, batch.rows, epoch, period, group_tokens)
     max_tiles = ws.entries // group_tokens

@@ -94,7 +94,7 @@ def plan(state: GroupState, batch: StepBatch) -> None:
     """
     group, records, ws, log = state
     b = batch.batch_size
-    dev = batch.device
+    dev = batch.rows.device
     rows = batch.rows.long()
     pre = batch.prefix_lens.long()
     ext = batch.extend_lens.long()
@@ -144,7 +144,7 @@ def _classify_rows(
     width = batch.table.shape[1] * group.page_size
     pad = rows == group.padding_row if group.padding_row is not None else torch.zeros_like(rows, dtype=torch.bool)
     row_bad = ~pad & ((rows < 0) | (rows >= n_rows))
-    write_offsets = torch.zeros(batch.batch_size + 1, dtype=torch.int64, device=batch.device)
+    write_offsets = torch.zeros(batch.batch_size + 1, dtype=torch.int64, device=batch.rows.device)
     write_offsets[1:] = torch.cumsum(ext.clamp(0, MAX_EXTEND), 0)
     # pre > width - ext, not pre + ext > width: exact for non-negative lengths, no int64 wrap.
     too_long = pre > width - ext
@@ -240,7 +240,7 @@ def _planned_entries(batch: StepBatch, ws: PlanWorkspace, capacity: int) -> tupl
     voff = ws.verify_offsets[: b + 1]
     total = int(voff[b])
     n = min(total, capacity)
-    e = torch.arange(n, dtype=torch.int64, device=batch.device)
+    e = torch.arange(n, dtype=torch.int64, device=batch.rows.device)
     r = torch.searchsorted(voff[1:], e, right=True)
     return total, n, r, ws.window_starts[r] + e - voff[r]
 

@@ -49,7 +49,7 @@ def write_tokens(group: CanaryGroup, batch: StepBatch, ws: PlanWorkspace, num_sl
     b = batch.batch_size
     woff = ws.write_offsets[: b + 1]
     n_tok = min(int(woff[b]), batch.num_tokens)
-    t = torch.arange(n_tok, dtype=torch.int64, device=batch.device)
+    t = torch.arange(n_tok, dtype=torch.int64, device=batch.rows.device)
     r = torch.searchsorted(woff[1:], t, right=True)
     live = ws.row_state[r] == PlanWorkspace.ROW_ACTIVE
     t, r = t[live], r[live]

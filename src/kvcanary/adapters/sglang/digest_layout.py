@@ -102,7 +102,8 @@ def host_layout(host_pool: Any, device_layout: D.DigestLayout) -> D.DigestLayout
         if part not in ("k", "v") or not layer.isdigit():
             return None
         host = per_layer("kv".index(part), int(layer) - start)
-        if (host.heads, host.dim, host.element_size) != (comp.heads, comp.dim, comp.element_size):
+        h, c = host.shape, comp.shape
+        if (h.heads, h.dim, h.element_size) != (c.heads, c.dim, c.element_size):
             return None
         comps.append(D.KVComponent(host.view, comp.name))
     return D.DigestLayout(tuple(comps))
