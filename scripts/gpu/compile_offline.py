@@ -3,12 +3,14 @@
 The interpreter runs kernels as Python and accepts code the compiler refuses (a loop-carried variable whose
 type changes, say); this catches that before device time is spent.  The kernels' arguments come from the
 launchers themselves, run on CPU tensors with the kernels swapped for recorders, over the differential
-test's random cases (so every combination of static flags that they reach is compiled).
+test's random cases (so every combination of static flags that they reach is compiled).  Each variant's line
+ends with a hash of its cubin: two source trees whose lines match compile to the same machine code.
 Usage: PYTHONPATH=src:tests python scripts/gpu/compile_offline.py [cases]
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -89,7 +91,8 @@ def main() -> int:
         try:
             compiled = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": warps})
             regs = _registers(compiled.asm["cubin"])
-            print(f"ok   {kname} warps={warps} {dict(consts)} regs={regs}", flush=True)
+            digest = hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16]
+            print(f"ok   {kname} warps={warps} {dict(consts)} regs={regs} cubin={digest}", flush=True)
         except Exception as exc:
             failures += 1
             print(f"FAIL {kname} warps={warps} {dict(consts)}: {str(exc)[-600:]}", flush=True)

@@ -7,18 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcanary.ops.kernels.const import const
+from kvcanary.ops.kernels.codes import DUPLICATE, INTO_LIVE, NEW_READ_BAD, NOT_STORED, READER_BITS, READER_LIMIT
 from kvcanary.ops.kernels.indexing import find_row, in_pool, is_reserved, pick, table_entry, translate
-from kvcanary.schema import NOT_STORED as _NOT_STORED
-from kvcanary.schema import Reason
-from kvcanary.workspace import PlanWorkspace
-
-INTO_LIVE = const(int(Reason.WRITE_INTO_LIVE_SLOT))
-DUPLICATE = const(int(Reason.DUPLICATE_WRITE))
-NEW_READ_BAD = const(int(Reason.NEW_READ_MISMATCH))
-READER_BITS = const(PlanWorkspace.READER_BITS)
-READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
-NOT_STORED = const(_NOT_STORED)
 
 
 @triton.jit

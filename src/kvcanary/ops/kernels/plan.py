@@ -6,23 +6,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.codes import ACTIVE, BAD, LENGTH_OOR, LOOKUP_OOR, PADDING, PHASE_PLAN, ROW_OOR, SEED_OOR
 from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
 from kvcanary.ops.kernels.log import CALLS, COUNTER_LANES, VIOLATIONS, add_counters, lane, reason_counts, store_rows
 from kvcanary.ops.reference import MAX_EXTEND
-from kvcanary.schema import Phase, Reason
-from kvcanary.workspace import PlanWorkspace
 
 MAX_EXT = const(MAX_EXTEND)
-ROW_OOR = const(int(Reason.ROW_OUT_OF_RANGE))
-LENGTH_OOR = const(int(Reason.LENGTH_OUT_OF_RANGE))
-LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
-SEED_OOR = const(int(Reason.SEED_OUT_OF_RANGE))
-PHASE = const(int(Phase.PLAN))
-ACTIVE = const(PlanWorkspace.ROW_ACTIVE)
-PADDING = const(PlanWorkspace.ROW_PADDING)
-BAD = const(PlanWorkspace.ROW_BAD)
 
 
 @triton.jit
@@ -94,6 +85,22 @@ def _plan_rows(
     return r, m, rows, pre, ext, active, write_end, tl.sum(ext_sat), starts, counts, seeds, state, reasons, bad_index
 
 
+@triton.jit
+def store_row_state(
+    write_off_ptr, verify_off_ptr, verify_items_ptr, write_items_ptr, starts_ptr, seeds_ptr, state_ptr,
+    r, m, write_end, verify_end, vitem_end, witem_end, starts, seeds, state,
+):  # fmt: skip
+    """A row block's workspace rows (masked by ``m``): the four offsets' ends (after their 0 header), the window
+    start, the chain seed and the row state, as plan_kernel and the fused plan leave them."""
+    tl.store(write_off_ptr + 1 + r, write_end, mask=m)
+    tl.store(verify_off_ptr + 1 + r, verify_end, mask=m)
+    tl.store(verify_items_ptr + 1 + r, vitem_end, mask=m)
+    tl.store(write_items_ptr + 1 + r, witem_end, mask=m)
+    tl.store(starts_ptr + r, starts, mask=m)
+    tl.store(seeds_ptr + r, seeds, mask=m)
+    tl.store(state_ptr + r, state.to(tl.int32), mask=m)
+
+
 # Integer arguments are not specialised: one compiled kernel serves every batch shape.
 @triton.jit(
     do_not_specialize=[
@@ -142,7 +149,7 @@ def plan_kernel(
     found = tl.zeros((), tl.int64)
     bits = tl.zeros((COUNTER_LANES,), tl.int64)
     for c0 in range(0, b, BLOCK_B):
-        r, m, rows, pre, ext, active, write_end, ext_sum, starts, counts, seeds, state, reasons, bad_index = _plan_rows(
+        r, m, _rows, _pre, ext, active, write_end, ext_sum, starts, counts, seeds, state, reasons, _bad = _plan_rows(
             rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
             c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row,
             page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
@@ -152,13 +159,10 @@ def plan_kernel(
         witems = tl.where(active, (ext + STAMP_BLOCK - 1) // STAMP_BLOCK, 0)
         vitem_end = vitem_carry + tl.cumsum(vitems, 0)
         witem_end = witem_carry + tl.cumsum(witems, 0)
-        tl.store(write_off_ptr + 1 + r, write_end, mask=m)
-        tl.store(verify_off_ptr + 1 + r, verify_end, mask=m)
-        tl.store(verify_items_ptr + 1 + r, vitem_end, mask=m)
-        tl.store(write_items_ptr + 1 + r, witem_end, mask=m)
-        tl.store(starts_ptr + r, starts, mask=m)
-        tl.store(seeds_ptr + r, seeds, mask=m)
-        tl.store(state_ptr + r, state.to(tl.int32), mask=m)
+        store_row_state(
+            write_off_ptr, verify_off_ptr, verify_items_ptr, write_items_ptr, starts_ptr, seeds_ptr, state_ptr,
+            r, m, write_end, verify_end, vitem_end, witem_end, starts, seeds, state,
+        )  # fmt: skip
         hit = reasons != 0
         n_hit = tl.sum(hit.to(tl.int64))
         if n_hit > 0:
@@ -172,25 +176,17 @@ def plan_kernel(
     k = tl.arange(0, COUNTER_LANES)
     bits += tl.where(k == VIOLATIONS, found, 0) + tl.where(k == CALLS, 1, 0)
     base = lane(add_counters(counters_ptr, bits), VIOLATIONS)  # one round trip for every counter
-    if found > 0:
+    if found > 0:  # a second pass over the rows writes the found ones, now that their indices are known
         write_carry = tl.zeros((), tl.int64)
         rank = base
         for c0 in range(0, b, BLOCK_B):
-            r, m, rows, pre, ext, active, write_end, ext_sum, starts, counts, seeds, state, reasons, bad_index = (
-                _plan_rows(
-                    rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
-                    c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad,
-                    pad_row, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
-                )
+            n_logged, ext_sum = log_plan_rows(
+                first_ptr, last_ptr, log_k, rank, base + found, group_id, rows_ptr, pre_ptr, ext_ptr, table_ptr,
+                lookup_ptr, links_ptr, c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens,
+                window, has_pad, pad_row, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP,
+                BLOCK_B,
             )  # fmt: skip
-            hit = reasons != 0
-            hit64 = hit.to(tl.int64)
-            g = rank + tl.cumsum(hit64, 0) - hit64
-            store_rows(
-                first_ptr, last_ptr, log_k, g, base + found, hit, reasons, PHASE, group_id, r.to(tl.int64), rows,
-                -1, -1, pre, pre + ext, -1, 0, 0, 0, bad_index,
-            )  # fmt: skip
-            rank += tl.sum(hit64)
+            rank += n_logged
             write_carry += ext_sum
 
 
@@ -215,34 +211,33 @@ def store_plan(
     tl.store(verify_off_ptr, 0)
     tl.store(verify_items_ptr, 0)
     tl.store(write_items_ptr, 0)
-    tl.store(write_off_ptr + 1 + r, write_end, mask=m)
-    tl.store(verify_off_ptr + 1 + r, verify_end, mask=m)
-    tl.store(verify_items_ptr + 1 + r, vitem_end, mask=m)
-    tl.store(write_items_ptr + 1 + r, witem_end, mask=m)
-    tl.store(starts_ptr + r, starts, mask=m)
-    tl.store(seeds_ptr + r, seeds, mask=m)
-    tl.store(state_ptr + r, state.to(tl.int32), mask=m)
+    store_row_state(
+        write_off_ptr, verify_off_ptr, verify_items_ptr, write_items_ptr, starts_ptr, seeds_ptr, state_ptr,
+        r, m, write_end, verify_end, vitem_end, witem_end, starts, seeds, state,
+    )  # fmt: skip
     return reasons
 
 
 @triton.jit
 def log_plan_rows(
-    first_ptr, last_ptr, log_k, base, found, group_id,
+    first_ptr, last_ptr, log_k, rank, end, group_id,
     rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
-    b, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
+    c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
     res0, res1, res2, res3, res4, res5, res6, res7,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """The plan call's ``found`` log rows (one row block), lifetime indices from ``base``, by batch row."""
-    r, _m, rows, pre, ext, _active, _we, _es, _st, _c, _seeds, _state, reasons, bad_index = _plan_rows(
+    """The log rows of the row block from batch row ``c0`` (earlier blocks wrote ``write_carry`` tokens), at
+    lifetime indices from ``rank`` (the call's rows end at ``end``); returns the rows found and the block's writes."""
+    r, _m, rows, pre, ext, _active, _we, ext_sum, _st, _c, _seeds, _state, reasons, bad_index = _plan_rows(
         rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
-        0, b, tl.zeros((), tl.int64), n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad,
-        pad_row, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
+        c0, b, write_carry, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page,
+        res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
     )  # fmt: skip
     hit = reasons != 0
     hit64 = hit.to(tl.int64)
-    g = base + tl.cumsum(hit64, 0) - hit64
+    g = rank + tl.cumsum(hit64, 0) - hit64
     store_rows(
-        first_ptr, last_ptr, log_k, g, base + found, hit, reasons, PHASE, group_id, r.to(tl.int64), rows,
+        first_ptr, last_ptr, log_k, g, end, hit, reasons, PHASE_PLAN, group_id, r.to(tl.int64), rows,
         -1, -1, pre, pre + ext, -1, 0, 0, 0, bad_index,
     )  # fmt: skip
+    return tl.sum(hit64), ext_sum

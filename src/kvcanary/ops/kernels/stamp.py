@@ -12,6 +12,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.codes import (
+    LOOKUP_OOR,
+    MARK_PERIOD,
+    NOT_STORED,
+    PHASE_STAMP,
+    RESERVED,
+    SLOT_OOR,
+    WRITE_POSITION_BAD,
+    WRITE_TOKEN_BAD,
+)
 from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import mix
 from kvcanary.ops.kernels.indexing import (
@@ -41,18 +51,7 @@ from kvcanary.ops.kernels.log import (
 )
 from kvcanary.ops.kernels.marks import same_step_reasons
 from kvcanary.ops.kernels.plan import row_spans
-from kvcanary.schema import NOT_STORED as _NOT_STORED
-from kvcanary.schema import Phase, Reason
-from kvcanary.workspace import PlanWorkspace
 
-SLOT_OOR = const(int(Reason.SLOT_OUT_OF_RANGE))
-LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
-RESERVED = const(int(Reason.RESERVED_SLOT))
-WRITE_POSITION_BAD = const(int(Reason.WRITE_POSITION_MISMATCH))
-WRITE_TOKEN_BAD = const(int(Reason.WRITE_TOKEN_MISMATCH))
-MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
-PHASE = const(int(Phase.STAMP))
-NOT_STORED = const(_NOT_STORED)
 FINAL_LANES = const(128)  # tokens per sub-block when the finalize re-derives an item
 LOOK = const(64)  # earlier items of the row read per step of the carry look-back
 
@@ -327,7 +326,7 @@ def stamp_kernel(
                         hit64 = hit.to(tl.int64)
                         g = base + rank + tl.cumsum(hit64, 0) - hit64
                         store_rows(
-                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE_STAMP, group_id, r, trow,
                             slot, -1, exp_pos, pos64, exp_tok, tok32.to(tl.int64), 0, links, bad,
                         )  # fmt: skip
                         rank += tl.sum(hit64)

@@ -16,6 +16,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.codes import (
+    LINK_BAD,
+    LOOKUP_OOR,
+    MARK_PERIOD,
+    NEVER_WRITTEN,
+    PHASE_VERIFY,
+    POSITION_BAD,
+    PRED_OOR,
+    READER_BITS,
+    READER_LIMIT,
+    RESERVED,
+    SLOT_OOR,
+    TOKEN_BAD,
+)
 from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.hashing import LINK_ANCHOR, link_step
 from kvcanary.ops.kernels.indexing import (
@@ -48,24 +62,8 @@ from kvcanary.ops.kernels.log import (
 )
 from kvcanary.ops.kernels.marks import mark_writes
 from kvcanary.ops.kernels.plan import log_plan_rows, row_spans, store_plan
-from kvcanary.schema import NOT_STORED as _NOT_STORED
-from kvcanary.schema import Phase, Reason
-from kvcanary.workspace import PlanWorkspace
 
-LINK_BAD = const(int(Reason.LINK_MISMATCH))
-POSITION_BAD = const(int(Reason.POSITION_MISMATCH))
-TOKEN_BAD = const(int(Reason.TOKEN_MISMATCH))
-NEVER_WRITTEN = const(int(Reason.NEVER_WRITTEN))
-RESERVED = const(int(Reason.RESERVED_SLOT))
-SLOT_OOR = const(int(Reason.SLOT_OUT_OF_RANGE))
-PRED_OOR = const(int(Reason.PREDECESSOR_OUT_OF_RANGE))
-LOOKUP_OOR = const(int(Reason.LOOKUP_OUT_OF_RANGE))
-PHASE = const(int(Phase.VERIFY))
 FINAL_LANES = const(128)  # entries per sub-block when the finalize re-derives an item
-NOT_STORED = const(_NOT_STORED)
-MARK_PERIOD = const(PlanWorkspace.MARK_PERIOD)
-READER_BITS = const(PlanWorkspace.READER_BITS)
-READER_LIMIT = const(PlanWorkspace.READER_LIMIT)
 
 
 @triton.jit
@@ -284,10 +282,10 @@ def verify_kernel(
             if FUSED:  # noqa: SIM102  (a static test: Triton does not mix it with a runtime one in `and`)
                 if plan_total > 0:
                     log_plan_rows(
-                        first_ptr, last_ptr, log_k, base, plan_total, group_id, rows_ptr, pre_ptr, ext_ptr, table_ptr,
-                        lookup_ptr, links_ptr, b, n_rows, n_cols, width, n_lookup, num_slots, n_tokens, window,
-                        has_pad, pad_row, page, res0, res1, res2, res3, res4, res5, res6, res7, PAGED, HAS_LOOKUP,
-                        BLOCK_B,
+                        first_ptr, last_ptr, log_k, base, base + plan_total, group_id, rows_ptr, pre_ptr, ext_ptr,
+                        table_ptr, lookup_ptr, links_ptr, 0, b, tl.zeros((), tl.int64), n_rows, n_cols, width,
+                        n_lookup, num_slots, n_tokens, window, has_pad, pad_row, page, res0, res1, res2, res3, res4,
+                        res5, res6, res7, PAGED, HAS_LOOKUP, BLOCK_B,
                     )  # fmt: skip
             base += plan_total
             prefix = tl.zeros((), tl.int64)
@@ -312,7 +310,7 @@ def verify_kernel(
                         hit64 = hit.to(tl.int64)
                         g = base + rank + tl.cumsum(hit64, 0) - hit64
                         store_rows(
-                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE, group_id, r, trow,
+                            first_ptr, last_ptr, log_k, g, base + total, hit, reasons, PHASE_VERIFY, group_id, r, trow,
                             slot, pred, pos, spos, etok, stok, elink, slink, bad,
                         )  # fmt: skip
                         rank += tl.sum(hit64)
