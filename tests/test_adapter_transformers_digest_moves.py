@@ -178,3 +178,29 @@ def test_the_host_layout_reads_a_host_block_as_the_device_layout_reads_its_block
         assert not torch.equal(component_terms(on_host, 1 * page + offset), component_terms(layout, 3 * page + offset))
     # A pool whose rows are not the device's blocks (another block size) is not read at all.
     assert host_layout(layout, rows, host.view(-1)[: 4 * (rows.shape[1] - 2)].view(4, -1)) is None
+
+
+def test_noted_sources_hold_the_moved_bytes_in_every_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the real engine (hybrid: a sliding and a full group over one tensor), every noted source -- device
+    blocks of a fork copy, host blocks of a restore read through the swap pool's layout -- holds, right after
+    the move, exactly the bytes its destination received, component by component (a clean run)."""
+    from kvcanary.digest_canary import GroupDigest
+
+    seen: dict[tuple[str, str], int] = {}
+    original = GroupDigest.note_move
+
+    def note_move(
+        self: GroupDigest, dest: torch.Tensor, src: torch.Tensor, layout: Any = None, what: str = "copy source"
+    ) -> None:
+        source_layout = self.layout if layout is None else layout
+        for d, s in zip(dest.tolist(), src.tolist(), strict=True):
+            assert torch.equal(component_terms(self.layout, d), component_terms(source_layout, s)), (what, d, s)
+        seen[(self.canary.group.name, what)] = seen.get((self.canary.group.name, what), 0) + int(dest.numel())
+        original(self, dest, src, layout, what)
+
+    monkeypatch.setattr(GroupDigest, "note_move", note_move)
+    model = build_model("hybrid", seed=0)
+    out = run_engine(model, RunSpec("hybrid", 11, [RestoreDamagesOneLayer()]))
+    assert out.violations == 0 and out.errors == [] and out.features["restores"] > 0, out.features
+    groups = ("full_attention", "sliding_attention")
+    assert {(g, w) for g in groups for w in ("copy source", "host copy")} <= set(seen), seen
