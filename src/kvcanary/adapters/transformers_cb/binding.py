@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import mirror
-from kvcanary.adapters.transformers_cb.digest_layout import digest_layouts
+from kvcanary.adapters.transformers_cb import byte_moves, mirror
+from kvcanary.adapters.transformers_cb.digest_layout import digest_layouts, host_layout
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.config import CanaryConfig
+from kvcanary.digest import DigestLayout
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, FailRequestCallback, StepReport
 from kvcanary.workspace import Capacities
@@ -38,6 +39,7 @@ class Binding:
         self.manager = manager
         self.host = mirror.HostRecords()  # records of the CPU swap pool, by host block
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
+        self._host_layouts: dict[str, tuple[int, DigestLayout | None]] = {}  # group -> (pool address, layout)
 
     def is_for(self, cache: Any) -> bool:
         return self._cache() is cache
@@ -54,6 +56,21 @@ class Binding:
 
     def records(self, name: str) -> Any:
         return self.manager.canaries[name].records
+
+    def host_layout(self, name: str, om: Any) -> DigestLayout | None:
+        """Group ``name``'s digest layout over ``om``'s CPU swap pool (built once per pool; None without a
+        digest or for a pool it cannot read): where a restore's source bytes are, for naming the layer."""
+        digest = self.manager.digest_of(name)
+        pool = om._cpu_views.get(name)
+        if digest is None or pool is None:
+            return None
+        key = int(pool.data_ptr())
+        kept = self._host_layouts.get(name)
+        if kept is None or kept[0] != key:
+            block_view = byte_moves.block_view(om.cache.cache_allocators[name])
+            kept = (key, host_layout(digest.layout, block_view, pool))
+            self._host_layouts[name] = kept
+        return kept[1]
 
     @classmethod
     def create(

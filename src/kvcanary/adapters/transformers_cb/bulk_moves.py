@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
@@ -36,7 +38,7 @@ class BulkMoveWrappers:
                 out = original(allocator, source_block_ids, dest_block_ids)
             for write in seen.writes:
                 mirror.apply_block_write(b.geometries[name], b.records(name), write)
-                _verify_moved(b, name, write)
+                _digest_moved(b, name, write)
             self._features.fork_block_copies += len(source_block_ids)
             return out
 
@@ -76,26 +78,43 @@ class BulkMoveWrappers:
                             b.host.restore(b.geometries[name], b.records(name), write)
                         else:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write)
-                        _verify_moved(b, name, write)
+                        _digest_moved(b, name, write, om)
             self._features.restores += restored
             return out
 
         return restore_scheduled_requests
 
 
-def _verify_moved(b: Binding, name: str, write: byte_moves.BlockWrite) -> None:
-    """With the KV digest on: the written blocks' bytes against the digests that moved with their records
-    (queued after the move on the same stream, so it reads the bytes that landed).
+def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, om: Any = None) -> None:
+    """With the KV digest on: note where the written blocks' bytes came from, and verify them.
 
-    Only when the cache holds one group: with several (a hybrid model), the groups' blocks share one tensor,
-    so a block's never-read slots may carry one group's old digest over bytes another group wrote since
-    (its sector changed hands); a copied block would then be reported for bytes nobody reads.  There the
-    moved slots are checked by the budgeted verify when they are read.
+    The source (the gathered device blocks of a fork copy, or the host blocks a restore read, through the
+    swap pool's own layout: ``om``) is only remembered -- the tensors the move already has, no copy, no
+    sync -- so that a later mismatch in these slots can be compared with it and its layer named
+    (:meth:`~kvcanary.digest_canary.GroupDigest.note_move`).  The written blocks' bytes are then verified
+    against the digests that moved with their records (queued after the move on the same stream, so it
+    reads the bytes that landed).
+
+    The verify runs only when the cache holds one group: with several (a hybrid model), the groups' blocks
+    share one tensor, so a block's never-read slots may carry one group's old digest over bytes another
+    group wrote since (its sector changed hands); a copied block would then be reported for bytes nobody
+    reads.  There the moved slots are checked by the budgeted verify when they are read.
     """
-    if len(b.geometries) > 1 or b.manager.digest_of(name) is None:
+    digest = b.manager.digest_of(name)
+    if digest is None:
         return
-    dest = write.dest.to(b.records(name).device, non_blocking=True)
-    b.manager.verify_moved(name, b.geometries[name].block_slots(dest))
+    geometry = b.geometries[name]
+    dest = geometry.block_slots(write.dest.to(b.records(name).device, non_blocking=True))
+    hosts = write.source_host_blocks
+    if write.source_blocks is not None:
+        digest.note_move(dest, geometry.block_slots(write.source_blocks.to(dest.device, non_blocking=True)))
+    elif hosts and min(hosts) >= 0 and om is not None:
+        layout = b.host_layout(name, om)
+        if layout is not None:  # host block numbers are host ints: the source slots stay on the CPU
+            src = geometry.block_slots(torch.tensor(hosts, dtype=torch.int64))
+            digest.note_move(dest, src, layout, "host copy")
+    if len(b.geometries) == 1:
+        b.manager.verify_moved(name, dest)
 
 
 def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:

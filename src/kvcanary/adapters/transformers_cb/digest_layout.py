@@ -5,6 +5,10 @@ that the physical index ``block * stride + offset`` is a row of every layer's K 
 ``block * page + offset`` (:mod:`.geometry`) is then row ``block * stride + offset`` of each view: one
 ``as_strided`` view ``[blocks, page, heads, head_dim]`` per tensor, no copy.  The sentinel slot past the
 blocks has no bytes and is never digested.
+
+The CPU swap pool holds whole blocks byte for byte (row ``h`` of ``[host blocks, bytes_per_block]``), so the
+same components over it (:func:`host_layout`) read a host block's slots where the device layout reads a
+device block's: what a restore copied from, for naming the layer whose restored bytes differ.
 """
 
 from __future__ import annotations
@@ -47,3 +51,27 @@ def digest_layouts(
         if comps:
             out[geometry.name] = DigestLayout(tuple(comps))
     return out
+
+
+def host_layout(device: DigestLayout, block_view: torch.Tensor, host_rows: torch.Tensor) -> DigestLayout | None:
+    """``device``'s components over the CPU swap pool: ``host_rows`` is the pool as ``[host blocks,
+    bytes_per_block]``, ``block_view`` the device cache as the same rows (:func:`.byte_moves.block_view`).
+    Host slot ``h * page + offset`` then holds the bytes a restore copies into device slot ``b * page +
+    offset``.  Strided views of the pool, no copy; None when a component does not sit inside its block row."""
+    bpb = int(block_view.shape[1])
+    if host_rows.dim() != 2 or int(host_rows.shape[1]) != bpb or not host_rows.is_contiguous() or not host_rows.numel():
+        return None
+    flat = host_rows.reshape(-1)
+    comps = []
+    for comp in device.components:
+        v, size = comp.view, comp.view.element_size()
+        offset = v.data_ptr() - block_view.data_ptr()  # bytes from the start of block 0 (host ints, no sync)
+        _, page, heads, dim = v.shape
+        last = (page - 1) * v.stride(1) + (heads - 1) * v.stride(2) + (dim - 1) * v.stride(3)
+        if v.stride(0) * size != bpb or offset < 0 or offset % size or offset + (last + 1) * size > bpb:
+            return None
+        typed = flat.view(v.dtype)
+        view = typed.as_strided((int(host_rows.shape[0]), page, heads, dim), v.stride(),
+                                typed.storage_offset() + offset // size)  # fmt: skip
+        comps.append(KVComponent(view, comp.name))
+    return DigestLayout(tuple(comps))
