@@ -25,9 +25,7 @@ from kvcanary.adapters.transformers_cb.digest_layout import digest_layouts, host
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.selftest.context import (
     FULL,
-    CopyBlocks,
     FaultContext,
-    wrap_copy_blocks,
     wrap_restore,
 )
 from kvcanary.adapters.transformers_cb.selftest.data import ForkCopyCorruptsBytes, OffloadRestoreStaleBytes
@@ -53,18 +51,10 @@ class ForkCopyDamagesOneLayer(ForkCopyCorruptsBytes):
     def __init__(self) -> None:
         self.sources: list[int] = []  # source block of the damaged destination block
 
-    def install(self, ctx: FaultContext) -> None:
-        def copy(alloc: Any, inner: CopyBlocks, source_block_ids: list[int], dest_block_ids: list[int]) -> None:
-            inner(source_block_ids, dest_block_ids)
-            if not (dest_block_ids and ctx.take(self.name)):
-                return
-            dst = int(dest_block_ids[0])
-            damage_one_layer(alloc, dst)
-            self.sources.append(int(source_block_ids[0]))
-            children = [rid for rid, table in alloc.block_table.items() if dst in table]
-            ctx.injected(f"copied block {dst}: layer {LAYER} V damaged after the copy", children)
-
-        wrap_copy_blocks(ctx, copy)
+    def damage(self, alloc: Any, dst: int, src: int) -> str:
+        damage_one_layer(alloc, dst)
+        self.sources.append(src)
+        return f"layer {LAYER} V"
 
 
 class RestoreDamagesOneLayer(OffloadRestoreStaleBytes):

@@ -109,12 +109,17 @@ class ForkCopyCorruptsBytes(TransformersFault):
             if not (dest_block_ids and ctx.take(self.name)):
                 return
             dst = int(dest_block_ids[0])
-            layer = alloc.layer_indices[0]
-            flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
+            what = self.damage(alloc, dst, int(source_block_ids[0]))
             children = [rid for rid, table in alloc.block_table.items() if dst in table]
-            ctx.injected(f"copied block {dst}: first K element damaged after the copy", children)
+            ctx.injected(f"copied block {dst}: {what} damaged after the copy", children)
 
         wrap_copy_blocks(ctx, copy)
+
+    def damage(self, alloc: Any, dst: int, src: int) -> str:
+        """Damage block ``dst``, just copied from ``src``; returns what was damaged (for the injection note)."""
+        layer = alloc.layer_indices[0]
+        flip_top_bit(alloc._copy_view[dst], alloc._kv_token_views[layer][0].element_size())
+        return "first K element"
 
 
 class OffloadRestoreStaleBytes(TransformersFault):
