@@ -1,4 +1,4 @@
-"""Random KV pools in every layout and dtype the digest reads, and byte-level edits of one slot."""
+"""Random KV pools in every layout and dtype the digest reads, byte-level edits of one slot, planned steps."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import random
 
 import torch
 
+from kvcanary import CanaryGroup, Capacities, GroupKind, StepBatch
 from kvcanary import digest as D
+from kvcanary.layout import RecordStore
+from kvcanary.ops import reference as ref
+from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LAYOUTS = ("token_major", "paged", "paged_token_major", "transposed", "vllm_cpu", "sliced", "flat_shifted")
@@ -95,3 +99,35 @@ def flip_random_bit(comp: D.KVComponent, slot: int, rng: random.Random) -> None:
 def copy_slot_bytes(comp: D.KVComponent, dst: int, src: int) -> None:
     bs = comp.shape.block_size
     comp.view[divmod(dst, bs)] = comp.view[divmod(src, bs)]
+
+
+def planned_step(
+    num_slots: int, prefix: list[int], *, window: int = 0, page: int = 1, seed: int = 5,
+    device: torch.device | str = "cpu",
+) -> tuple[CanaryGroup, StepBatch, PlanWorkspace]:  # fmt: skip
+    """A group and a decode step whose rows (after padding row 0) have the given prefixes.
+
+    Table entries are a random permutation of the pool's pages past page 0 (slots when ``page`` is 1);
+    a prefix of 0 is a row that reads nothing.
+    """
+    kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL
+    group = CanaryGroup(num_slots=num_slots, kind=kind, window=window, page_size=page, reserved_slots=(0,))
+    pages = [-(-(n + 1) // page) for n in prefix]
+    perm = torch.randperm(num_slots // page - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    table = torch.zeros(len(prefix) + 1, max(pages), dtype=torch.int64)
+    used = 0
+    for r, n in enumerate(pages, start=1):
+        table[r, :n] = perm[used : used + n]
+        used += n
+    b = len(prefix)
+    rows, pre = torch.arange(1, b + 1), torch.tensor(prefix)
+    loc = table[rows, pre // page] * page + pre % page
+    parts = {
+        "rows": rows, "prefix_lens": pre, "extend_lens": torch.ones(b, dtype=torch.int64), "table": table,
+        "input_ids": torch.zeros(b, dtype=torch.int64), "positions": pre.clone(), "out_cache_loc": loc,
+    }  # fmt: skip
+    batch = StepBatch(**{k: v.to(device) for k, v in parts.items()})
+    caps = Capacities(max_batch=max(b, 1), max_tokens=max(b, 1), verify_entries=sum(prefix) + 1)
+    ws = PlanWorkspace.allocate(caps, device, num_slots=num_slots)
+    ref.plan(GroupState(group, RecordStore.allocate(num_slots, device), ws, ViolationLog.allocate(8, device)), batch)
+    return group, batch, ws

@@ -12,37 +12,20 @@ import collections
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvcanary.adapters.transformers_cb import translate_kernel
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.batch import StepBatch
+from op_counting import NO_KERNEL, SYNCING, OpCounter
 from transformers_helpers import PAGE, STRIDE, FakeEngine, kwargs_to
 
-# Ops that launch no device kernel (views, metadata, CPU scalars wrapped for torch.where).
-_NO_KERNEL = {"slice", "view", "detach", "alias", "reshape", "_unsafe_view", "unsqueeze", "select", "scalar_tensor"}
-# Ops that read a device value on the host or build a tensor from Python data (a blocking copy on GPU).
-_SYNCING = {"_local_scalar_dense", "item", "lift_fresh", "nonzero", "is_nonzero", "tolist"}
-
-
 TRANSLATION_OPS = 24  # one full group's step (read-index path, truth store write + gather): lower it, never raise it
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def geometry(window: int) -> GroupGeometry:
@@ -76,9 +59,9 @@ def device_ops(n_requests: int, window: int) -> collections.Counter[str]:
 def test_translation_issues_the_same_few_ops_whatever_the_batch_and_reads_nothing_back(window: int) -> None:
     one, four = device_ops(1, window), device_ops(4, window)
     assert one == four  # no per-request op
-    kernels = {op: n for op, n in four.items() if op not in _NO_KERNEL}
+    kernels = {op: n for op, n in four.items() if op not in NO_KERNEL}
     assert sum(kernels.values()) <= TRANSLATION_OPS + (window > 0), kernels  # a window's edge cells: one fill
-    assert not _SYNCING & set(four), four
+    assert not SYNCING & set(four), four
 
 
 FUSED_TRANSLATION_OPS = 2  # the truth store's write and gather; the group's own work is one kernel launch
@@ -95,10 +78,10 @@ def test_the_fused_translation_is_one_launch_a_group_and_two_torch_ops(
     kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
     with OpCounter() as counter:
         tr.translate(kwargs, host)
-    kernels = {op: n for op, n in counter.ops.items() if op not in _NO_KERNEL and op != "empty"}
+    kernels = {op: n for op, n in counter.ops.items() if op not in NO_KERNEL and op != "empty"}
     assert launches == [geometry(window).name]
     assert sum(kernels.values()) <= FUSED_TRANSLATION_OPS, kernels
-    assert not _SYNCING & set(counter.ops), counter.ops
+    assert not SYNCING & set(counter.ops), counter.ops
 
 
 def test_geometry_to_slots_matches_its_definition_on_every_index() -> None:

@@ -25,7 +25,7 @@ from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.adapter import TransformersCBAdapter
 from kvcanary.adapters.transformers_cb.tap_timer import RECENT_STEPS
 from kvcanary.demo import build_model, build_prompts, engine_configs, quiet_engine_logs
-from test_storm import StormProbe
+from storm_probe import StormProbe
 
 N = 8
 NEW_TOKENS = 4

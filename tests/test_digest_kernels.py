@@ -18,13 +18,13 @@ pytest.importorskip("triton")
 
 import digest_cases as dc
 import digest_oracle
+from digest_cases import planned_step
+from kernel_compare import DEVICE
 from kvcanary import CanaryGroup
 from kvcanary import digest as D
 from kvcanary.ops import digest_launchers as dl
 from kvcanary.ops import digest_reference as dref
 from kvcanary.workspace import PlanWorkspace, ViolationLog
-from test_digest_reference import planned_step
-from test_kernels_differential import DEVICE
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
 

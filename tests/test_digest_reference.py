@@ -14,13 +14,11 @@ import torch
 
 import digest_cases as dc
 import digest_oracle
-from kvcanary import CanaryGroup, Capacities, GroupKind, StepBatch
+from digest_cases import planned_step
 from kvcanary import digest as D
-from kvcanary.layout import RecordStore
 from kvcanary.ops import digest_reference as dref
-from kvcanary.ops import reference as ref
 from kvcanary.schema import Field, Phase, Reason
-from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
+from kvcanary.workspace import PlanWorkspace, ViolationLog
 
 
 def _digests(pool: dc.Pool) -> torch.Tensor:
@@ -120,38 +118,6 @@ def test_component_api_refuses_bad_views() -> None:
 
 
 # --------------------------------------------------------------------------- the calls
-
-
-def planned_step(
-    num_slots: int, prefix: list[int], *, window: int = 0, page: int = 1, seed: int = 5,
-    device: torch.device | str = "cpu",
-) -> tuple[CanaryGroup, StepBatch, PlanWorkspace]:  # fmt: skip
-    """A group and a decode step whose rows (after padding row 0) have the given prefixes.
-
-    Table entries are a random permutation of the pool's pages past page 0 (slots when ``page`` is 1);
-    a prefix of 0 is a row that reads nothing.
-    """
-    kind = GroupKind.SLIDING_WINDOW if window else GroupKind.FULL
-    group = CanaryGroup(num_slots=num_slots, kind=kind, window=window, page_size=page, reserved_slots=(0,))
-    pages = [-(-(n + 1) // page) for n in prefix]
-    perm = torch.randperm(num_slots // page - 1, generator=torch.Generator().manual_seed(seed)) + 1
-    table = torch.zeros(len(prefix) + 1, max(pages), dtype=torch.int64)
-    used = 0
-    for r, n in enumerate(pages, start=1):
-        table[r, :n] = perm[used : used + n]
-        used += n
-    b = len(prefix)
-    rows, pre = torch.arange(1, b + 1), torch.tensor(prefix)
-    loc = table[rows, pre // page] * page + pre % page
-    parts = {
-        "rows": rows, "prefix_lens": pre, "extend_lens": torch.ones(b, dtype=torch.int64), "table": table,
-        "input_ids": torch.zeros(b, dtype=torch.int64), "positions": pre.clone(), "out_cache_loc": loc,
-    }  # fmt: skip
-    batch = StepBatch(**{k: v.to(device) for k, v in parts.items()})
-    caps = Capacities(max_batch=max(b, 1), max_tokens=max(b, 1), verify_entries=sum(prefix) + 1)
-    ws = PlanWorkspace.allocate(caps, device, num_slots=num_slots)
-    ref.plan(GroupState(group, RecordStore.allocate(num_slots, device), ws, ViolationLog.allocate(8, device)), batch)
-    return group, batch, ws
 
 
 def test_budgeted_verify_covers_every_read_position_within_its_period() -> None:

@@ -8,190 +8,22 @@ test also asserts the reason it must raise (and the clean steps before it stay s
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kvcanary import Backend, CanaryGroup, Capacities, GroupCanary, GroupKind, StepBatch
+from kernel_compare import DEVICE
+from kernel_twins import FUSING, SMALL, State, Twin, World, capacities, reason_count, warm
+from kvcanary import Backend, CanaryGroup, GroupCanary, StepBatch
 from kvcanary.layout import RecordStore
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
 from kvcanary.schema import NOT_STORED, Counter, Reason
-from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
-from test_kernels_differential import DEVICE
+from kvcanary.workspace import GroupState, PlanWorkspace
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
-
-# plan_verify fuses workspaces of up to fuse_max_batch rows (8 by default): the twins ask for 32, so that every
-# other step runs the fused launch and the rest the two-launch path.
-FUSING = launchers.KernelTuning(fuse_max_batch=32)
-SMALL = launchers.KernelTuning(
-    verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=3, fuse_max_batch=32
-)
-
-
-# --------------------------------------------------------------------------- a scripted engine
-
-
-@dataclasses.dataclass
-class World:
-    """Requests (table rows) with token sequences, slots handed out in shuffled pages."""
-
-    group: CanaryGroup
-    table: torch.Tensor  # int64 [n_rows, n_pages]: page ids (slots when page_size == 1)
-    seqs: dict[int, list[int]]
-    lookup: torch.Tensor | None = None
-
-    @classmethod
-    def make(cls, *, rows: int = 4, context: int = 64, page: int = 1, window: int = 0, lookup: bool = False,
-             token_offset: int = 0, seed: int = 0) -> World:  # fmt: skip
-        rng = random.Random(seed)
-        pages_per_row = -(-context // page)
-        n_pages = rows * pages_per_row + 2  # page 0 holds reserved slot 0
-        ids = list(range(1, n_pages))
-        rng.shuffle(ids)
-        table = torch.zeros(rows + 1, pages_per_row, dtype=torch.int64)  # row 0: padding
-        for r in range(1, rows + 1):
-            table[r] = torch.tensor([ids.pop() for _ in range(pages_per_row)])
-        num_slots = n_pages * page
-        lut = None
-        if lookup:  # full index -> window pool slot, a permutation keeping 0 on 0
-            perm = list(range(1, num_slots))
-            rng.shuffle(perm)
-            lut = torch.tensor([0, *perm], dtype=torch.int64)
-        group = CanaryGroup(
-            num_slots=num_slots,
-            kind=GroupKind.SLIDING_WINDOW if window else GroupKind.FULL,
-            window=window,
-            uses_lookup=lookup,
-            page_size=page,
-            token_offset=token_offset,
-            reserved_slots=(0,),
-            group_id=3,
-        )
-        seqs = {r: [rng.randrange(32_000) for _ in range(context + 1)] for r in range(1, rows + 1)}
-        return cls(group, table, seqs, lut)
-
-    def index(self, row: int, pos: int) -> int:
-        page = self.group.page_size
-        return int(self.table[row, pos // page]) * page + pos % page
-
-    def batch(self, spans: list[tuple[int, int, int]], *, truth: bool = False, pad_rows: int = 0) -> StepBatch:
-        """spans: (table row, prefix_len, extend_len); padding rows (row 0, nothing written) at the end."""
-        off = self.group.token_offset
-        ids, pos, loc = [], [], []
-        for row, p, e in spans:
-            for q in range(p, p + e):
-                ids.append(self.seqs[row][q + off])
-                pos.append(q)
-                loc.append(self.index(row, q))
-        spans = spans + [(0, 0, 0)] * pad_rows
-        i64 = torch.int64
-        b = StepBatch(
-            rows=torch.tensor([s[0] for s in spans], dtype=torch.int32),
-            prefix_lens=torch.tensor([s[1] for s in spans], dtype=torch.int32),
-            extend_lens=torch.tensor([s[2] for s in spans], dtype=torch.int32),
-            table=self.table.to(torch.int32).clone(),
-            input_ids=torch.tensor(ids, dtype=i64),
-            positions=torch.tensor(pos, dtype=i64),
-            out_cache_loc=torch.tensor(loc, dtype=i64),
-            lookup=None if self.lookup is None else self.lookup.clone(),
-        )
-        if truth:
-            b.truth = torch.tensor([[0] * (len(self.seqs[1]))] + [self.seqs[r] for r in sorted(self.seqs)])
-            b.truth_lens = torch.tensor([p + e + off for _, p, e in spans], dtype=torch.int32)
-        return b
-
-
-class Twin:
-    """The reference on the CPU and the kernels on DEVICE, fed the same batches, compared after every phase."""
-
-    def __init__(self, world: World, caps: Capacities, tuning: launchers.KernelTuning = FUSING):
-        self.group, self.caps, self.tuning = world.group, caps, tuning
-        self.ref = _State.make(world.group, caps, torch.device("cpu"))
-        self.dev = _State.make(world.group, caps, DEVICE)
-        self.steps = 0
-
-    def step(self, batch: StepBatch) -> ViolationLog:
-        """One step; returns the log of the step's violations (reference side)."""
-        before = self.ref.log.total()
-        dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
-        # Every other step runs plan and verify in one launch (GroupCanary.step's path), the others as two.
-        self.steps += 1
-        for phase in ("plan_verify", "stamp") if self.steps % 2 else ("plan", "verify", "stamp"):
-            args = (self.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
-            ref_phases = ("plan", "verify") if phase == "plan_verify" else (phase,)
-            for p in ref_phases:
-                p_args = (self.caps.verify_entries,) if p == "verify" else ()
-                getattr(ref, p)(self.ref.of(self.group), batch, *p_args)
-            getattr(launchers, phase)(self.dev.of(self.group), dev_batch, *args, tuning=self.tuning)
-            self.ref.assert_equal(self.dev, batch.batch_size, phase)
-        new = self.ref.log.clone()
-        new.counters[Counter.VIOLATIONS] -= before
-        return new
-
-
-@dataclasses.dataclass
-class _State:
-    records: RecordStore
-    ws: PlanWorkspace
-    log: ViolationLog
-
-    @classmethod
-    def make(cls, group: CanaryGroup, caps: Capacities, dev: torch.device) -> _State:
-        records = RecordStore.allocate(group.num_slots, dev)
-        return cls(
-            records,
-            PlanWorkspace.allocate(caps, dev, num_slots=group.num_slots),
-            ViolationLog.allocate(caps.log_rows, dev),
-        )
-
-    def of(self, group: CanaryGroup) -> GroupState:
-        return GroupState(group, self.records, self.ws, self.log)
-
-    def assert_equal(self, other: _State, b: int, phase: str) -> None:
-        pairs = {
-            "records.tokens": (self.records.tokens, other.records.tokens),
-            "records.positions": (self.records.positions, other.records.positions),
-            "records.links": (self.records.links, other.records.links),
-            "log.first": (self.log.first, other.log.first),
-            "log.last": (self.log.last, other.log.last),
-            "log.counters": (self.log.counters, other.log.counters),
-        }
-        for name in ("verify_offsets", "write_offsets"):
-            pairs[f"ws.{name}"] = (getattr(self.ws, name)[: b + 1], getattr(other.ws, name)[: b + 1])
-        for name in ("window_starts", "seed_links", "row_state"):
-            pairs[f"ws.{name}"] = (getattr(self.ws, name)[:b], getattr(other.ws, name)[:b])
-        for name in ("epoch", "read_marks", "write_marks"):
-            pairs[f"ws.{name}"] = (getattr(self.ws, name), getattr(other.ws, name))
-        for name, (x, y) in pairs.items():
-            x, y = x.cpu(), y.cpu()
-            assert torch.equal(x, y), f"after {phase}: {name} differs:\nreference {x.tolist()}\nkernels   {y.tolist()}"
-        assert not torch.count_nonzero(other.ws.sync[launchers.SYNC_CLEAR]), (
-            f"after {phase}: sync {other.ws.sync.tolist()}"
-        )
-
-
-def _caps(**kw: int) -> Capacities:
-    base = {"max_batch": 8, "max_tokens": 256, "verify_entries": 1024, "max_context": 64, "log_rows": 8}
-    return Capacities(**(base | kw))
-
-
-def _warm(world: World, twin: Twin, prefix: int) -> None:
-    """Prefill every request to ``prefix`` in two chunks; must stay silent."""
-    rows = sorted(world.seqs)
-    half = prefix // 2
-    for p, e in ((0, half), (half, prefix - half)):
-        log = twin.step(world.batch([(r, p, e) for r in rows], truth=True))
-        assert log.total() == 0, f"warm-up raised {log.rows().tolist()}"
-
-
-def _reason_count(twin: Twin, reason: Reason) -> int:
-    return int(twin.ref.log.counters[reason.bit_length() - 1])
-
 
 # --------------------------------------------------------------------------- clean runs
 
@@ -209,8 +41,8 @@ def _reason_count(twin: Twin, reason: Reason) -> int:
 )
 def test_clean_steps_are_silent_and_identical(shape: dict[str, int]) -> None:
     world = World.make(rows=3, context=40, **shape)
-    twin = Twin(world, _caps(), SMALL)
-    _warm(world, twin, 20)
+    twin = Twin(world, capacities(), SMALL)
+    warm(world, twin, 20)
     for step in range(6):  # decode, one padding row, ground truth every other step
         log = twin.step(world.batch([(r, 20 + step, 1) for r in (1, 2, 3)], truth=step % 2 == 0, pad_rows=1))
         assert log.total() == 0, log.rows().tolist()
@@ -219,7 +51,7 @@ def test_clean_steps_are_silent_and_identical(shape: dict[str, int]) -> None:
 
 def test_group_canary_dispatches_to_kernels() -> None:
     world = World.make(rows=2, context=16)
-    caps = _caps()
+    caps = capacities()
     kern = GroupCanary(world.group, caps, device=DEVICE, backend=Backend.TRITON)
     base = GroupCanary(world.group, caps, backend=Backend.REFERENCE)
     klog, blog = kern.new_log(), base.new_log()
@@ -234,7 +66,7 @@ def test_group_canary_dispatches_to_kernels() -> None:
 def test_long_chunks_stamp_in_parallel_like_the_reference() -> None:
     """Chunks spanning many items: each item adds the row's earlier tokens (its carry) to its own scan."""
     world = World.make(rows=2, context=1100)
-    twin = Twin(world, _caps(max_tokens=2048, verify_entries=4096, max_context=1100), SMALL)
+    twin = Twin(world, capacities(max_tokens=2048, verify_entries=4096, max_context=1100), SMALL)
     assert twin.step(world.batch([(1, 0, 700), (2, 0, 333)])).total() == 0
     assert twin.step(world.batch([(1, 700, 390), (2, 333, 1)])).total() == 0
     assert twin.step(world.batch([(1, 1090, 1), (2, 334, 1)])).total() == 0
@@ -242,11 +74,11 @@ def test_long_chunks_stamp_in_parallel_like_the_reference() -> None:
 
 def test_empty_batch_and_idle_rows() -> None:
     world = World.make(rows=2, context=16)
-    twin = Twin(world, _caps())
+    twin = Twin(world, capacities())
     empty = world.batch([])
     assert empty.batch_size == 0
     assert twin.step(empty).total() == 0
-    _warm(world, twin, 6)
+    warm(world, twin, 6)
     assert twin.step(world.batch([(1, 6, 0), (2, 6, 0)])).total() == 0  # verify only, nothing written
     assert int(twin.ref.log.counters[Counter.CALLS]) == 4 * 3
 
@@ -344,43 +176,43 @@ FAULTS = {
 def test_fault_is_caught_like_the_reference(name: str) -> None:
     fault, reason = FAULTS[name]
     world = World.make(rows=2, context=24, seed=len(name))
-    twin = Twin(world, _caps())
-    _warm(world, twin, 10)
+    twin = Twin(world, capacities())
+    warm(world, twin, 10)
     batch = world.batch([(1, 10, 1), (2, 10, 1)], truth=True)
     fault(world, batch)
     log = twin.step(batch)
-    assert log.total() > 0 and _reason_count(twin, reason) > 0, f"{name}: {log.rows().tolist()}"
+    assert log.total() > 0 and reason_count(twin, reason) > 0, f"{name}: {log.rows().tolist()}"
 
 
 def test_record_faults_in_verify() -> None:
     world = World.make(rows=2, context=24)
-    twin = Twin(world, _caps())
-    _warm(world, twin, 12)
+    twin = Twin(world, capacities())
+    warm(world, twin, 12)
     for st in (twin.ref, twin.dev):  # never written, wrong token, wrong position
         st.records.links[world.index(1, 4)] = 0
         st.records.tokens[world.index(2, 7)] += 1
         st.records.positions[world.index(2, 9)] += 3
     log = twin.step(world.batch([(1, 12, 1), (2, 12, 1)], truth=True))
     for reason in (Reason.NEVER_WRITTEN, Reason.TOKEN_MISMATCH, Reason.POSITION_MISMATCH, Reason.LINK_MISMATCH):
-        assert _reason_count(twin, reason) > 0, (reason, log.rows().tolist())
+        assert reason_count(twin, reason) > 0, (reason, log.rows().tolist())
 
 
 def test_window_lookup_faults() -> None:
     world = World.make(rows=2, context=32, window=6, lookup=True)
-    twin = Twin(world, _caps())
-    _warm(world, twin, 16)
+    twin = Twin(world, capacities())
+    warm(world, twin, 16)
     batch = world.batch([(1, 16, 1), (2, 16, 1)])
     batch.lookup[world.index(1, 13)] = 10**6  # type: ignore[index]  # lookup entry beyond the pool
     batch.table[2, 14] = len(world.lookup) + 3  # type: ignore[arg-type]  # table index beyond the lookup
     twin.step(batch)
-    assert _reason_count(twin, Reason.SLOT_OUT_OF_RANGE) > 0
-    assert _reason_count(twin, Reason.LOOKUP_OUT_OF_RANGE) > 0
+    assert reason_count(twin, Reason.SLOT_OUT_OF_RANGE) > 0
+    assert reason_count(twin, Reason.LOOKUP_OUT_OF_RANGE) > 0
 
 
 def test_not_stored_tokens_advance_the_chain_silently() -> None:
     world = World.make(rows=2, context=16)
-    twin = Twin(world, _caps())
-    _warm(world, twin, 4)
+    twin = Twin(world, capacities())
+    warm(world, twin, 4)
     batch = world.batch([(1, 4, 2), (2, 4, 2)])
     batch.out_cache_loc[2] = NOT_STORED
     assert twin.step(batch).total() == 0
@@ -389,8 +221,8 @@ def test_not_stored_tokens_advance_the_chain_silently() -> None:
 
 def test_verify_capacity_overflow_is_partial_and_counted() -> None:
     world = World.make(rows=3, context=40)
-    twin = Twin(world, _caps(verify_entries=50, max_context=20), SMALL)
-    _warm(world, twin, 20)  # the second warm-up step plans 30 entries: fits
+    twin = Twin(world, capacities(verify_entries=50, max_context=20), SMALL)
+    warm(world, twin, 20)  # the second warm-up step plans 30 entries: fits
     twin.step(world.batch([(1, 20, 1), (2, 20, 1), (3, 20, 1)]))  # 60 planned, 50 verified
     assert int(twin.ref.log.counters[Counter.SKIPPED]) == 10
 
@@ -402,8 +234,8 @@ def test_verify_capacity_overflow_is_partial_and_counted() -> None:
 def test_many_violations_keep_first_and_last_rows(log_rows: int) -> None:
     """Hundreds of rows over many items and programs: first K and last K land where the reference puts them."""
     world = World.make(rows=4, context=200)
-    twin = Twin(world, _caps(max_tokens=512, verify_entries=1024, max_context=200, log_rows=log_rows), SMALL)
-    _warm(world, twin, 150)
+    twin = Twin(world, capacities(max_tokens=512, verify_entries=1024, max_context=200, log_rows=log_rows), SMALL)
+    warm(world, twin, 150)
     for st in (twin.ref, twin.dev):
         st.records.links[1::3] = 0  # every third slot looks never written
         st.records.tokens[2::7] += 1
@@ -416,8 +248,8 @@ def test_many_violations_keep_first_and_last_rows(log_rows: int) -> None:
 
 def test_slot_written_twice_holds_one_of_the_writes() -> None:
     world = World.make(rows=2, context=16)
-    caps = _caps()
-    ref_state, dev_state = _State.make(world.group, caps, torch.device("cpu")), _State.make(world.group, caps, DEVICE)
+    caps = capacities()
+    ref_state, dev_state = State.make(world.group, caps, torch.device("cpu")), State.make(world.group, caps, DEVICE)
     batch = world.batch([(1, 0, 3), (2, 0, 3)])
     batch.out_cache_loc[4] = batch.out_cache_loc[1]
     dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
@@ -439,8 +271,8 @@ def test_slot_written_twice_holds_one_of_the_writes() -> None:
 
 def test_launchers_refuse_bad_metadata_before_running() -> None:
     world = World.make(rows=2, context=16)
-    caps = _caps()
-    st = _State.make(world.group, caps, DEVICE)
+    caps = capacities()
+    st = State.make(world.group, caps, DEVICE)
     batch = world.batch([(1, 0, 2)])
     batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
     counters = st.log.counters.clone()
@@ -466,7 +298,7 @@ def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
     group = CanaryGroup(num_slots=64)
 
     def fuses(max_batch: int, tuning: launchers.KernelTuning = FUSING) -> bool:
-        caps = _caps(max_batch=max_batch)
+        caps = capacities(max_batch=max_batch)
         ws = PlanWorkspace.allocate(caps, DEVICE, num_slots=group.num_slots)
         return launchers.fuses_plan(group, ws, caps.verify_entries, tuning)
 

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernel_twins import State, World
 from kvcanary import CanaryGroup, Capacities, GroupKind, StepBatch
 from kvcanary.ops import launchers
-from test_kernels_cases import World, _State
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -49,7 +49,7 @@ def _refill(static: StepBatch, batch: StepBatch) -> None:
             t.copy_(getattr(batch, name))  # same shapes, same dtypes: in place
 
 
-def _run(group: CanaryGroup, batch: StepBatch, st: _State, caps: Capacities) -> None:
+def _run(group: CanaryGroup, batch: StepBatch, st: State, caps: Capacities) -> None:
     launchers.plan(st.of(group), batch)
     launchers.verify(st.of(group), batch, caps.verify_entries)
     launchers.stamp(st.of(group), batch)
@@ -70,10 +70,10 @@ def test_graph_replay_matches_eager_and_reference(shape: dict[str, int]) -> None
         _faulty(world, b, step)
         batches.append(b)
 
-    graph_st, eager_st = _State.make(group, caps, dev), _State.make(group, caps, dev)
-    ref_st = _State.make(group, caps, torch.device("cpu"))
+    graph_st, eager_st = State.make(group, caps, dev), State.make(group, caps, dev)
+    ref_st = State.make(group, caps, torch.device("cpu"))
     static = _static_like(batches[0])
-    scratch = _State.make(group, caps, dev)
+    scratch = State.make(group, caps, dev)
     _run(group, static, scratch, caps)  # compile outside the capture
     torch.cuda.synchronize()
 

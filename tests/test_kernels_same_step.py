@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_compare import DEVICE
+from kernel_twins import SMALL, State, Twin, World, capacities, reason_count, warm
 from kvcanary.batch import StepBatch
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
 from kvcanary.schema import Counter, Reason
-from test_kernels_cases import SMALL, Twin, World, _caps, _reason_count, _State, _warm
-from test_kernels_differential import DEVICE
 
 pytestmark = pytest.mark.gpu if DEVICE.type == "cuda" else pytest.mark.interpreter
 
@@ -46,13 +46,13 @@ CASES = {
 def test_same_step_fault_is_caught_like_the_reference(name: str) -> None:
     fault, reason = CASES[name]
     world = World.make(rows=2, context=24, seed=len(name))
-    twin = Twin(world, _caps(), SMALL)
-    _warm(world, twin, 10)
+    twin = Twin(world, capacities(), SMALL)
+    warm(world, twin, 10)
     batch = world.batch([(1, 10, 1), (2, 10, 1)], truth=True)
-    assert _reason_count(twin, reason) == 0
+    assert reason_count(twin, reason) == 0
     fault(world, batch)
     log = twin.step(batch)
-    assert log.total() > 0 and _reason_count(twin, reason) > 0, f"{name}: {log.rows().tolist()}"
+    assert log.total() > 0 and reason_count(twin, reason) > 0, f"{name}: {log.rows().tolist()}"
 
 
 def _run_both(world: World, caps, batch: StepBatch, dup_slot: int):  # type: ignore[no-untyped-def]
@@ -60,7 +60,7 @@ def _run_both(world: World, caps, batch: StepBatch, dup_slot: int):  # type: ign
     dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
     states = []
     for impl, bt, dev in ((ref, batch, torch.device("cpu")), (launchers, dev_batch, DEVICE)):
-        st = _State.make(world.group, caps, dev)
+        st = State.make(world.group, caps, dev)
         kw = {"tuning": SMALL} if impl is launchers else {}
         impl.plan(st.of(world.group), bt, **kw)
         impl.verify(st.of(world.group), bt, caps.verify_entries, **kw)
@@ -81,7 +81,7 @@ def test_two_requests_writing_one_slot() -> None:
     batch = world.batch([(1, 0, 10), (2, 0, 10)], truth=True)
     _twice(world, batch)  # row 2's first token onto row 1's first slot, its table agreeing
     batch.table[2, 0] = batch.out_cache_loc[0]
-    a = _run_both(world, _caps(), batch, int(batch.out_cache_loc[0]))
+    a = _run_both(world, capacities(), batch, int(batch.out_cache_loc[0]))
     assert int(a.log.counters[Reason.DUPLICATE_WRITE.bit_length() - 1]) == 2
 
 
@@ -89,14 +89,14 @@ def test_paged_writers_of_one_slot() -> None:
     world = World.make(rows=2, context=24, page=4, seed=3)
     batch = world.batch([(1, 0, 12), (2, 0, 12)])
     batch.out_cache_loc[12 + 2] = batch.out_cache_loc[2]  # row 2's third token onto row 1's third
-    a = _run_both(world, _caps(), batch, int(batch.out_cache_loc[2]))
+    a = _run_both(world, capacities(), batch, int(batch.out_cache_loc[2]))
     assert int(a.log.counters[Reason.DUPLICATE_WRITE.bit_length() - 1]) == 2
     assert int(a.log.counters[Reason.NEW_READ_MISMATCH.bit_length() - 1]) == 1
 
 
 def test_writers_of_one_slot_in_different_items_are_all_reported() -> None:
     world = World.make(rows=3, context=400, seed=5)
-    caps = _caps(max_tokens=1024, verify_entries=2048, max_context=400)
+    caps = capacities(max_tokens=1024, verify_entries=2048, max_context=400)
     batch = world.batch([(1, 0, 300), (2, 0, 130), (3, 0, 1)])  # items of 128 tokens: 3 + 2 + 1
     for t in (7, 200, 299, 300 + 129, 430):  # rows 1, 1, 1, 2, 3 all write token 7's slot
         batch.out_cache_loc[t] = batch.out_cache_loc[7]
@@ -114,9 +114,9 @@ def test_clean_window_steps_stay_silent_and_identical(shape: dict[str, int]) -> 
         for r in (1, 2):
             base = world.table[r, :ring].clone()
             world.table[r] = base[[p % ring for p in range(world.table.shape[1])]]
-    twin = Twin(world, _caps(), SMALL)
+    twin = Twin(world, capacities(), SMALL)
     start = ring if tight else 12
-    _warm(world, twin, start)
+    warm(world, twin, start)
     for step in range(5):  # two-token chunks: the second token overwrites a slot the window still holds
         log = twin.step(world.batch([(1, start + 2 * step, 2), (2, start + 2 * step, 2)], truth=True))
         assert log.total() == 0, log.rows().tolist()

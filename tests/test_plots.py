@@ -17,7 +17,6 @@ pytest.importorskip("matplotlib")
 from PIL import Image
 
 from kvcanary import cli
-from test_report_cli import clean_log, faulted_log  # noqa: F401 -- module fixtures: real engine runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,8 +36,8 @@ def open_png(path: Path) -> tuple[int, int]:
 
 
 def test_report_plot_of_a_faulted_run(
-    faulted_log: tuple[Path, dict[str, Any]],  # noqa: F811
-    clean_log: tuple[Path, dict[str, Any]],  # noqa: F811
+    faulted_log: tuple[Path, dict[str, Any]],
+    clean_log: tuple[Path, dict[str, Any]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -68,7 +67,7 @@ def _no_matplotlib(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_plots_without_matplotlib_exit_3(
-    faulted_log: tuple[Path, dict[str, Any]],  # noqa: F811
+    faulted_log: tuple[Path, dict[str, Any]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

@@ -20,7 +20,6 @@ from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, StepReport
 from kvcanary.runtime.step_graphs import StepGraphs, batch_key
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
-from test_step_host_cost import counted  # noqa: F401  (the fixture)
 
 
 class FakeGraph:
@@ -107,7 +106,7 @@ def test_fresh_tensors_every_step_never_replay() -> None:
 
 
 def test_a_replayed_step_is_neither_validated_nor_launched_kernel_by_kernel(
-    counted: collections.Counter[str],  # noqa: F811
+    counted: collections.Counter[str],
 ) -> None:
     mgr = manager(Backend.TRITON)
     replays: list[str] = []

@@ -10,61 +10,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
 
 import pytest
-import torch
 
-from kvcanary import batch as batch_module
 from kvcanary import canary as canary_module
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import Backend, launchers
 from kvcanary.runtime import CanaryManager
 from kvcanary.workspace import Capacities
+from op_counting import NO_KERNEL, SYNCING, OpCounter
 from runtime_helpers import CAPS, NUM_SLOTS, Workload
-from test_adapter_transformers_cost import _NO_KERNEL, _SYNCING, OpCounter
 
 AFTER_OPS = 4  # snapshot copy, totals add, live clear, phase mark
 BEFORE_OPS = 1  # phase mark
-
-
-class CountingKernel:
-    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args)`` only counts the launch."""
-
-    def __init__(self, name: str, launches: collections.Counter[str]) -> None:
-        self.name = name
-        self.launches = launches
-
-    def __getitem__(self, grid: object) -> Any:
-        def launch(*args: object, **kwargs: object) -> None:
-            self.launches[self.name] += 1
-
-        return launch
-
-
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    """Counts of validate_batch calls, launcher state checks and kernel launches."""
-    counts: collections.Counter[str] = collections.Counter()
-    real_validate = batch_module.validate_batch
-    real_state = launchers._check_state
-
-    def validate(*args: Any, **kwargs: Any) -> None:
-        counts["validate_batch"] += 1
-        real_validate(*args, **kwargs)
-
-    def check_state(*args: Any, **kwargs: Any) -> torch.device:
-        counts["check_state"] += 1
-        return real_state(*args, **kwargs)
-
-    for module in (canary_module, launchers):
-        monkeypatch.setattr(module, "validate_batch", validate)
-    monkeypatch.setattr(launchers, "_check_state", check_state)
-    for name in ("plan_kernel", "verify_kernel", "stamp_kernel"):
-        monkeypatch.setattr(launchers, name, CountingKernel(name, counts))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors on the kernel path (the stand-ins run nothing)
-    return counts
 
 
 def two_group_manager(backend: Backend, check_values: bool | None = None, caps: Capacities = CAPS) -> CanaryManager:
@@ -95,9 +54,9 @@ def test_kernel_path_validates_each_groups_batch_once_and_launches_each_kernel_o
             mgr.before_forward({"a": batch, "b": batch})
             mgr.after_forward()
         assert counted == launches
-        kernels = {op: n for op, n in ops.ops.items() if op not in _NO_KERNEL}
+        kernels = {op: n for op, n in ops.ops.items() if op not in NO_KERNEL}
         assert sum(kernels.values()) == BEFORE_OPS + AFTER_OPS, kernels
-        assert not _SYNCING & set(ops.ops), ops.ops
+        assert not SYNCING & set(ops.ops), ops.ops
         mgr.host_step(["x"] * batch.batch_size)
 
 

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 import gen  # noqa: E402
+from kernel_compare import compare_step  # noqa: E402
 from kvcanary.ops import launchers  # noqa: E402
-from test_kernels_differential import compare_step  # noqa: E402
 
 FUSING = launchers.KernelTuning(fuse_max_batch=32)
 NASTY = [-(2**63), -(2**40), -(2**31), -1, 2**31 - 1, 2**40, 2**62, 2**63 - 1]
