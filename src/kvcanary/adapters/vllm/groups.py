@@ -6,7 +6,8 @@ attention reads holds *kernel* blocks (``input_batch.block_table[g].block_size``
 the canary's page size.  Block 0 is vLLM's null block (never given to a request; sliding-window tables point
 out-of-window positions at it): its first slot is reserved.  Full attention (also MLA) maps onto a FULL group,
 a sliding window onto a SLIDING_WINDOW group; any other spec (Mamba state, chunked local attention, encoder
-caches) is a layout the canary does not know, refused at install.
+caches) is a layout the canary does not know, refused at install, and so is an attention backend whose
+metadata :mod:`.metadata` cannot read every step (FlashInfer's native paths).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvcanary.adapters.vllm.metadata import flashinfer_refusal
 from kvcanary.layout import CanaryGroup, GroupKind
 from kvcanary.workspace import Capacities
 
 FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 WINDOW_SPECS = ("SlidingWindowSpec",)
-KNOWN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
+KNOWN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 VERIFY_SLOTS_FACTOR = 4
 
 
@@ -47,11 +49,21 @@ def _spec_kind(spec: Any, g: int) -> tuple[GroupKind, int]:
     )
 
 
-def _backend_names(runner: Any, g: int) -> list[str]:
+def _backend_refusal(runner: Any, g: int) -> str | None:
+    """Why group ``g``'s attention metadata cannot be read (None: every backend of the group is readable)."""
     groups = getattr(runner, "attn_groups", None) or []
-    if g >= len(groups):
-        return []
-    return [str(a.backend.get_name()) for a in groups[g]]
+    for attn_group in groups[g] if g < len(groups) else []:
+        name = str(attn_group.backend.get_name())
+        if name not in KNOWN_BACKENDS:
+            return (
+                f"uses attention backend {name}, whose metadata the vLLM adapter does not know "
+                f"(supported: {', '.join(KNOWN_BACKENDS)})"
+            )
+        for builder in getattr(attn_group, "metadata_builders", None) or []:
+            why = flashinfer_refusal(builder) if name == "FLASHINFER" else None
+            if why is not None:
+                return f"uses attention backend FLASHINFER, whose metadata the canary cannot read every step: {why}"
+    return None
 
 
 def vllm_groups(runner: Any) -> list[VllmGroup]:
@@ -63,13 +75,9 @@ def vllm_groups(runner: Any) -> list[VllmGroup]:
     out = []
     for g, group in enumerate(config.kv_cache_groups):
         kind, window = _spec_kind(group.kv_cache_spec, g)
-        backends = _backend_names(runner, g)
-        unknown = [b for b in backends if b not in KNOWN_BACKENDS]
-        if unknown:
-            raise ValueError(
-                f"kvcanary: KV cache group {g} uses attention backend {unknown[0]}, whose metadata the vLLM adapter "
-                f"does not know (supported: {', '.join(KNOWN_BACKENDS)})"
-            )
+        refusal = _backend_refusal(runner, g)
+        if refusal is not None:
+            raise ValueError(f"kvcanary: KV cache group {g} {refusal}")
         block_size = int(group.kv_cache_spec.block_size)
         page = int(tables[g].block_size)
         name = "full" if g == 0 and kind is GroupKind.FULL else f"group{g}"

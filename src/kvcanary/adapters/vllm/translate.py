@@ -5,18 +5,19 @@ Per batch row ``r`` of the step (``input_batch`` order, which is also the attent
 ==================  ===========================================================================
 StepBatch           vLLM (V1 runner, attention metadata of the group's first layer)
 ==================  ===========================================================================
-``table``           ``metadata.block_table`` (kernel blocks; ``page_size`` = the kernel block size)
+``table``           the metadata's block table (kernel blocks; ``page_size`` = the kernel block size)
 ``rows``            ``r`` (the metadata's block table holds the step's rows only)
-``extend_lens``     ``query_start_loc[r + 1] - query_start_loc[r]`` (scheduled tokens, drafts included)
-``prefix_lens``     ``seq_lens[r] - extend_lens[r]`` (``num_computed_tokens``)
+``extend_lens``     the row's query length (scheduled tokens, drafts included)
+``prefix_lens``     its sequence length minus ``extend_lens[r]`` (``num_computed_tokens``)
 ``input_ids``       the ``input_ids`` the model forward is called with
 ``positions``       the ``positions`` the model forward is called with
 ``out_cache_loc``   the forward context's ``slot_mapping`` of the group (what the KV write uses)
 ``truth``           the requests' own prompt + output token ids (:mod:`.truth`)
 ==================  ===========================================================================
 
-The fields are read by attribute name, so the same code maps the CPU backend's ``CPUAttentionMetadata`` and
-the GPU backends' ``FlashAttentionMetadata`` / ``TritonAttentionMetadata`` (same four fields).
+Where each backend keeps the table, lengths and query starts is :mod:`.metadata`'s business: ``CPU_ATTN``,
+``FLASH_ATTN``, ``TRITON_ATTN`` and ``FLEX_ATTENTION`` keep ``block_table``, ``seq_lens`` and
+``query_start_loc``; ``FLASHINFER`` keeps them per decode and prefill part (its TRTLLM paths only).
 
 Same-step prefix hits: vLLM caches a block when the request that fills it is scheduled, so a request admitted
 later in the same step can hit it and attention reads it right after that step's KV write.  The canary verifies
@@ -33,9 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvcanary.adapters.vllm.metadata import int_tensor, read_rows
 from kvcanary.batch import StepBatch
-
-METADATA_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,30 +60,15 @@ class GroupView:
     out_cache_loc: torch.Tensor
 
 
-def _int_tensor(value: object, what: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"vLLM {what} must be an int32/int64 tensor, got {value!r:.80}")
-    return value
-
-
 def group_view(metadata: Any, slot_mapping: torch.Tensor | None, num_reqs: int, num_tokens: int) -> GroupView:
     """The group's :class:`GroupView` from its attention metadata (and the forward context's slot mapping)."""
-    missing = [f for f in METADATA_FIELDS if not hasattr(metadata, f)]
-    if missing:
-        raise TypeError(
-            f"attention metadata {type(metadata).__name__} lacks {missing}: a layout the canary does not know"
-        )
-    qsl = _int_tensor(metadata.query_start_loc, "query_start_loc")[: num_reqs + 1]
-    seq = _int_tensor(metadata.seq_lens, "seq_lens")[:num_reqs]
-    table = _int_tensor(metadata.block_table, "block_table")[:num_reqs]
-    slots = _int_tensor(metadata.slot_mapping if slot_mapping is None else slot_mapping, "slot_mapping")[:num_tokens]
-    extend = qsl[1:] - qsl[:-1]
-    prefix = seq - extend
-    return GroupView(table.contiguous(), prefix, extend, slots.contiguous())
+    rows = read_rows(metadata, num_reqs)
+    slots = int_tensor(rows.slot_mapping if slot_mapping is None else slot_mapping, "slot_mapping")[:num_tokens]
+    return GroupView(rows.table.contiguous(), rows.seq_lens - rows.extend_lens, rows.extend_lens, slots.contiguous())
 
 
 def _tokens(value: object, n: int, what: str) -> torch.Tensor:
-    t = _int_tensor(value, what)
+    t = int_tensor(value, what)
     if t.dim() != 1:
         raise ValueError(f"vLLM {what} has shape {tuple(t.shape)}; the canary needs 1-D (no M-RoPE)")
     return t[:n].contiguous()
