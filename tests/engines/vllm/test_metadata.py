@@ -10,7 +10,10 @@ per step, and in the real engine a corrupt FlashInfer metadata is reported in ``
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
+import pathlib
 import types
 from typing import Any
 
@@ -181,7 +184,10 @@ def test_flashinfer_is_accepted_only_where_every_step_takes_trtllm_paths(monkeyp
     for why, builder in refusals.items():
         with pytest.raises(ValueError, match=f"group 0 uses attention backend FLASHINFER, .*{why}"):
             vllm_groups(_runner("FLASHINFER", builder))
-    # No GPU here runs TRTLLM prefill; where one does, a forced (or >= 128-token page) builder is read.
+    with pytest.raises(ValueError, match="lacks \\['page_size', 'attention_config'\\]"):
+        vllm_groups(_runner("FLASHINFER", types.SimpleNamespace(use_dcp=False, use_trtllm_decode_attention=True)))
+    # A forced (or >= 128-token page) builder is read only on a GPU that runs TRTLLM prefill (SM100).
+    monkeypatch.setattr(metadata, "_trtllm_prefill_supported", lambda: False)
     with pytest.raises(ValueError, match="FIPrefill"):
         vllm_groups(_runner("FLASHINFER", _flashinfer_builder(decode=True, forced=True)))
     monkeypatch.setattr(metadata, "_trtllm_prefill_supported", lambda: True)
@@ -189,6 +195,20 @@ def test_flashinfer_is_accepted_only_where_every_step_takes_trtllm_paths(monkeyp
         assert len(vllm_groups(_runner("FLASHINFER", builder))) == 1
     with pytest.raises(ValueError, match="FIPrefill"):
         vllm_groups(_runner("FLASHINFER", _flashinfer_builder(decode=True, forced=False, page=128 // 2)))
+
+
+def test_the_flashinfer_builder_fields_read_at_install_are_vllms() -> None:
+    """FLASHINFER's builder cannot be made without ``flashinfer``: its ``__init__`` must set what the install
+    check reads (the source of the installed vLLM, parsed)."""
+    spec = importlib.util.find_spec("vllm.v1.attention.backends.flashinfer")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(pathlib.Path(spec.origin).read_text())
+    builder = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FlashInferMetadataBuilder")
+    init = next(n for n in builder.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assigned = {
+        t.attr for n in ast.walk(init) if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Attribute)
+    }
+    assert set(metadata.FLASHINFER_BUILDER_FIELDS) <= assigned, set(metadata.FLASHINFER_BUILDER_FIELDS) - assigned
 
 
 def test_an_unknown_backend_is_refused_by_name() -> None:

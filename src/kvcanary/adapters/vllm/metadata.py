@@ -16,7 +16,8 @@ backend             query starts, sequence lengths, block table, slot mapping
                     either ``q_cu_seq_lens`` (ragged query starts) or ``q_len_per_req`` (every decode row
                     that many tokens).  ``prefill`` (the remaining rows) is a ``TRTLLMPrefill``:
                     ``block_tables``, ``seq_lens`` and ``cum_seq_lens_q`` (query starts from 0 at its first
-                    row; with an fp8 cache its table is cut to the prefills' longest sequence)
+                    row; with an fp8 cache its table is cut to the prefills' longest sequence).  Rows past
+                    the step's requests (CUDA-graph padding) are cut
 ==================  ==========================================================================================
 
 **Refused: FlashInfer's native paths.**  A ``FIPrefill`` or ``FIDecode`` part holds only ``wrapper``, a planned
@@ -41,6 +42,7 @@ DENSE_FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
 FLASHINFER_FIELDS = ("num_decodes", "num_prefills", "decode", "prefill", "slot_mapping")
 FLASHINFER_DECODE_FIELDS = ("block_tables", "seq_lens", "q_len_per_req", "q_cu_seq_lens")
 FLASHINFER_PREFILL_FIELDS = ("block_tables", "seq_lens", "cum_seq_lens_q")
+FLASHINFER_BUILDER_FIELDS = ("use_dcp", "use_trtllm_decode_attention", "page_size", "attention_config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +138,12 @@ def _flashinfer_prefill(part: Any, num_prefills: int) -> tuple[torch.Tensor, tor
 
 def flashinfer_refusal(builder: Any) -> str | None:
     """Why a FLASHINFER metadata builder's steps may not be readable (None: every step takes TRTLLM paths)."""
-    if getattr(builder, "use_dcp", False):
+    missing = [f for f in FLASHINFER_BUILDER_FIELDS if not hasattr(builder, f)]
+    if missing:
+        return f"its metadata builder {type(builder).__name__} lacks {missing} (another vLLM release?)"
+    if builder.use_dcp:
         return "decode context parallelism (its decode seq_lens are rank-local)"
-    if not getattr(builder, "use_trtllm_decode_attention", False):
+    if not builder.use_trtllm_decode_attention:
         return "its decodes run flashinfer's native wrapper (FIDecode: no block_tables, seq_lens, query starts)"
     forced = int(builder.page_size) >= 128 or builder.attention_config.use_trtllm_attention is True
     if not (forced and _trtllm_prefill_supported()):
