@@ -8,10 +8,15 @@ The pool: 28 layers, K and V each ``[blocks, 16, 8 heads, 128]`` bf16 per layer 
   written per second measured in the same run (``pct_of_copy`` = gbps / copy_gbps).
 * ``digest_step_*``: one engine step's digest work with the default ``DigestConfig``: the budgeted
   verify of the step's read spans (decode batches at prefix 4k) and the stamp of the tokens it writes
-  (one per row, or a 16k prefill chunk).  ``kv_read_us`` is the time the step's attention needs to read
-  its KV once at ``copy_gbps`` / 2 (bytes read per second of that copy); ``pct_of_kv_read`` the digest's
-  share of it.  Rows of large batches share blocks of the pool (the pool is smaller than their KV):
-  the digest's work per slot does not depend on it, and the pool is far larger than the L2 cache.
+  (one per row, or a 16k prefill chunk); ``verify_us`` and ``stamp_us`` time the two calls apart.
+  Two references for the step: ``attention_us``, the same step's attention measured here (PyTorch SDPA,
+  bf16, 16 query heads over the 8 KV heads, contiguous KV: no paging, so faster than an engine's paged
+  kernel and the share it gives is the stricter one), all 28 layers, each its own KV tensors (cycled once
+  they exceed the L2 cache many times over), graph-replayed; and ``kv_read_us``, the step's KV bytes read
+  once at ``copy_gbps`` (the DRAM traffic rate the copy sustains).  ``pct_of_attention`` and
+  ``pct_of_kv_read`` are the digest's shares of each.  Rows of large batches share blocks of the pool
+  (the pool is smaller than their KV): the digest's work per slot does not depend on it, and the pool
+  is far larger than the L2 cache.
 
 Writes ``benchmarks/results/<gpu>-<commit>-digest.json`` ({"meta", "records"}).
 Usage: PYTHONPATH=src python benchmarks/bench_digest.py --commit <sha> [--out DIR] [--dry-run]
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -114,32 +120,71 @@ def decode_step(pool: Pool, batch: int, prefix: int, extend: int, dev: torch.dev
     return canary, b
 
 
+Q_HEADS = 16  # Qwen3-0.6B's query heads (GQA over the 8 KV heads)
+L2_MULTIPLE = 256 << 20  # distinct layer tensors until their KV is this large (the H200's L2 is 50 MB)
+
+
+def attention_us(batch: int, prefix: int, extend: int, replays: int, dev: torch.device) -> tuple[float, str]:
+    """(per-step microseconds, SDPA backend) of the step's attention over all layers, graph-replayed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    span = prefix + extend
+    per_layer = 2 * batch * HEADS * span * DIM * 2
+    distinct = min(LAYERS, max(2, -(-L2_MULTIPLE // per_layer)))
+    q = torch.randn(batch, Q_HEADS, extend, DIM, dtype=torch.bfloat16, device=dev)
+    kv = [torch.randn(2, batch, HEADS, span, DIM, dtype=torch.bfloat16, device=dev) for _ in range(distinct)]
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=extend > 1, enable_gqa=True)
+
+    def record() -> None:
+        for _ in range(STEPS_PER_GRAPH):
+            for layer in range(LAYERS):
+                sdpa(q, kv[layer % distinct][0], kv[layer % distinct][1])
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel([backend]):
+                sdpa(q, kv[0][0], kv[0][1])  # raises here if this backend cannot run the shapes
+                return _median_us(record, replays), backend.name
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend ran the step's attention")
+
+
 def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float, replays: int, dev: torch.device,
-              config: DigestConfig, tuning: dl.DigestTuning) -> dict:  # fmt: skip
+              config: DigestConfig, tuning: dl.DigestTuning, attention: tuple[float, str]) -> dict:  # fmt: skip
     canary, b = decode_step(pool, batch, prefix, extend, dev)
     digest = GroupDigest(canary, pool.layout, config, tuning=tuning)
     log = canary.new_log()
     canary.plan(b, log)  # the plan the digest's verify selects from (the link canary's own cost, not timed)
     digest.stamp(b, log)
 
-    def record() -> None:
-        for _ in range(STEPS_PER_GRAPH):
-            digest.verify(b, log)
-            digest.stamp(b, log)
+    def steps(*calls):  # type: ignore[no-untyped-def]
+        def record() -> None:
+            for _ in range(STEPS_PER_GRAPH):
+                for call in calls:
+                    call(b, log)
 
-    us = _median_us(record, replays)
+        return record
+
+    digest.workspace.stats.zero_()
+    us = _median_us(steps(digest.verify, digest.stamp), replays)
+    stats = digest.workspace.stats.tolist()  # verify and stamp calls in pairs
+    verify_us = _median_us(steps(digest.verify), replays)
+    stamp_us = _median_us(steps(digest.stamp), replays)
     if int(log.counters[16]):
         raise RuntimeError("clean step reported digest mismatches")
-    stats = digest.workspace.stats.tolist()
     calls = max(stats[D.DigestWorkspace.STAT_CALLS] // 2, 1)
     verified = stats[D.DigestWorkspace.STAT_VERIFIED] / calls
     read_bytes = batch * (prefix + extend) * pool.bytes_per_slot
-    kv_read_us = read_bytes / (copy_gbps / 2) / 1e3
+    kv_read_us = read_bytes / copy_gbps / 1e3
     digested = (verified + batch * extend) * pool.bytes_per_slot
     return {
-        "us": round(us, 2), "budget": config.budget, "period": config.period,
+        "us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2),
+        "budget": config.budget, "period": config.period,
         "verified_slots_per_step": round(verified, 1), "stamped_slots_per_step": batch * extend,
         "bytes": int(digested), "gbps": round(digested / us / 1e3, 1),
+        "attention_us": round(attention[0], 2), "attention_backend": attention[1],
+        "pct_of_attention": round(100 * us / attention[0], 2),
         "kv_read_bytes": read_bytes, "kv_read_us": round(kv_read_us, 2),
         "pct_of_kv_read": round(100 * us / kv_read_us, 2),
     }  # fmt: skip
@@ -180,13 +225,17 @@ def main() -> int:
     if dry:
         steps = [(1, 40, 1), (3, 40, 1), (1, 0, 48)]
     for batch, prefix, extend in steps:
+        attention = attention_us(batch, prefix, extend, args.replays, dev) if dev.type == "cuda" else (1.0, "none")
+        print(f"attention b{batch} p{prefix} e{extend}: {attention[0]:.1f} us ({attention[1]})", flush=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         for config in (DigestConfig(), DigestConfig(budget=1.0)):
             if config.budget == 1.0 and batch == 256:
                 continue  # 1M verified slots a step: the throughput rows above already show that rate
             tag = f"b{batch}_p{prefix // 1024}k" if extend == 1 else f"prefill_{extend // 1024 or extend}k"
             name = f"digest_step_{tag}_budget{config.budget:g}"
             rec = {"scenario": name, "copy_gbps": round(copy_gbps, 1)}
-            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best)
+            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best, attention)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     m = meta(args.commit, dev) | {"copy_bandwidth_tb_s": round(copy_gbps / 1e3, 3), "pool_slots": pool.slots,

@@ -18,9 +18,12 @@ from kvcanary.workspace import PlanWorkspace
 class KernelTuning:
     """Block sizes and grid shape.  Blocks are powers of two, at least PlanWorkspace.SCRATCH_BLOCK."""
 
-    # Defaults: the best of benchmarks/results/nvidia-h200-9376e1c-sweep.txt (H200, triton 3.6).
-    verify_block: int = 1024  # entries per verify item (a sliding window group uses min(this, window))
-    verify_warps: int = 8
+    # Defaults: the best of benchmarks/results/nvidia-h200-9376e1c-sweep.txt (H200, triton 3.6), with the
+    # verify's tile and grid from the full-grid sweep in nvidia-h200-98b7195-kernel-sweep.txt (27 tunings,
+    # five scenarios: 512 entries on 4 warps took decode b256 x 16k from 101.8 to 95.4 us and the 4k
+    # window from 83.6 to 68.7 us; the verify is register-bound, and smaller items keep more programs an SM).
+    verify_block: int = 512  # entries per verify item (a sliding window group uses min(this, window))
+    verify_warps: int = 4
     stamp_block: int = 512  # tokens per stamp item
     stamp_warps: int = 8
     carry_block: int = 512  # tokens per step when the finalize re-sums a row's earlier tokens

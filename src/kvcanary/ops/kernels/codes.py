@@ -1,11 +1,13 @@
 """The schema's codes as kernel constants, each defined once (jit code reads a global only as a constexpr).
 
 Reason bits grouped by the check that sets them, the phases the link kernels log, the plan workspace's row
-states and same-step mark layout, and the never-stored token; each kernel module imports the ones it uses.
+states and same-step mark layout, the never-stored token, and the digest's reason, counter lanes, phases
+and statistics; each kernel module imports the ones it uses.
 """
 
 from __future__ import annotations
 
+from kvcanary.digest import DigestWorkspace
 from kvcanary.ops.kernels.const import const
 from kvcanary.schema import NOT_STORED as _NOT_STORED
 from kvcanary.schema import Phase, Reason
@@ -38,3 +40,14 @@ MARK_PERIOD, READER_BITS, READER_LIMIT = _consts(
     PlanWorkspace.MARK_PERIOD, PlanWorkspace.READER_BITS, PlanWorkspace.READER_LIMIT
 )
 NOT_STORED = const(_NOT_STORED)
+# the digest: a mismatch, the counter lanes of its two reasons (an index outside the pool is SLOT_OOR), its
+# phases, and the statistics its workspace keeps
+DIGEST_BAD = const(int(Reason.DIGEST_MISMATCH))
+DIGEST_BAD_LANE, SLOT_OOR_LANE = _consts(
+    int(Reason.DIGEST_MISMATCH).bit_length() - 1, int(Reason.SLOT_OUT_OF_RANGE).bit_length() - 1
+)
+PHASE_DIGEST_STAMP, PHASE_DIGEST_VERIFY = _consts(Phase.DIGEST_STAMP, Phase.DIGEST_VERIFY)
+STAT_STAMPED, STAT_VERIFIED, STAT_SKIPPED_TILES, STAT_CALLS = _consts(
+    DigestWorkspace.STAT_STAMPED, DigestWorkspace.STAT_VERIFIED, DigestWorkspace.STAT_SKIPPED_TILES,
+    DigestWorkspace.STAT_CALLS,
+)  # fmt: skip

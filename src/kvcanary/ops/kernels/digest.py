@@ -16,27 +16,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvcanary import digest as spec
-from kvcanary.ops.kernels.digest_entries import BAD, MARK_PERIOD, POS_BITS, POS_MASK, SKIP, row_spans, tile_entries
+from kvcanary.ops.kernels.codes import (
+    DIGEST_BAD,
+    DIGEST_BAD_LANE,
+    MARK_PERIOD,
+    PHASE_DIGEST_STAMP,
+    PHASE_DIGEST_VERIFY,
+    SLOT_OOR,
+    SLOT_OOR_LANE,
+    STAT_CALLS,
+    STAT_SKIPPED_TILES,
+    STAT_STAMPED,
+    STAT_VERIFIED,
+)
+from kvcanary.ops.kernels.const import const
+from kvcanary.ops.kernels.digest_entries import BAD, POS_BITS, POS_MASK, SKIP, row_spans, tile_entries
 from kvcanary.ops.kernels.hashing import fmix64
-from kvcanary.ops.kernels.log import COUNTER_LANES, VIOLATIONS, add_counters, store_rows
-from kvcanary.schema import Phase, Reason
+from kvcanary.ops.kernels.log import COUNTER_LANES, TICKET, VIOLATIONS, add_counters, finish, store_rows
 
-MISMATCH = tl.constexpr(int(Reason.DIGEST_MISMATCH))
-OUT_OF_RANGE = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE))
-MISMATCH_BIT = tl.constexpr(int(Reason.DIGEST_MISMATCH).bit_length() - 1)  # its lane in the counters
-RANGE_BIT = tl.constexpr(int(Reason.SLOT_OUT_OF_RANGE).bit_length() - 1)
-PHASE_STAMP = tl.constexpr(int(Phase.DIGEST_STAMP))
-PHASE_VERIFY = tl.constexpr(int(Phase.DIGEST_VERIFY))
-TICKET = tl.constexpr(1)
-STAT_STAMPED = tl.constexpr(spec.DigestWorkspace.STAT_STAMPED)
-STAT_VERIFIED = tl.constexpr(spec.DigestWorkspace.STAT_VERIFIED)
-STAT_SKIPPED = tl.constexpr(spec.DigestWorkspace.STAT_SKIPPED_TILES)
-STAT_CALLS = tl.constexpr(spec.DigestWorkspace.STAT_CALLS)
 # A table row: offset from the table (words; bytes below 8-byte elements), s_block, s_off, s_head, s_dim,
 # block_size, heads, dim, words per head, word base.
-COMP_WIDTH = tl.constexpr(10)
-FIN = tl.constexpr(512)  # entries per step of the finalize
+COMP_WIDTH = const(10)
+FIN = const(512)  # entries per step of the finalize
 
 
 @triton.jit
@@ -147,16 +148,16 @@ def _unit(
 
 @triton.jit
 def _finalize(
-    digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
+    digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, first_ptr, last_ptr, counters_ptr,
     n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
 ):  # fmt: skip
     """Every entry in order: store or compare its digest, count, then write the kept violation rows.
 
     Runs in the program whose ticket came last: that acquire synchronises with every program's release
-    of its sums, so the exchanges need no fences of their own (relaxed)."""
+    of its sums, so the exchanges need no fences of their own (relaxed).  The statistics were added with
+    the tickets (:func:`.log.finish`)."""
     n_mismatch = tl.zeros((FIN,), tl.int64)  # per lane, summed once after the loop (no barriers per step)
     n_range = tl.zeros((FIN,), tl.int64)
-    done = tl.zeros((FIN,), tl.int64)
     for e0 in range(0, n_entries, FIN):
         e = e0 + tl.arange(0, FIN)
         m = e < n_entries
@@ -172,19 +173,13 @@ def _finalize(
             tl.store(acc_ptr + e, d, mask=mismatch)  # kept for the rows' pass: nonzero marks a mismatch
         n_mismatch += mismatch.to(tl.int64)
         n_range += (m & (slot == BAD)).to(tl.int64)
-        done += usable.to(tl.int64)
     n_mismatch = tl.sum(n_mismatch)
     n_range = tl.sum(n_range)
-    done = tl.sum(done)
     found = n_mismatch + n_range
-    if STAMP:
-        tl.atomic_add(stats_ptr + STAT_STAMPED, done)
-    else:
-        tl.atomic_add(stats_ptr + STAT_VERIFIED, done)
     if found > 0:
         base = tl.atomic_add(counters_ptr + VIOLATIONS, found)
         lanes = tl.arange(0, COUNTER_LANES)
-        counts = tl.where(lanes == MISMATCH_BIT, n_mismatch, tl.where(lanes == RANGE_BIT, n_range, 0))
+        counts = tl.where(lanes == DIGEST_BAD_LANE, n_mismatch, tl.where(lanes == SLOT_OOR_LANE, n_range, 0))
         add_counters(counters_ptr, counts)
         rank = tl.zeros((), tl.int64)
         for e0 in range(0, n_entries, FIN):
@@ -201,18 +196,18 @@ def _finalize(
                 r = info >> POS_BITS
                 pos = info & POS_MASK
                 trow = tl.load(rows_ptr + r, mask=hit, other=0).to(tl.int64)
-                phase = PHASE_VERIFY
+                phase = PHASE_DIGEST_VERIFY
             else:
                 r = tl.zeros_like(info) - 1
                 pos = r
                 trow = r
                 if STAMP:
-                    phase = PHASE_STAMP
+                    phase = PHASE_DIGEST_STAMP
                 else:
-                    phase = PHASE_VERIFY
+                    phase = PHASE_DIGEST_VERIFY
             hit64 = hit.to(tl.int64)
             g = base + rank + tl.cumsum(hit64, 0) - hit64
-            reasons = tl.where(mismatch, MISMATCH, OUT_OF_RANGE).to(tl.int64)
+            reasons = tl.where(mismatch, DIGEST_BAD, SLOT_OOR).to(tl.int64)
             minus = tl.zeros_like(info) - 1
             store_rows(
                 first_ptr, last_ptr, log_k, g, base + found, hit, reasons, phase, group_id, r, trow,
@@ -256,6 +251,7 @@ def digest_kernel(
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
     n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
+    done = tl.zeros((), tl.int64)  # entries this program's units digest (counted once, in chunk 0)
     for u in range(pid, n_tiles * n_chunks, n_programs):
         tile = u // n_chunks
         chunk = u % n_chunks
@@ -264,10 +260,11 @@ def digest_kernel(
             first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
             FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
         )  # fmt: skip
+        usable = marker >= 0
         if chunk == 0:
             tl.store(eslot_ptr + e, marker)
             tl.store(einfo_ptr + e, info)
-        usable = marker >= 0
+            done += tl.sum(usable.to(tl.int64))
         c0 = c_begin + chunk * CPU
         c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
         part = tl.zeros((G,), tl.uint64)
@@ -289,14 +286,21 @@ def digest_kernel(
                 part += _unit(comp_ptr, keys_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
-        ticket = tl.atomic_add(sync_ptr + TICKET, 1)
+        # One vector atomic takes the ticket and adds the statistics (each acq_rel atomic is a round trip
+        # on the step's critical path); the ticket's reset and the epoch's advance need no ordering but the
+        # kernel boundary's.
+        if STAMP:
+            done_stat = STAT_STAMPED
+        else:
+            done_stat = STAT_VERIFIED
+        ticket = finish(
+            sync_ptr, stats_ptr, pid, STAT_CALLS, 1, STAT_SKIPPED_TILES, total_tiles - n_tiles, done_stat, done, True
+        )  # fmt: skip
         if ticket == n_programs - 1:
-            tl.atomic_xchg(sync_ptr + TICKET, 0)
+            tl.atomic_xchg(sync_ptr + TICKET, 0, sem="relaxed")
             _finalize(
-                digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, stats_ptr, first_ptr, last_ptr, counters_ptr,
+                digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, first_ptr, last_ptr, counters_ptr,
                 n_tiles * G, log_k, group_id, STAMP, FROM_PLAN,
             )  # fmt: skip
-            tl.atomic_add(stats_ptr + STAT_CALLS, 1)
             if FROM_PLAN:
-                tl.atomic_add(stats_ptr + STAT_SKIPPED, total_tiles - n_tiles)
-                tl.atomic_add(epoch_ptr, 1)
+                tl.store(epoch_ptr, epoch + 1)

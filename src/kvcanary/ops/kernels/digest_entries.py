@@ -11,14 +11,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcanary.ops.kernels.const import const
 from kvcanary.ops.kernels.indexing import in_pool, is_reserved, table_entry, translate
-from kvcanary.workspace import PlanWorkspace
+from kvcanary.ops.kernels.log import lane
 
-SKIP = tl.constexpr(-1)  # entry_slot: nothing to digest
-BAD = tl.constexpr(-2)  # entry_slot: an index out of range, reported
-POS_BITS = tl.constexpr(32)  # entry_info of a planned entry: row << POS_BITS | position
-POS_MASK = tl.constexpr((1 << 32) - 1)
-MARK_PERIOD = tl.constexpr(PlanWorkspace.MARK_PERIOD)
+SKIP = const(-1)  # entry_slot: nothing to digest
+BAD = const(-2)  # entry_slot: an index out of range, reported
+POS_BITS = const(32)  # entry_info of a planned entry: row << POS_BITS | position
+POS_MASK = const((1 << 32) - 1)
 
 
 @triton.jit
@@ -40,11 +40,6 @@ def row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B: tl.con
 
 
 @triton.jit
-def _pick(values, i):
-    return tl.sum(tl.where(tl.arange(0, values.shape[0]) == i, values, 0))
-
-
-@triton.jit
 def tile_entries(
     tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
     first, tiles_excl, tiles_incl, starts, ends, period, wmarks_ptr, mark,
@@ -53,13 +48,13 @@ def tile_entries(
     G: tl.constexpr,
 ):  # fmt: skip
     """One tile's entries: (entry index, slot marker, info) with marker = slot, SKIP or BAD."""
-    lane = tl.arange(0, G)
-    e = tile * G + lane
+    lanes = tl.arange(0, G)
+    e = tile * G + lanes
     if FROM_PLAN:
         r = tl.sum((tiles_incl <= tile).to(tl.int64))  # rows whose tiles all come before this one
-        grp = _pick(first, r) + (tile - _pick(tiles_excl, r)) * period
-        pos = grp * G + lane
-        inside = (pos >= _pick(starts, r)) & (pos < _pick(ends, r))
+        grp = lane(first, r) + (tile - lane(tiles_excl, r)) * period
+        pos = grp * G + lanes
+        inside = (pos >= lane(starts, r)) & (pos < lane(ends, r))
         trow = tl.load(rows_ptr + r).to(tl.int64)
         full = table_entry(table_ptr, trow, pos, n_rows, n_cols, page, inside, PAGED)
         info = (tl.zeros_like(pos) + r) << POS_BITS | pos
