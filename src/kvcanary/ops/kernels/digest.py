@@ -238,7 +238,9 @@ def digest_kernel(
     if FROM_PLAN:
         mark = (1 + tl.load(pepoch_ptr) % MARK_PERIOD).to(tl.int32)
         epoch = tl.load(epoch_ptr)
-        first, tiles, excl, starts, ends = row_spans(starts_ptr, voff_ptr, state_ptr, b, epoch, period, BLOCK_B, G)
+        first, tiles, excl, starts, ends, trows = row_spans(
+            starts_ptr, voff_ptr, state_ptr, rows_ptr, b, epoch, period, BLOCK_B, G
+        )  # fmt: skip
         total_tiles = tl.sum(tiles)
         n_tiles = tl.minimum(total_tiles, max_tiles)
         incl = excl + tiles
@@ -248,6 +250,7 @@ def digest_kernel(
         incl = first
         starts = first
         ends = first
+        trows = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
     n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
@@ -255,8 +258,8 @@ def digest_kernel(
     for u in range(pid, n_tiles * n_chunks, n_programs):
         tile = u // n_chunks
         chunk = u % n_chunks
-        e, marker, info = tile_entries(
-            tile, locs_ptr, lookup_ptr, rows_ptr, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
+        e, marker, info, read_slot, readable = tile_entries(
+            tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
             first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
             FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
         )  # fmt: skip
@@ -268,22 +271,23 @@ def digest_kernel(
         c0 = c_begin + chunk * CPU
         c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
         part = tl.zeros((G,), tl.uint64)
+        # Loads by ``readable`` (they need not wait for the write marks), sums added by ``usable``.
         if ESIZE == 8:
-            s = tl.where(usable, marker, 0).to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
+            s = read_slot.to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
             if BS_LOG >= 0:  # every component of the launch has block size 2**BS_LOG
                 blk = s >> BS_LOG
                 off = s & ((1 << BS_LOG) - 1)
                 for c in range(c0, c1):
-                    part += _unit_words(comp_ptr, keys_ptr, c, blk, off, usable, G, HB, BJ, EXACT, VEC)
+                    part += _unit_words(comp_ptr, keys_ptr, c, blk, off, readable, G, HB, BJ, EXACT, VEC)
             else:
                 for c in range(c0, c1):
                     bsize = tl.load(comp_ptr + c * COMP_WIDTH + 5)
                     part += _unit_words(
-                        comp_ptr, keys_ptr, c, s // bsize, s % bsize, usable, G, HB, BJ, EXACT, VEC
+                        comp_ptr, keys_ptr, c, s // bsize, s % bsize, readable, G, HB, BJ, EXACT, VEC
                     )  # fmt: skip
         else:
             for c in range(c0, c1):
-                part += _unit(comp_ptr, keys_ptr, c, marker, usable, ESIZE, G, BLOCK_W)
+                part += _unit(comp_ptr, keys_ptr, c, read_slot, readable, ESIZE, G, BLOCK_W)
         tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
     if FINALIZE:
         # One vector atomic takes the ticket and adds the statistics (each acq_rel atomic is a round trip
