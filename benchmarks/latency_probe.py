@@ -4,8 +4,8 @@ A small step's kernels are latency chains (a load whose address comes from the p
 lookup, record; then the ticket and the finalize), so their floor is launches x launch cost + hops x
 hop cost, not bytes / bandwidth.  This measures both terms with one program of one thread chasing a
 random cycle of indices: ``hops`` dependent loads per launch, in an array that fits the L2 cache and
-one that does not; and the launch alone (0 hops).  The per-hop cost is the slope between hop counts,
-each point the median of CUDA-graph replays of ``LAUNCHES`` launches.
+one that does not; and the launch alone (0 hops: one load and one store).  The per-hop cost is the
+slope between hop counts, each point the median of CUDA-graph replays of ``LAUNCHES`` launches.
 
 Usage: PYTHONPATH=src:benchmarks python benchmarks/latency_probe.py --commit <sha> [--out DIR]
 """
@@ -30,11 +30,13 @@ SIZES = {"l2": 1 << 20, "dram": 1 << 28}  # int64 entries: 8 MiB (in the 50 MiB 
 
 
 @triton.jit
-def chase_kernel(next_ptr, out_ptr, hops):
-    i = tl.zeros((), tl.int64)
+def chase_kernel(next_ptr, at_ptr, hops):
+    # Each launch goes on where the last stopped: replays never revisit an entry of the large array, so
+    # its hops miss the cache (the starting load is one more hop, the same at every count).
+    i = tl.load(at_ptr)
     for _ in range(hops):
         i = tl.load(next_ptr + i)
-    tl.store(out_ptr, i)
+    tl.store(at_ptr, i)
 
 
 def cycle(n: int, dev: torch.device) -> torch.Tensor:
