@@ -56,9 +56,10 @@ TARGETS = (
 
 
 def _newest(scenario_key: str) -> tuple[Path, dict] | None:
-    """The newest results file (by meta date) holding records with ``scenario_key``."""
+    """The newest results file (by meta date) holding records with ``scenario_key`` and a kernel floor (the
+    host-step results also count entries)."""
     loaded = [(f, json.loads(f.read_text())) for f in sorted(HERE.glob("results/*.json"))]
-    loaded = [(f, d) for f, d in loaded if any(scenario_key in r for r in d["records"])]
+    loaded = [(f, d) for f, d in loaded if any(scenario_key in r and "floor_us" in r for r in d["records"])]
     return max(loaded, key=lambda fd: fd[1]["meta"]["date"]) if loaded else None
 
 
