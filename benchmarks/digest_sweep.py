@@ -5,7 +5,11 @@ verify, under every combination of ``DigestTuning``'s words per step, warps, pro
 components per unit.  Prints one line per tuning and writes the table beside the results
 (``<gpu>-<commit>-digest-sweep.txt``); ``bench_digest.py`` then times its scenarios with the tuning it picks.
 
-Usage: PYTHONPATH=src:benchmarks python benchmarks/digest_sweep.py --commit <sha> [--out DIR] [--quick]
+``--steps`` instead times decode steps' digest work (``bench_digest``'s b1 and b32 x 4k at the default
+budget) under the small-launch fields (``small_block_words``, ``small_warps``; 64 words on 4 warps is
+the streaming tile, i.e. no small-launch tile).
+
+Usage: PYTHONPATH=src:benchmarks python benchmarks/digest_sweep.py --commit <sha> [--out DIR] [--quick] [--steps]
 """
 
 from __future__ import annotations
@@ -17,13 +21,31 @@ from pathlib import Path
 
 import torch
 
-from bench_digest import RESULTS, Pool, list_throughput
+from bench_digest import RESULTS, Pool, list_throughput, step_cost
 from bench_kernels import copy_bandwidth
+from kvcanary.config import DigestConfig
 from kvcanary.ops import digest_launchers as dl
 
 GRID = {"block_words": (32, 64, 128, 256), "warps": (2, 4, 8), "programs_per_sm": (8, 16),
         "max_comps_per_unit": (1, 2, 8)}  # fmt: skip
 QUICK = {"block_words": (64, 128), "warps": (4,), "programs_per_sm": (8, 16), "max_comps_per_unit": (1, 8)}
+SMALL = {"small_block_words": (64, 128, 256, 512), "small_warps": (4, 8)}
+STEPS = ((1, 4096), (32, 4096))
+
+
+def sweep_steps(pool: Pool, copy_gbps: float, replays: int, dev: torch.device) -> list[str]:
+    """One line per small-launch tuning: each decode step's digest us (verify / stamp apart)."""
+    head = " | ".join(f"b{b} x {p // 1024}k us (verify / stamp)" for b, p in STEPS)
+    lines = ["small_block_words small_warps | " + head]
+    for values in itertools.product(*SMALL.values()):
+        t = dl.DigestTuning(**dict(zip(SMALL, values, strict=True)))
+        cells = []
+        for batch, prefix in STEPS:
+            r = step_cost(pool, batch, prefix, 1, copy_gbps, replays, dev, DigestConfig(), t, (1.0, "none"))
+            cells.append(f"{r['us']:.2f} ({r['verify_us']:.2f} / {r['stamp_us']:.2f})")
+        lines.append(" ".join(str(v) for v in values) + " | " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main() -> int:
@@ -32,6 +54,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="a few tunings only")
+    p.add_argument("--steps", action="store_true", help="decode steps under the small-launch fields instead")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -41,6 +64,15 @@ def main() -> int:
     copy_gbps = copy_bandwidth(dev) / 1e9
     grid = QUICK if args.quick else GRID
     name = torch.cuda.get_device_name(dev)
+    gpu = name.replace(" ", "-").lower()
+    if args.steps:
+        lines = [f"# digest small-launch sweep, commit {args.commit}, {name}"]
+        lines += sweep_steps(pool, copy_gbps, args.replays, dev)
+        out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest-steps.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
+        print(f"wrote {out}")
+        return 0
     lines = [f"# digest tuning sweep, commit {args.commit}, {name}, copy {copy_gbps:.0f} GB/s (read + written)",
              "block_words warps programs_per_sm comps | stamp GB/s (% copy) | verify GB/s (% copy)"]  # fmt: skip
     print("\n".join(lines), flush=True)
@@ -51,7 +83,6 @@ def main() -> int:
         line = " ".join(str(v) for v in values) + " | " + " | ".join(cells)
         lines.append(line)
         print(line, flush=True)
-    gpu = name.replace(" ", "-").lower()
     out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest-sweep.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

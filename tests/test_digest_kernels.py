@@ -258,3 +258,16 @@ def test_engine_shaped_pools_take_the_fast_paths_and_match(case: str, tuning: st
         flipped.add(s)
     twin.call("verify_list", everything)
     assert int(twin.log.counters[16]) == len(flipped - {1})
+
+
+def test_small_launches_read_whole_head_rows_and_large_ones_keep_the_tuning() -> None:
+    t = dl.DigestTuning(block_words=64, warps=4, small_block_words=256, small_warps=8)
+    small = t.for_units(units=56, programs=1056)  # a decode step's stamp: one unit a program at most
+    assert (small.block_words, small.warps) == (256, 8)
+    assert small.tile(heads=8, words_per_head=32) == (8, 32)  # all 8 heads of 32 words in one step
+    assert t.tile(heads=8, words_per_head=32) == (2, 32)  # the streaming tile: four steps
+    assert t.for_units(units=7168, programs=1056) == t  # more units than programs: unchanged
+    assert dl.DigestTuning(block_words=512, small_block_words=256).for_units(1, 3).block_words == 512  # never narrower
+    for bad, named in (({"small_block_words": 96}, "small_block_words"), ({"small_warps": 0}, "small_warps")):
+        with pytest.raises(ValueError, match=named):
+            dl.DigestTuning(**bad)

@@ -40,13 +40,27 @@ class DigestTuning:
     programs_per_sm: int = 8
     max_comps_per_unit: int = 8
     vector: bool = True  # two-word loads where offsets allow (a switch for measuring them)
+    # A launch with at most one unit per program (a decode step's stamp or budgeted verify) is a latency
+    # chain, not a stream: it reads a unit's head rows in as few steps as up to ``small_block_words`` words
+    # allow (one round of loads instead of one per ``block_words``), on ``small_warps`` warps.
+    small_block_words: int = 256
+    small_warps: int = 8
 
     def __post_init__(self) -> None:
-        v = self.block_words
-        if v <= 0 or v & (v - 1):
-            raise ValueError(f"block_words must be a power of two, got {v}")
-        if self.warps <= 0 or self.programs_per_sm <= 0 or self.max_comps_per_unit <= 0:
-            raise ValueError("warps, programs_per_sm and max_comps_per_unit must be positive")
+        for name in ("block_words", "small_block_words"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if min(self.warps, self.small_warps, self.programs_per_sm, self.max_comps_per_unit) <= 0:
+            raise ValueError("warps, small_warps, programs_per_sm and max_comps_per_unit must be positive")
+
+    def for_units(self, units: int, programs: int) -> DigestTuning:
+        """The tuning a launch of ``units`` work units on a grid of at most ``programs`` uses: this one, or
+        its small-launch tile and warps when every program runs at most one unit."""
+        if units > programs:
+            return self
+        wide = max(self.block_words, self.small_block_words)
+        return dataclasses.replace(self, block_words=wide, warps=self.small_warps)
 
     def tile(self, heads: int, words_per_head: int) -> tuple[int, int]:
         """(heads, words of a head) a step reads: a whole head row if it fits, as many heads as fit."""
@@ -159,12 +173,11 @@ def _check(group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: Dige
         )
 
 
-def _programs(units: int, dev: torch.device, tuning: DigestTuning) -> int:
+def _grid_cap(dev: torch.device, tuning: DigestTuning) -> int:
+    """The persistent grid's size: programs_per_sm per SM (3 programs under the interpreter)."""
     if dev.type == "cuda":
-        cap = torch.cuda.get_device_properties(dev).multi_processor_count * tuning.programs_per_sm
-    else:
-        cap = 3
-    return max(1, min(units, cap))
+        return torch.cuda.get_device_properties(dev).multi_processor_count * tuning.programs_per_sm
+    return 3
 
 
 def _reserved(group: CanaryGroup) -> list[int]:
@@ -190,11 +203,13 @@ def _launch(
     max_b = int(plan_ws.row_state.shape[0]) if plan_ws is not None else 1
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
+    cap = _grid_cap(dl.layout.device, tuning)
     for k, lc in enumerate(dl.classes):
         es = lc.element_size
-        hb, bj, exact, vec = lc.path(tuning)
         units = max_tiles * lc.rows
-        programs = _programs(units, dl.layout.device, tuning)
+        programs = max(1, min(units, cap))
+        t = tuning.for_units(units, cap)
+        hb, bj, exact, vec = lc.path(t)
         # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
         # planned verify knows only its capacity, not its tiles, so it keeps one (all programs in use).
         cpu = 1
@@ -212,7 +227,7 @@ def _launch(
             REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
             G=TILE_TOKENS, BLOCK_W=_ELEMENT_BLOCK_W.get(es, 1), BLOCK_B=block_b, HB=hb, BJ=bj,
             CPU=cpu, BS_LOG=lc.block_log, EXACT=exact, VEC=vec,
-            num_warps=tuning.warps if es == WORD_BYTES else 4,
+            num_warps=t.warps if es == WORD_BYTES else 4,
         )  # fmt: skip
 
 
