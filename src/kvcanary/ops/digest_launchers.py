@@ -41,9 +41,10 @@ class DigestTuning:
     max_comps_per_unit: int = 8
     vector: bool = True  # two-word loads where offsets allow (a switch for measuring them)
     # A launch with at most one unit per program (a decode step's stamp or budgeted verify) is a latency
-    # chain, not a stream: it reads a unit's head rows in as few steps as up to ``small_block_words`` words
-    # allow (one round of loads instead of one per ``block_words``), on ``small_warps`` warps.
-    small_block_words: int = 256
+    # chain, not a stream: its tile steps may be up to ``small_block_words`` words, on ``small_warps`` warps.
+    # Defaults from benchmarks/results/nvidia-h200-4bbb48e-digest-steps.txt: 8 warps on the streaming tile
+    # took the b1 x 4k step from 16.8 to 15.4 us; wider steps (128-512 words) were slower (18-27 us).
+    small_block_words: int = 64
     small_warps: int = 8
 
     def __post_init__(self) -> None:
