@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench_kernels import copy_bandwidth, meta, time_graph
+from bench_kernels import copy_bandwidth, meta, save_records, time_graph
 from kvcanary import digest as D
 from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary
@@ -244,11 +244,7 @@ def main() -> int:
                                   "kernel_path": [dataclasses.asdict(c) | dict(zip(("heads_per_step", "words_per_step",
                                                   "exact", "two_word_loads"), c.path(best), strict=True))
                                                   for c in dl.DeviceLayout.build(pool.layout).classes]}  # fmt: skip
-    gpu = m["gpu"].replace(" ", "-").lower()
-    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": m, "records": records}, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_records(args.out, m, args.commit, "-digest.json", records)
     return 0
 
 

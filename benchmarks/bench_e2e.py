@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import copy_bandwidth, meta, pct
+from bench_kernels import copy_bandwidth, meta, pct, result_path
 from kvcanary.batch import StepBatch
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
@@ -313,9 +313,7 @@ def run(args: argparse.Namespace, dev: torch.device) -> int:
         "weight_bytes": wbytes, "kv_bytes_per_token": per_token, "replays": args.replays,
         "transformers": _transformers_version(),
     }  # fmt: skip
-    gpu = m["gpu"].replace(" ", "-").lower()
-    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-e2e.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = result_path(args.out, m["gpu"], args.commit, "-e2e.json")
     wanted = set(args.points.split(",")) if args.points else None
     records: list[dict[str, Any]] = []
     print(f"{'scenario':24} {'step us':>9} {'added':>7} {'canary':>7} {'host':>6} {'share%':>7} {'roof%':>6}")

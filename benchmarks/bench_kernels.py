@@ -289,6 +289,26 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * n / statistics.median(times)
 
 
+def result_path(out_dir: str | None, gpu: str, commit: str, suffix: str = ".json") -> Path:
+    """Where a run's results go: ``<out_dir or benchmarks/results>/<gpu>-<commit><suffix>`` (folder made)."""
+    path = Path(out_dir or RESULTS) / f"{gpu.replace(' ', '-').lower()}-{commit}{suffix}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_result(out_dir: str | None, gpu: str, commit: str, suffix: str, text: str) -> Path:
+    """Write one run's results (a table, or ``{"meta", "records"}`` JSON) under :func:`result_path`."""
+    path = result_path(out_dir, gpu, commit, suffix)
+    path.write_text(text)
+    print(f"wrote {path}")
+    return path
+
+
+def save_records(out_dir: str | None, m: dict, commit: str, suffix: str, records: list) -> Path:
+    """Write ``{"meta", "records"}`` JSON (the format every results file shares) under :func:`result_path`."""
+    return save_result(out_dir, m["gpu"], commit, suffix, json.dumps({"meta": m, "records": records}, indent=1) + "\n")
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
@@ -361,11 +381,7 @@ def run_main(args: argparse.Namespace, dev: torch.device) -> None:
         "rotations": args.rotations,
         "tuning": dataclasses.asdict(tuning),
     }
-    gpu = m["gpu"].replace(" ", "-").lower()
-    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": m, "records": records}, indent=1) + "\n")
-    print(f"wrote {out}")
+    save_records(args.out, m, args.commit, ".json", records)
 
 
 def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:

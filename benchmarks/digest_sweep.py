@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 
-from bench_digest import RESULTS, Pool, list_throughput, step_cost
-from bench_kernels import copy_bandwidth
+from bench_digest import Pool, list_throughput, step_cost
+from bench_kernels import copy_bandwidth, save_result
 from kvcanary.config import DigestConfig
 from kvcanary.ops import digest_launchers as dl
 
@@ -64,14 +63,10 @@ def main() -> int:
     copy_gbps = copy_bandwidth(dev) / 1e9
     grid = QUICK if args.quick else GRID
     name = torch.cuda.get_device_name(dev)
-    gpu = name.replace(" ", "-").lower()
     if args.steps:
         lines = [f"# digest small-launch sweep, commit {args.commit}, {name}"]
         lines += sweep_steps(pool, copy_gbps, args.replays, dev)
-        out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest-steps.txt"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("\n".join(lines) + "\n")
-        print(f"wrote {out}")
+        save_result(args.out, name, args.commit, "-digest-steps.txt", "\n".join(lines) + "\n")
         return 0
     lines = [f"# digest tuning sweep, commit {args.commit}, {name}, copy {copy_gbps:.0f} GB/s (read + written)",
              "block_words warps programs_per_sm comps | stamp GB/s (% copy) | verify GB/s (% copy)"]  # fmt: skip
@@ -83,10 +78,7 @@ def main() -> int:
         line = " ".join(str(v) for v in values) + " | " + " | ".join(cells)
         lines.append(line)
         print(line, flush=True)
-    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-digest-sweep.txt"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    save_result(args.out, name, args.commit, "-digest-sweep.txt", "\n".join(lines) + "\n")
     return 0
 
 

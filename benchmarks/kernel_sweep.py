@@ -19,11 +19,10 @@ import itertools
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-from bench_kernels import RESULTS, Scenario, build, time_kernels
+from bench_kernels import Scenario, build, save_result, time_kernels
 from kvcanary.ops import launchers
 
 GRID = {"verify_block": (512, 1024, 2048), "verify_warps": (4, 8, 16), "programs_per_sm": (2, 4, 8)}
@@ -91,11 +90,7 @@ def main() -> int:
     if default is not None:
         lines.append(f"default (score {score[default]:.3f}): " + " ".join(f"{v:.2f}" for v in times[default]))
     print("\n".join(lines[2:]), flush=True)
-    gpu = name.replace(" ", "-").lower()
-    out = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-kernel-sweep.txt"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    save_result(args.out, name, args.commit, "-kernel-sweep.txt", "\n".join(lines) + "\n")
     return 0
 
 

@@ -16,13 +16,12 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from bench_kernels import RESULTS, meta, time_graph
+from bench_kernels import meta, save_records, time_graph
 
 LAUNCHES = 32
 HOPS = (0, 8, 32, 128)
@@ -79,11 +78,7 @@ def main() -> int:
         del nxt
         torch.cuda.empty_cache()
     m = meta(args.commit, dev)
-    gpu = m["gpu"].replace(" ", "-").lower()
-    path = Path(args.out or RESULTS) / f"{gpu}-{args.commit}-latency.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": m, "records": records}, indent=1) + "\n")
-    print(f"wrote {path}")
+    save_records(args.out, m, args.commit, "-latency.json", records)
     return 0
 
 
