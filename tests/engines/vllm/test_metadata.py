@@ -256,21 +256,26 @@ def _swap_first_pages(fi: Any, common: Any, step: int, done: list[bool]) -> Any:
     return dataclasses.replace(fi, decode=dataclasses.replace(fi.decode, block_tables=table))
 
 
+def _run_in_log_mode(llm: Any, requests: int) -> tuple[Any, list[Any]]:
+    """Install the canary in log mode, generate ``requests`` prompts, flush and uninstall: (canary, outputs)."""
+    llm.reset_prefix_cache()
+    canary = install(llm, "log")
+    assert canary is not None
+    try:
+        outs = generate(llm, make_workload(seed=11, num_requests=requests))
+        canary.flush()
+    finally:
+        canary.uninstall()
+    return canary, outs
+
+
 @pytest.mark.parametrize("corrupting", [False, True])
 def test_engine_with_flashinfer_metadata_is_silent_clean_and_reports_corruption(
     llm: Any, monkeypatch: pytest.MonkeyPatch, corrupting: bool
 ) -> None:
     done: list[bool] = []
     steps = _as_flashinfer(monkeypatch, lambda fi, c, s: _swap_first_pages(fi, c, s, done) if corrupting else fi)
-    workload = make_workload(seed=11, num_requests=8)
-    llm.reset_prefix_cache()
-    canary = install(llm, "log")
-    assert canary is not None
-    try:
-        outs = generate(llm, workload)
-        canary.flush()
-    finally:
-        canary.uninstall()
+    canary, outs = _run_in_log_mode(llm, 8)
     features, stats = canary.features(), canary.stats()
     assert len(outs) == 8 and features["canary_errors"] == 0 and steps[0] > 8
     assert features["decode_rows"] > 0 and features["prefill_rows"] > 0
@@ -282,13 +287,6 @@ def test_engine_step_on_flashinfers_native_path_is_a_logged_canary_error(
 ) -> None:
     native = flashinfer_source().FIDecode(wrapper=object())
     _as_flashinfer(monkeypatch, lambda fi, c, s: fi if fi.decode is None else dataclasses.replace(fi, decode=native))
-    workload = make_workload(seed=11, num_requests=4)
-    llm.reset_prefix_cache()
-    canary = install(llm, "log")
-    assert canary is not None
-    try:
-        outs = generate(llm, workload)
-    finally:
-        canary.uninstall()
+    canary, outs = _run_in_log_mode(llm, 4)
     assert len(outs) == 4 and all(outs)
     assert canary.features()["canary_errors"] > 0 and canary.stats()["violations"] == 0
