@@ -47,8 +47,8 @@ scenarios under several kernel tunings; its tables are kept beside the results (
 Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped model step, below),
 `bench_host_step.py` (host time of `host_step` and of an eager `before_forward` + `after_forward`),
 `bench_translate.py` (host time of the transformers adapter's translation per step, by batch shape),
-`bench_vllm_host.py` (the vLLM adapter's host time per step on the CPU engine), `bench_digest.py` (the KV digest, below),
-`kernel_sweep.py` (every combination of a grid of `KernelTuning` fields over the goal scenarios:
+`bench_vllm_host.py` (the vLLM adapter's host time per step on the CPU engine), `bench_digest.py` (the KV
+digest, below), `kernel_sweep.py` (every combination of a grid of `KernelTuning` fields over the goal scenarios:
 `results/*-kernel-sweep.txt`), `digest_sweep.py` (the digest's tile and grid, and with `--steps` its
 small-launch fields), `digest_mix_probe.py` (the digest's mixing alone) and `latency_probe.py` (one
 graph-replayed launch and one dependent load in L2 and in DRAM: the two terms of a small step's latency).
