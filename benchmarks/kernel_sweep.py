@@ -22,17 +22,11 @@ import sys
 
 import torch
 
-from bench_kernels import Scenario, build, save_result, time_kernels
+from bench_kernels import build, goal_scenarios, save_result, time_kernels
 from kvcanary.ops import launchers
 
 GRID = {"verify_block": (512, 1024, 2048), "verify_warps": (4, 8, 16), "programs_per_sm": (2, 4, 8)}
-PICKS = (
-    Scenario("decode_b1_p512", 1, 512, 1),
-    Scenario("decode_b32_p4k", 32, 4096, 1),
-    Scenario("decode_b256_p16k", 256, 16384, 1),
-    Scenario("prefill_16k", 1, 0, 16384),
-    Scenario("window4k_b128_p16k", 128, 16384, 1, 4096),
-)
+PICKS = goal_scenarios()
 
 
 def parse_fields(specs: list[str]) -> dict[str, tuple[int, ...]]:
