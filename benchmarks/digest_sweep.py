@@ -40,7 +40,7 @@ def sweep_steps(pool: Pool, copy_gbps: float, replays: int, dev: torch.device) -
         t = dl.DigestTuning(**dict(zip(SMALL, values, strict=True)))
         cells = []
         for batch, prefix in STEPS:
-            r = step_cost(pool, batch, prefix, 1, copy_gbps, replays, dev, DigestConfig(), t, (1.0, "none"))
+            r = step_cost(pool, batch, prefix, 1, copy_gbps, replays, dev, DigestConfig(), t)
             cells.append(f"{r['us']:.2f} ({r['verify_us']:.2f} / {r['stamp_us']:.2f})")
         lines.append(" ".join(str(v) for v in values) + " | " + " | ".join(cells))
         print(lines[-1], flush=True)
