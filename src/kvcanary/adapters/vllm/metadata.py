@@ -88,10 +88,11 @@ def _flashinfer_rows(metadata: Any, num_reqs: int) -> Rows:
             f"vLLM FLASHINFER metadata has {num_decodes} decode + {num_prefills} prefill rows; "
             f"the step has {num_reqs} requests"
         )
-    parts = []
+    slots = int_tensor(metadata.slot_mapping, "FLASHINFER slot_mapping")
     if num_reqs == 0:
-        empty = torch.zeros(0, dtype=torch.int32, device=metadata.slot_mapping.device)
-        return Rows(empty.view(0, 0), empty, empty, int_tensor(metadata.slot_mapping, "FLASHINFER slot_mapping"))
+        empty = torch.zeros(0, dtype=torch.int32, device=slots.device)
+        return Rows(empty.view(0, 0), empty, empty, slots)
+    parts = []
     if num_decodes > 0:
         parts.append(_flashinfer_decode(metadata.decode, num_decodes))
     if num_prefills > 0:
@@ -101,7 +102,6 @@ def _flashinfer_rows(metadata: Any, num_reqs: int) -> Rows:
     table = torch.cat([torch.nn.functional.pad(t, (0, width - int(t.shape[1]))) for t, _, _ in parts])
     seq = torch.cat([s.to(torch.int32) for _, s, _ in parts])
     extend = torch.cat([e.to(torch.int32) for _, _, e in parts])
-    slots = int_tensor(metadata.slot_mapping, "FLASHINFER slot_mapping")
     return Rows(table[:num_reqs], seq[:num_reqs], extend[:num_reqs], slots)
 
 

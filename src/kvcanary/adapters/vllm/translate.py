@@ -63,7 +63,7 @@ class GroupView:
 def group_view(metadata: Any, slot_mapping: torch.Tensor | None, num_reqs: int, num_tokens: int) -> GroupView:
     """The group's :class:`GroupView` from its attention metadata (and the forward context's slot mapping)."""
     rows = read_rows(metadata, num_reqs)
-    slots = int_tensor(rows.slot_mapping if slot_mapping is None else slot_mapping, "slot_mapping")[:num_tokens]
+    slots = (rows.slot_mapping if slot_mapping is None else int_tensor(slot_mapping, "slot_mapping"))[:num_tokens]
     return GroupView(rows.table.contiguous(), rows.seq_lens - rows.extend_lens, rows.extend_lens, slots.contiguous())
 
 
