@@ -64,9 +64,9 @@ def host_layout(device: DigestLayout, block_view: torch.Tensor, host_rows: torch
     flat = host_rows.reshape(-1)
     comps = []
     for comp in device.components:
-        v, size = comp.view, comp.view.element_size()
+        v, shape = comp.view, comp.shape
+        size, page, heads, dim = shape.element_size, shape.block_size, shape.heads, shape.dim
         offset = v.data_ptr() - block_view.data_ptr()  # bytes from the start of block 0 (host ints, no sync)
-        _, page, heads, dim = v.shape
         last = (page - 1) * v.stride(1) + (heads - 1) * v.stride(2) + (dim - 1) * v.stride(3)
         if v.stride(0) * size != bpb or offset < 0 or offset % size or offset + (last + 1) * size > bpb:
             return None
