@@ -30,6 +30,7 @@ import functools
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -124,8 +125,17 @@ Q_HEADS = 16  # Qwen3-0.6B's query heads (GQA over the 8 KV heads)
 L2_MULTIPLE = 256 << 20  # distinct layer tensors until their KV is this large (the H200's L2 is 50 MB)
 
 
-def attention_us(batch: int, prefix: int, extend: int, replays: int, dev: torch.device) -> tuple[float, str]:
-    """(per-step microseconds, SDPA backend) of the step's attention over all layers, graph-replayed."""
+@dataclasses.dataclass
+class Attention:
+    """The step's attention over all layers (``call``: one step's launches) and its graph-replayed time."""
+
+    call: Callable[[], None]
+    us: float
+    backend: str
+
+
+def attention(batch: int, prefix: int, extend: int, replays: int, dev: torch.device) -> Attention:
+    """The step's attention on the first SDPA backend that runs its shapes, timed graph-replayed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     span = prefix + extend
@@ -134,44 +144,70 @@ def attention_us(batch: int, prefix: int, extend: int, replays: int, dev: torch.
     q = torch.randn(batch, Q_HEADS, extend, DIM, dtype=torch.bfloat16, device=dev)
     kv = [torch.randn(2, batch, HEADS, span, DIM, dtype=torch.bfloat16, device=dev) for _ in range(distinct)]
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=extend > 1, enable_gqa=True)
-
-    def record() -> None:
-        for _ in range(STEPS_PER_GRAPH):
-            for layer in range(LAYERS):
-                sdpa(q, kv[layer % distinct][0], kv[layer % distinct][1])
-
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+
+        def step(backend: SDPBackend = backend) -> None:
+            with sdpa_kernel([backend]):
+                for layer in range(LAYERS):
+                    sdpa(q, kv[layer % distinct][0], kv[layer % distinct][1])
+
         try:
             with sdpa_kernel([backend]):
                 sdpa(q, kv[0][0], kv[0][1])  # raises here if this backend cannot run the shapes
-                return _median_us(record, replays), backend.name
         except RuntimeError:
             continue
+        return Attention(step, _median_us(_repeat(step), replays), backend.name)
     raise RuntimeError("no SDPA backend ran the step's attention")
 
 
+def _repeat(*calls: Callable[[], None]) -> Callable[[], None]:
+    def record() -> None:
+        for _ in range(STEPS_PER_GRAPH):
+            for call in calls:
+                call()
+
+    return record
+
+
+def _forked(side: torch.cuda.Stream, verify: Callable[[], None], *main: Callable[[], None]) -> Callable[[], None]:
+    """One step as the runtime schedules it on CUDA (``StepWork``): ``verify`` on the digest stream, forked
+    from the main stream, beside ``main``'s calls; joined at the end."""
+
+    def step() -> None:
+        here = torch.cuda.current_stream()
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            verify()
+        for call in main:
+            call()
+        here.wait_stream(side)
+
+    return step
+
+
 def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float, replays: int, dev: torch.device,
-              config: DigestConfig, tuning: dl.DigestTuning, attention: tuple[float, str] | None = None,
+              config: DigestConfig, tuning: dl.DigestTuning, attn: Attention | None = None,
               ) -> dict:  # fmt: skip
     canary, b = decode_step(pool, batch, prefix, extend, dev)
     digest = GroupDigest(canary, pool.layout, config, tuning=tuning)
     log = canary.new_log()
     canary.plan(b, log)  # the plan the digest's verify selects from (the link canary's own cost, not timed)
     digest.stamp(b, log)
-
-    def steps(*calls):  # type: ignore[no-untyped-def]
-        def record() -> None:
-            for _ in range(STEPS_PER_GRAPH):
-                for call in calls:
-                    call(b, log)
-
-        return record
-
-    digest.workspace.stats.zero_()
-    us = _median_us(steps(digest.verify, digest.stamp), replays)
-    stats = digest.workspace.stats.tolist()  # verify and stamp calls in pairs
-    verify_us = _median_us(steps(digest.verify), replays)
-    stamp_us = _median_us(steps(digest.stamp), replays)
+    verify = functools.partial(digest.verify, b, log)
+    stamp = functools.partial(digest.stamp, b, log)
+    for ws in digest.workspaces:
+        ws.stats.zero_()
+    us = _median_us(_repeat(verify, stamp), replays)
+    stats = digest.stats()  # verify and stamp calls in pairs
+    verify_us = _median_us(_repeat(verify), replays)
+    stamp_us = _median_us(_repeat(stamp), replays)
+    rec = {"us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2)}
+    if dev.type == "cuda":  # the runtime's schedule: the verify forked beside the stamp, or beside the forward
+        side = torch.cuda.Stream(dev)
+        rec["beside_stamp_us"] = round(_median_us(_repeat(_forked(side, verify, stamp)), replays), 2)
+        if attn is not None:
+            with_digest = _median_us(_repeat(_forked(side, verify, attn.call, stamp)), replays)
+            rec["beside_forward_us"] = round(with_digest - _median_us(_repeat(attn.call), replays), 2)
     if int(log.counters[16]):
         raise RuntimeError("clean step reported digest mismatches")
     calls = max(stats[D.DigestWorkspace.STAT_CALLS] // 2, 1)
@@ -179,17 +215,19 @@ def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float
     read_bytes = batch * (prefix + extend) * pool.bytes_per_slot
     kv_read_us = read_bytes / copy_gbps / 1e3
     digested = (verified + batch * extend) * pool.bytes_per_slot
-    rec = {
-        "us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2),
+    rec |= {
         "budget": config.budget, "period": config.period,
         "verified_slots_per_step": round(verified, 1), "stamped_slots_per_step": batch * extend,
         "bytes": int(digested), "gbps": round(digested / us / 1e3, 1),
         "kv_read_bytes": read_bytes, "kv_read_us": round(kv_read_us, 2),
         "pct_of_kv_read": round(100 * us / kv_read_us, 2),
     }  # fmt: skip
-    if attention is not None:  # the step's measured attention (the sweeps and dry runs have none)
-        rec |= {"attention_us": round(attention[0], 2), "attention_backend": attention[1],
-                "pct_of_attention": round(100 * us / attention[0], 2)}  # fmt: skip
+    if attn is not None:  # the step's measured attention (the sweeps and dry runs have none)
+        rec |= {"attention_us": round(attn.us, 2), "attention_backend": attn.backend,
+                "pct_of_attention": round(100 * us / attn.us, 2)}  # fmt: skip
+        for key in ("beside_stamp_us", "beside_forward_us"):
+            if key in rec:
+                rec[f"pct_of_attention_{key[:-3]}"] = round(100 * rec[key] / attn.us, 2)
     return rec
 
 
@@ -228,18 +266,17 @@ def main() -> int:
     if dry:
         steps = [(1, 40, 1), (3, 40, 1), (1, 0, 48)]
     for batch, prefix, extend in steps:
-        attention = None
+        attn = None
         if dev.type == "cuda":
-            attention = attention_us(batch, prefix, extend, args.replays, dev)
-            print(f"attention b{batch} p{prefix} e{extend}: {attention[0]:.1f} us ({attention[1]})", flush=True)
-            torch.cuda.empty_cache()
+            attn = attention(batch, prefix, extend, args.replays, dev)
+            print(f"attention b{batch} p{prefix} e{extend}: {attn.us:.1f} us ({attn.backend})", flush=True)
         for config in (DigestConfig(), DigestConfig(budget=1.0)):
             if config.budget == 1.0 and batch == 256:
                 continue  # 1M verified slots a step: the throughput rows above already show that rate
             tag = f"b{batch}_p{prefix // 1024}k" if extend == 1 else f"prefill_{extend // 1024 or extend}k"
             name = f"digest_step_{tag}_budget{config.budget:g}"
             rec = {"scenario": name, "copy_gbps": round(copy_gbps, 1)}
-            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best, attention)
+            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best, attn)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     m = meta(args.commit, dev) | {"copy_bandwidth_tb_s": round(copy_gbps / 1e3, 3), "pool_slots": pool.slots,

@@ -17,12 +17,15 @@ import torch
 
 from kvcanary import CanaryConfig, Capacities, Mode
 from kvcanary import digest as D
+from kvcanary.batch import StepBatch
 from kvcanary.config import DigestConfig
+from kvcanary.digest_canary import GroupDigest
 from kvcanary.runtime import CanaryManager, StepReport
 from scripted_engine import EngineStep, ScriptedEngine, standard_workload
 
 CAPS = Capacities(max_batch=8, max_tokens=32, verify_entries=128, max_context=24)
 HEADS, DIM, LAYERS = 2, 6, 2
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def name(i: int) -> str:
@@ -33,10 +36,15 @@ def name(i: int) -> str:
 class KVPools:
     """K and V of LAYERS layers for both groups, written by the 'forward' from (token, position)."""
 
-    def __init__(self, engine: ScriptedEngine) -> None:
+    def __init__(self, engine: ScriptedEngine, device: str = "cpu") -> None:
         full, window = engine.canary_groups()
-        self.full = [torch.zeros(full.num_slots, HEADS, DIM, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
-        self.window = [torch.zeros(window.num_slots, HEADS, DIM, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+        self.device = device
+
+        def pool(slots: int) -> list[torch.Tensor]:
+            return [torch.zeros(slots, HEADS, DIM, dtype=torch.bfloat16, device=device) for _ in range(2 * LAYERS)]
+
+        self.full = pool(full.num_slots)
+        self.window = pool(window.num_slots)
 
     def layouts(self) -> dict[str, D.DigestLayout]:
         return {
@@ -45,37 +53,48 @@ class KVPools:
         }
 
     @staticmethod
-    def rows_for(token: int, pos: int, i: int) -> torch.Tensor:
+    def rows_for(token: int, pos: int, i: int, device: str = "cpu") -> torch.Tensor:
         gen = torch.Generator().manual_seed(token * 7919 + pos * 31 + i)
-        return torch.randn(HEADS, DIM, generator=gen).to(torch.bfloat16)
+        return torch.randn(HEADS, DIM, generator=gen).to(device, torch.bfloat16)
 
     def forward(self, step: EngineStep) -> None:
-        for t, (loc, tok, pos) in enumerate(zip(step.out_cache_loc, step.input_ids, step.positions, strict=True)):
+        for loc, tok, pos in zip(step.out_cache_loc, step.input_ids, step.positions, strict=True):
             if int(loc) < 0:
                 continue
             wslot = int(step.lookup[int(loc)])
             for i in range(2 * LAYERS):
-                row = self.rows_for(int(tok), int(pos), i)
+                row = self.rows_for(int(tok), int(pos), i, self.device)
                 self.full[i][int(loc)] = row
                 self.window[i][wslot] = row
-            del t
+
+
+def on(device: str, batch: StepBatch) -> StepBatch:
+    return StepBatch(**{k: None if v is None else v.to(device) for k, v in batch.tensors().items()})
 
 
 def run(
-    engine: ScriptedEngine, budget: float, fault=None, clock=time.monotonic
+    engine: ScriptedEngine, budget: float, fault=None, clock=time.monotonic, device: str = "cpu", tap: str = "bracket"
 ) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
+    """The workload through the manager.  ``tap``: "bracket" (before_forward, forward, after_forward, as
+    sglang does) or "after" (forward, then forward_step, as the transformers tap does: on CUDA its step
+    graphs capture the digest stream's fork and join)."""
     config = CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget))
-    mgr = CanaryManager(engine.canary_groups(), CAPS, config, clock=clock)
-    pools = KVPools(engine)
+    mgr = CanaryManager(engine.canary_groups(), CAPS, config, clock=clock, device=device)
+    pools = KVPools(engine, device)
     mgr.attach_digests(pools.layouts())
     reports = []
     while not engine.done:
         step = engine.begin_step()
         if fault is not None:
             fault(engine, step, pools, mgr)
-        mgr.before_forward({"full": step.full(True), "window": step.window(True)})
-        pools.forward(step)
-        mgr.after_forward()
+        batches = {"full": on(device, step.full(True)), "window": on(device, step.window(True))}
+        if tap == "bracket":
+            mgr.before_forward(batches)
+            pools.forward(step)
+            mgr.after_forward()
+        else:
+            pools.forward(step)
+            mgr.forward_step(batches)
         reports.append(mgr.host_step(step.rids))
         engine.end_step()
     reports.append(mgr.flush())
@@ -89,7 +108,7 @@ def test_clean_workload_is_silent_and_digests_every_write(budget: float) -> None
     assert mgr.stats()["violations"] == 0
     digest = mgr.digest_of("full")
     assert digest is not None
-    stats = digest.workspace.stats.tolist()
+    stats = digest.stats()
     assert stats[D.DigestWorkspace.STAT_STAMPED] > 0 and stats[D.DigestWorkspace.STAT_CALLS] > 0
     # At 1 % the 15 steps of this short workload may select no read run at all; above, some are verified.
     assert stats[D.DigestWorkspace.STAT_VERIFIED] > 0 or budget < 0.1
@@ -216,3 +235,59 @@ def test_attach_refuses_misuse() -> None:
     off = CanaryManager(engine.canary_groups(), CAPS, CanaryConfig(mode=Mode.OFF, digest=DigestConfig()))
     off.attach_digests(pools.layouts())  # off: nothing allocated, nothing to do
     assert off.digest_of("full") is None
+
+
+@CUDA
+@pytest.mark.parametrize("tap", ["bracket", "after"])
+@pytest.mark.parametrize("budget", [1.0, 0.01])
+def test_cuda_clean_workload_is_silent_with_the_verify_on_its_own_stream(tap: str, budget: float) -> None:
+    """On CUDA the budgeted verify runs on the digest stream (beside the forward, or beside the stamp);
+    a clean run stays silent and every write is digested, eagerly and from the canary's step graphs."""
+    streams: list[int] = []
+    verify = GroupDigest.verify
+
+    def spy(self: GroupDigest, batch: StepBatch, log: object) -> None:
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        verify(self, batch, log)  # type: ignore[arg-type]
+
+    GroupDigest.verify = spy  # type: ignore[method-assign]
+    try:
+        reports, mgr = run(ScriptedEngine(standard_workload()), budget, device="cuda", tap=tap)
+    finally:
+        GroupDigest.verify = verify  # type: ignore[method-assign]
+    assert all(r is None for r in reports) and mgr.stats()["violations"] == 0
+    main = torch.cuda.current_stream().cuda_stream
+    assert streams and main not in streams
+    digest = mgr.digest_of("full")
+    assert digest is not None
+    written = mgr.canaries["full"].records.links != 0
+    assert torch.equal(digest.digests != 0, written)
+
+
+@CUDA
+@pytest.mark.parametrize("tap", ["bracket", "after"])
+def test_cuda_bit_flip_is_caught_at_the_next_read(tap: str) -> None:
+    reports, _ = run(ScriptedEngine(standard_workload()), 1.0, _flip_at(6, 1, 2, 1), device="cuda", tap=tap)
+    i, report = _first_digest_report(reports)
+    assert report.step == 6 and i == 7
+    assert {v.slot for v in report.violations if "digest_mismatch" in v.reasons}
+
+
+@CUDA
+def test_cuda_write_during_the_forward_is_caught_by_a_read_within_one_step() -> None:
+    """A stray write that lands while the forward runs (the verify beside it may have read the slot just
+    before) is reported by that step or the next one's read, at budget 1.0."""
+
+    def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
+        forward = KVPools.forward
+
+        def late_write(self: KVPools, s: EngineStep) -> None:
+            torch.cuda._sleep(2_000_000)  # ~1 ms on the main stream: the digest stream's verify is done first
+            self.full[2][engine.slot_at(1, 0)] = KVPools.rows_for(0, 0, 0, "cuda")
+            forward(self, s)
+
+        pools.forward = (lambda s: late_write(pools, s)) if step.index == 7 else (lambda s: forward(pools, s))  # type: ignore[method-assign]
+
+    reports, _ = run(ScriptedEngine(standard_workload()), 1.0, fault, device="cuda")
+    _, report = _first_digest_report(reports)
+    assert report.step in (7, 8)

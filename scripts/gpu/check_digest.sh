@@ -5,6 +5,8 @@
 #   bench    benchmarks/bench_digest.py (COMMIT=<sha> names the results file)
 #   probe    benchmarks/digest_mix_probe.py (the same tiles with the mixing alone)
 #   profile  Nsight Compute on one 16k-slot stamp launch (what bounds the kernel), if ncu is installed
+#   demo     `kvcanary demo --device cuda` with the digest on (dense eager, dense and hybrid under CUDA graphs):
+#            the transformers path with the verify on its own stream; needs the wheel in .whl (carry [".whl"])
 # Usage: COMMIT=$(git rev-parse --short HEAD) scripts/gpu/check_digest.sh tests bench profile
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,6 +34,13 @@ for stage in $stages; do
     bench) timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/bench_digest.py --commit "${COMMIT:-unknown}" --out "$OUT" \
              >"$OUT/bench.log" 2>&1 ;;
     probe) timeout 120 $PY benchmarks/digest_mix_probe.py >"$OUT/probe.log" 2>&1 ;;
+    demo)
+      (source scripts/gpu/transformers_wheel.sh
+       for run in "dense 1" "dense 1 --cuda-graphs" "hybrid 0.00390625 --cuda-graphs" "sliding 1 --cuda-graphs"; do
+         set -- $run
+         echo "=== demo $*"
+         timeout 150 $PY -m kvcanary.cli demo --model "$1" --device cuda --digest "$2" "${@:3}" --json --quiet || exit 1
+       done) >"$OUT/demo.log" 2>&1 ;;
     profile)
       command -v ncu >/dev/null || { echo "ncu not installed" | tee "$OUT/profile.log"; continue; }
       timeout 240 ncu --kernel-name digest_kernel --launch-skip 1 --launch-count 1 --set detailed \

@@ -71,8 +71,11 @@ class StepWork:
 
     def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
         self.canaries = tuple(canaries)
-        # The KV digest of each group, when attached: verified after the plan, stamped after the forward.
+        # The KV digest of each group, when attached (attach_digest): verified after the plan, on the digest
+        # stream (CUDA), stamped after the forward.
         self.digests: list[GroupDigest | None] = [None] * len(self.canaries)
+        self._digest_stream: torch.cuda.Stream | None = None
+        self._forked = False  # the digest stream holds this step's verify; after() joins it
         self._batches: Sequence[StepBatch] = ()
         self.layout = layout
         self.live = torch.zeros(layout.live_size, dtype=torch.int64, device=device)
@@ -89,16 +92,48 @@ class StepWork:
         """Batches in group order, already validated by the caller: each group's batch is validated once a
         step, the canary and its launchers do not repeat the checks."""
         self._phase_before.add_(1)
-        for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
+        for canary, log, batch in zip(self.canaries, self.logs, batches, strict=True):
             canary.step(batch, log, validated=True)
-            if digest is not None:
+        self._batches = batches  # kept (alive) until after() has joined the digest stream
+        self._verify_digests(batches)
+
+    def attach_digest(self, index: int, digest: GroupDigest) -> None:
+        """Group ``index`` gets ``digest``; on CUDA the step's digest verify gets a stream of its own."""
+        self.digests[index] = digest
+        if self._digest_stream is None and self.live.device.type == "cuda":
+            self._digest_stream = torch.cuda.Stream(device=self.live.device)  # type: ignore[no-untyped-call]
+
+    def _verify_digests(self, batches: Sequence[StepBatch]) -> None:
+        """Each digest's budgeted verify, once its group's plan, verify and stamp are enqueued.
+
+        On CUDA it runs on the digest stream, forked here and joined by after(): beside the model forward
+        when the engine brackets it, else beside the digest stamp (it has its own workspace).  It reads
+        slots written in earlier steps, which the forward leaves alone (the slots this step writes carry
+        its write marks and are skipped), so running beside the forward reads the bytes attention reads.
+        Each group's rows still follow its link rows: those calls were enqueued before the fork.
+        """
+        self._forked = False  # (a fork left by an abandoned capture is gone with it)
+        todo = [(d, log, b) for d, log, b in zip(self.digests, self.logs, batches, strict=True) if d is not None]
+        if not todo:
+            return
+        side = self._digest_stream
+        if side is None:
+            for digest, log, batch in todo:
                 digest.verify(batch, log)
-        self._batches = batches
+            return
+        side.wait_stream(torch.cuda.current_stream(self.live.device))
+        with torch.cuda.stream(side):
+            for digest, log, batch in todo:
+                digest.verify(batch, log)
+        self._forked = True
 
     def after(self) -> None:
         for digest, log, batch in zip(self.digests, self.logs, self._batches, strict=True):
             if digest is not None and digest.stamp_after_forward:
                 digest.stamp(batch, log)  # the forward has written this step's K/V
+        if self._forked and self._digest_stream is not None:
+            torch.cuda.current_stream(self.live.device).wait_stream(self._digest_stream)
+            self._forked = False
         self._batches = ()
         self._snapshot.copy_(self.live)
         self._totals.add_(self._live_counters)
