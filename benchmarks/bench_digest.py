@@ -169,20 +169,57 @@ def _repeat(*calls: Callable[[], None]) -> Callable[[], None]:
     return record
 
 
-def _forked(side: torch.cuda.Stream, verify: Callable[[], None], *main: Callable[[], None]) -> Callable[[], None]:
-    """One step as the runtime schedules it on CUDA (``StepWork``): ``verify`` on the digest stream, forked
-    from the main stream, beside ``main``'s calls; joined at the end."""
+def _paired_difference_us(with_record: Callable[[], None], without_record: Callable[[], None], replays: int) -> float:
+    """Median per-step difference between two graphs replayed alternately (drift cancels out pairwise)."""
+    graphs = []
+    for record in (with_record, without_record):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            record()
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    diffs = []
+    for _ in range(replays):
+        ev[0].record()
+        graphs[0].replay()
+        ev[1].record()
+        graphs[1].replay()
+        ev[2].record()
+        ev[2].synchronize()
+        diffs.append((ev[0].elapsed_time(ev[1]) - ev[1].elapsed_time(ev[2])) * 1000.0 / STEPS_PER_GRAPH)
+    return statistics.median(diffs)
 
-    def step() -> None:
-        here = torch.cuda.current_stream()
-        side.wait_stream(here)
+
+def runtime_schedule_us(
+    canary: GroupCanary, digest: GroupDigest, b: StepBatch, log: ViolationLog, attn: Attention | None, replays: int
+) -> float:  # fmt: skip
+    """What the digest adds to a step as the runtime schedules it on CUDA (``StepWork``): the group's link
+    step with the digest's verify forked onto its own stream once the plan is issued, the forward (``attn``,
+    or none: a tap that runs once the forward is enqueued), the digest stamp, the join; against the link
+    step and the forward alone.  Paired replays; at least ~0.2 s of forwards per graph's measurement."""
+    side = torch.cuda.Stream(b.rows.device)
+    forward = attn.call if attn is not None else (lambda: None)
+
+    def fork() -> None:
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            verify()
-        for call in main:
-            call()
-        here.wait_stream(side)
+            digest.verify(b, log)
 
-    return step
+    def with_digest() -> None:
+        canary.step(b, log, validated=True, after_verify=fork)
+        forward()
+        digest.stamp(b, log)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def without() -> None:
+        canary.step(b, log, validated=True)
+        forward()
+
+    reps = replays if attn is None else max(replays, round(2e5 / attn.us))
+    return _paired_difference_us(_repeat(with_digest), _repeat(without), reps)
 
 
 def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float, replays: int, dev: torch.device,
@@ -202,12 +239,10 @@ def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float
     verify_us = _median_us(_repeat(verify), replays)
     stamp_us = _median_us(_repeat(stamp), replays)
     rec = {"us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2)}
-    if dev.type == "cuda":  # the runtime's schedule: the verify forked beside the stamp, or beside the forward
-        side = torch.cuda.Stream(dev)
-        rec["beside_stamp_us"] = round(_median_us(_repeat(_forked(side, verify, stamp)), replays), 2)
+    if dev.type == "cuda":  # the runtime's schedule: a tap after the forward, and hooks around it
+        rec["beside_stamp_us"] = round(runtime_schedule_us(canary, digest, b, log, None, replays), 2)
         if attn is not None:
-            with_digest = _median_us(_repeat(_forked(side, verify, attn.call, stamp)), replays)
-            rec["beside_forward_us"] = round(with_digest - _median_us(_repeat(attn.call), replays), 2)
+            rec["beside_forward_us"] = round(runtime_schedule_us(canary, digest, b, log, attn, replays), 2)
     if int(log.counters[16]):
         raise RuntimeError("clean step reported digest mismatches")
     calls = max(stats[D.DigestWorkspace.STAT_CALLS] // 2, 1)

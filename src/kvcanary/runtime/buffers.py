@@ -15,6 +15,7 @@ in-place ops plus the group kernels: graph-capturable, nothing allocated, nothin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -92,10 +93,16 @@ class StepWork:
         """Batches in group order, already validated by the caller: each group's batch is validated once a
         step, the canary and its launchers do not repeat the checks."""
         self._phase_before.add_(1)
-        for canary, log, batch in zip(self.canaries, self.logs, batches, strict=True):
-            canary.step(batch, log, validated=True)
+        self._forked = False  # (a fork left by an abandoned capture is gone with it)
+        side = self._digest_stream
+        for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
+            fork = None if digest is None or side is None else functools.partial(self._fork_verify, digest, batch, log)
+            canary.step(batch, log, validated=True, after_verify=fork)
         self._batches = batches  # kept (alive) until after() has joined the digest stream
-        self._verify_digests(batches)
+        if side is None:  # on the CPU, in order: every group's link calls, then the digests' verifies
+            for digest, log, batch in zip(self.digests, self.logs, batches, strict=True):
+                if digest is not None:
+                    digest.verify(batch, log)
 
     def attach_digest(self, index: int, digest: GroupDigest) -> None:
         """Group ``index`` gets ``digest``; on CUDA the step's digest verify gets a stream of its own."""
@@ -103,28 +110,18 @@ class StepWork:
         if self._digest_stream is None and self.live.device.type == "cuda":
             self._digest_stream = torch.cuda.Stream(device=self.live.device)  # type: ignore[no-untyped-call]
 
-    def _verify_digests(self, batches: Sequence[StepBatch]) -> None:
-        """Each digest's budgeted verify, once its group's plan, verify and stamp are enqueued.
+    def _fork_verify(self, digest: GroupDigest, batch: StepBatch, log: ViolationLog) -> None:
+        """The digest's budgeted verify on the digest stream, forked once its group's plan and verify are
+        issued (it needs the plan's spans and write marks, not the stamp) and joined by after().
 
-        On CUDA it runs on the digest stream, forked here and joined by after(): beside the model forward
-        when the engine brackets it, else beside the digest stamp (it has its own workspace).  It reads
-        slots written in earlier steps, which the forward leaves alone (the slots this step writes carry
-        its write marks and are skipped), so running beside the forward reads the bytes attention reads.
-        Each group's rows still follow its link rows: those calls were enqueued before the fork.
+        So it runs beside the group's link stamp, the digest stamp (it has its own workspace) and, when the
+        engine's hooks bracket the forward, the forward.  It reads slots written in earlier steps, which
+        none of those write (this step's written slots carry the plan's write marks and are skipped).
         """
-        self._forked = False  # (a fork left by an abandoned capture is gone with it)
-        todo = [(d, log, b) for d, log, b in zip(self.digests, self.logs, batches, strict=True) if d is not None]
-        if not todo:
-            return
-        side = self._digest_stream
-        if side is None:
-            for digest, log, batch in todo:
-                digest.verify(batch, log)
-            return
-        side.wait_stream(torch.cuda.current_stream(self.live.device))
-        with torch.cuda.stream(side):
-            for digest, log, batch in todo:
-                digest.verify(batch, log)
+        assert self._digest_stream is not None  # only forked when the stream exists
+        self._digest_stream.wait_stream(torch.cuda.current_stream(self.live.device))
+        with torch.cuda.stream(self._digest_stream):
+            digest.verify(batch, log)
         self._forked = True
 
     def after(self) -> None:
