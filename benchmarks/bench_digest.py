@@ -30,7 +30,6 @@ import functools
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -125,17 +124,8 @@ Q_HEADS = 16  # Qwen3-0.6B's query heads (GQA over the 8 KV heads)
 L2_MULTIPLE = 256 << 20  # distinct layer tensors until their KV is this large (the H200's L2 is 50 MB)
 
 
-@dataclasses.dataclass
-class Attention:
-    """The step's attention over all layers (``call``: one step's launches) and its graph-replayed time."""
-
-    call: Callable[[], None]
-    us: float
-    backend: str
-
-
-def attention(batch: int, prefix: int, extend: int, replays: int, dev: torch.device) -> Attention:
-    """The step's attention on the first SDPA backend that runs its shapes, timed graph-replayed."""
+def attention_us(batch: int, prefix: int, extend: int, replays: int, dev: torch.device) -> tuple[float, str]:
+    """(per-step microseconds, SDPA backend) of the step's attention over all layers, graph-replayed."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     span = prefix + extend
@@ -144,105 +134,44 @@ def attention(batch: int, prefix: int, extend: int, replays: int, dev: torch.dev
     q = torch.randn(batch, Q_HEADS, extend, DIM, dtype=torch.bfloat16, device=dev)
     kv = [torch.randn(2, batch, HEADS, span, DIM, dtype=torch.bfloat16, device=dev) for _ in range(distinct)]
     sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=extend > 1, enable_gqa=True)
+
+    def record() -> None:
+        for _ in range(STEPS_PER_GRAPH):
+            for layer in range(LAYERS):
+                sdpa(q, kv[layer % distinct][0], kv[layer % distinct][1])
+
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
-
-        def step(backend: SDPBackend = backend) -> None:
-            with sdpa_kernel([backend]):
-                for layer in range(LAYERS):
-                    sdpa(q, kv[layer % distinct][0], kv[layer % distinct][1])
-
         try:
             with sdpa_kernel([backend]):
                 sdpa(q, kv[0][0], kv[0][1])  # raises here if this backend cannot run the shapes
+                return _median_us(record, replays), backend.name
         except RuntimeError:
             continue
-        return Attention(step, _median_us(_repeat(step), replays), backend.name)
     raise RuntimeError("no SDPA backend ran the step's attention")
 
 
-def _repeat(*calls: Callable[[], None]) -> Callable[[], None]:
-    def record() -> None:
-        for _ in range(STEPS_PER_GRAPH):
-            for call in calls:
-                call()
-
-    return record
-
-
-def _paired_difference_us(with_record: Callable[[], None], without_record: Callable[[], None], replays: int) -> float:
-    """Median per-step difference between two graphs replayed alternately (drift cancels out pairwise)."""
-    graphs = []
-    for record in (with_record, without_record):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            record()
-        graphs.append(g)
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-    diffs = []
-    for _ in range(replays):
-        ev[0].record()
-        graphs[0].replay()
-        ev[1].record()
-        graphs[1].replay()
-        ev[2].record()
-        ev[2].synchronize()
-        diffs.append((ev[0].elapsed_time(ev[1]) - ev[1].elapsed_time(ev[2])) * 1000.0 / STEPS_PER_GRAPH)
-    return statistics.median(diffs)
-
-
-def runtime_schedule_us(
-    canary: GroupCanary, digest: GroupDigest, b: StepBatch, log: ViolationLog, attn: Attention | None, replays: int
-) -> float:  # fmt: skip
-    """What the digest adds to a step as the runtime schedules it on CUDA (``StepWork``): the group's link
-    step with the digest's verify forked onto its own stream once the plan is issued, the forward (``attn``,
-    or none: a tap that runs once the forward is enqueued), the digest stamp, the join; against the link
-    step and the forward alone.  Paired replays; at least ~0.2 s of forwards per graph's measurement."""
-    side = torch.cuda.Stream(b.rows.device)
-    forward = attn.call if attn is not None else (lambda: None)
-
-    def fork() -> None:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            digest.verify(b, log)
-
-    def with_digest() -> None:
-        canary.step(b, log, validated=True, after_verify=fork)
-        forward()
-        digest.stamp(b, log)
-        torch.cuda.current_stream().wait_stream(side)
-
-    def without() -> None:
-        canary.step(b, log, validated=True)
-        forward()
-
-    reps = replays if attn is None else max(replays, round(2e5 / attn.us))
-    return _paired_difference_us(_repeat(with_digest), _repeat(without), reps)
-
-
 def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float, replays: int, dev: torch.device,
-              config: DigestConfig, tuning: dl.DigestTuning, attn: Attention | None = None,
+              config: DigestConfig, tuning: dl.DigestTuning, attention: tuple[float, str] | None = None,
               ) -> dict:  # fmt: skip
     canary, b = decode_step(pool, batch, prefix, extend, dev)
     digest = GroupDigest(canary, pool.layout, config, tuning=tuning)
     log = canary.new_log()
     canary.plan(b, log)  # the plan the digest's verify selects from (the link canary's own cost, not timed)
     digest.stamp(b, log)
-    verify = functools.partial(digest.verify, b, log)
-    stamp = functools.partial(digest.stamp, b, log)
-    for ws in digest.workspaces:
-        ws.stats.zero_()
-    us = _median_us(_repeat(verify, stamp), replays)
-    stats = digest.stats()  # verify and stamp calls in pairs
-    verify_us = _median_us(_repeat(verify), replays)
-    stamp_us = _median_us(_repeat(stamp), replays)
-    rec = {"us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2)}
-    if dev.type == "cuda":  # the runtime's schedule: a tap after the forward, and hooks around it
-        rec["beside_stamp_us"] = round(runtime_schedule_us(canary, digest, b, log, None, replays), 2)
-        if attn is not None:
-            rec["beside_forward_us"] = round(runtime_schedule_us(canary, digest, b, log, attn, replays), 2)
+
+    def steps(*calls):  # type: ignore[no-untyped-def]
+        def record() -> None:
+            for _ in range(STEPS_PER_GRAPH):
+                for call in calls:
+                    call(b, log)
+
+        return record
+
+    digest.workspace.stats.zero_()
+    us = _median_us(steps(digest.verify, digest.stamp), replays)
+    stats = digest.workspace.stats.tolist()  # verify and stamp calls in pairs
+    verify_us = _median_us(steps(digest.verify), replays)
+    stamp_us = _median_us(steps(digest.stamp), replays)
     if int(log.counters[16]):
         raise RuntimeError("clean step reported digest mismatches")
     calls = max(stats[D.DigestWorkspace.STAT_CALLS] // 2, 1)
@@ -250,19 +179,17 @@ def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float
     read_bytes = batch * (prefix + extend) * pool.bytes_per_slot
     kv_read_us = read_bytes / copy_gbps / 1e3
     digested = (verified + batch * extend) * pool.bytes_per_slot
-    rec |= {
+    rec = {
+        "us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2),
         "budget": config.budget, "period": config.period,
         "verified_slots_per_step": round(verified, 1), "stamped_slots_per_step": batch * extend,
         "bytes": int(digested), "gbps": round(digested / us / 1e3, 1),
         "kv_read_bytes": read_bytes, "kv_read_us": round(kv_read_us, 2),
         "pct_of_kv_read": round(100 * us / kv_read_us, 2),
     }  # fmt: skip
-    if attn is not None:  # the step's measured attention (the sweeps and dry runs have none)
-        rec |= {"attention_us": round(attn.us, 2), "attention_backend": attn.backend,
-                "pct_of_attention": round(100 * us / attn.us, 2)}  # fmt: skip
-        for key in ("beside_stamp_us", "beside_forward_us"):
-            if key in rec:
-                rec[f"pct_of_attention_{key[:-3]}"] = round(100 * rec[key] / attn.us, 2)
+    if attention is not None:  # the step's measured attention (the sweeps and dry runs have none)
+        rec |= {"attention_us": round(attention[0], 2), "attention_backend": attention[1],
+                "pct_of_attention": round(100 * us / attention[0], 2)}  # fmt: skip
     return rec
 
 
@@ -301,17 +228,18 @@ def main() -> int:
     if dry:
         steps = [(1, 40, 1), (3, 40, 1), (1, 0, 48)]
     for batch, prefix, extend in steps:
-        attn = None
+        attention = None
         if dev.type == "cuda":
-            attn = attention(batch, prefix, extend, args.replays, dev)
-            print(f"attention b{batch} p{prefix} e{extend}: {attn.us:.1f} us ({attn.backend})", flush=True)
+            attention = attention_us(batch, prefix, extend, args.replays, dev)
+            print(f"attention b{batch} p{prefix} e{extend}: {attention[0]:.1f} us ({attention[1]})", flush=True)
+            torch.cuda.empty_cache()
         for config in (DigestConfig(), DigestConfig(budget=1.0)):
             if config.budget == 1.0 and batch == 256:
                 continue  # 1M verified slots a step: the throughput rows above already show that rate
             tag = f"b{batch}_p{prefix // 1024}k" if extend == 1 else f"prefill_{extend // 1024 or extend}k"
             name = f"digest_step_{tag}_budget{config.budget:g}"
             rec = {"scenario": name, "copy_gbps": round(copy_gbps, 1)}
-            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best, attn)
+            rec |= step_cost(pool, batch, prefix, extend, copy_gbps, args.replays, dev, config, best, attention)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     m = meta(args.commit, dev) | {"copy_bandwidth_tb_s": round(copy_gbps / 1e3, 3), "pool_slots": pool.slots,

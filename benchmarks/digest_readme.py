@@ -18,11 +18,7 @@ INTRO = (
     "same run: the step's attention (PyTorch SDPA over all 28 layers, contiguous KV, graph-replayed: `% attn`, the "
     "goal is <= 2 % at the default budget) and its KV bytes read once at the copy's rate (`% KV read`). Results "
     "before commit 98b7195 took the KV read at half the copy's rate, which halved their shares; the `us before` "
-    "column compares times only. `us` runs the verify then the stamp on one stream; the runtime forks the verify "
-    "onto a stream of its own on CUDA, so the step pays less: `beside stamp` is the step's digest work with the "
-    "verify beside the stamp (an engine whose tap runs once the forward is enqueued: transformers, vLLM), `beside "
-    "forward` the time it adds to the step's attention with the verify beside it (an engine whose hooks bracket the "
-    "forward: sglang); each with its share of the attention."
+    "column compares times only."
 )
 
 
@@ -31,22 +27,13 @@ def _digest_files() -> list[tuple[Path, dict]]:
     return sorted(loaded, key=lambda fd: fd[1]["meta"]["date"])
 
 
-def _beside(r: dict, key: str) -> str:
-    """``us (% attn)`` of a forked schedule's time, or blank where the results predate it."""
-    if key not in r:
-        return ""
-    return f"{r[key]:,.1f} ({r[f'pct_of_attention_{key[:-3]}']} %)"
-
-
 def _row(r: dict, before: dict | None) -> str:
     was = f"{before['us']:,.1f}" if before else ""
     if "attention_us" not in r:
-        blanks = " |" * 6
-        return f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | {r.get('pct_of_copy', '')} |{blanks} {was} |"
+        return f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | {r.get('pct_of_copy', '')} | | | | | {was} |"
     return (
         f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | | {r['verify_us']:,.1f} / {r['stamp_us']:,.1f} | "
-        f"{r['attention_us']:,.1f} | {r['pct_of_attention']} | {_beside(r, 'beside_stamp_us')} | "
-        f"{_beside(r, 'beside_forward_us')} | {r['pct_of_kv_read']} | {was} |"
+        f"{r['attention_us']:,.1f} | {r['pct_of_attention']} | {r['pct_of_kv_read']} | {was} |"
     )
 
 
@@ -64,10 +51,7 @@ def digest_section() -> list[str]:
         f"driver {m['driver']}, torch {m['torch']}, triton {m['triton']}; copy {m['copy_bandwidth_tb_s']} TB/s; "
         f"tuning {tuning}. Source: `{path.relative_to(HERE)}`; before: commit {base['meta']['commit']}."
     )
-    head = (
-        "| scenario | us | GB/s | % copy | verify / stamp us | attention us | % attn | beside stamp us (% attn) "
-        "| beside forward us (% attn) | % KV read | us before |"
-    )
-    lines += ["", head, "|---|" + "---:|" * 10]
+    head = "| scenario | us | GB/s | % copy | verify / stamp us | attention us | % attn | % KV read | us before |"
+    lines += ["", head, "|---|" + "---:|" * 8]
     lines += [_row(r, before.get(r["scenario"])) for r in data["records"]]
     return lines

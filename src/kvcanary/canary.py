@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kvcanary.arguments import require_affordable
@@ -137,19 +135,14 @@ class GroupCanary:
             ref.stamp(self.state(log), batch)
 
     def step(
-        self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False,
-        after_verify: Callable[[], None] | None = None,
-    ) -> None:  # fmt: skip
+        self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
+    ) -> None:
         """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
         On the kernels plan and verify share one launch for small batches
-        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`).
-        ``after_verify`` is called once the plan and verify are issued, before the stamp (the runtime forks
-        the digest's verify there: it needs the plan, not the stamp)."""
+        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`)."""
         if not self.uses_kernels:
             self.plan(batch, log, check_values=check_values, validated=validated)
             self._verify(batch, log, same_batch=True)
-            if after_verify is not None:
-                after_verify()
             self._stamp(batch, log, same_batch=True)
             return
         from kvcanary.ops import launchers
@@ -160,8 +153,6 @@ class GroupCanary:
         self._planned = _shape_key(batch)
         state = self.state(log)
         launchers.plan_verify(state, batch, self.caps.verify_entries, checked=True)
-        if after_verify is not None:
-            after_verify()
         launchers.stamp(state, batch, checked=True)
 
 

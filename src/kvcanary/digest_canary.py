@@ -62,13 +62,10 @@ class GroupDigest:
         self.period = config.period
         entries = workspace_entries(canary, self.period)
         require_affordable(
-            f"digest of group {canary.group.name!r}", canary.group.num_slots * 8 + entries * 48, canary.device
+            f"digest of group {canary.group.name!r}", canary.group.num_slots * 8 + entries * 24, canary.device
         )
         canary.records.enable_digests()
-        # Two workspaces: the budgeted verify has its own, so that it may run on a stream of its own beside
-        # the stamp and the moved-slot checks (StepWork), which share the other.
         self.workspace = DigestWorkspace.allocate(entries, canary.device)
-        self.verify_workspace = DigestWorkspace.allocate(entries, canary.device)
         self._kernels = uses_kernels(canary.backend, canary.device)
         self.sources = MoveSources()  # the last few moves' sources, read only by locate()
         # False: the adapter stamps after its engine's forward itself (CanaryManager.stamp_digests), because
@@ -81,15 +78,6 @@ class GroupDigest:
 
             self._device_layout = DeviceLayout.build(layout)
             self._kernel_kw = {"tuning": tuning or DEFAULT_TUNING}
-
-    @property
-    def workspaces(self) -> tuple[DigestWorkspace, DigestWorkspace]:
-        """(the stamp's and moved-slot checks', the budgeted verify's)."""
-        return self.workspace, self.verify_workspace
-
-    def stats(self) -> list[int]:
-        """The DigestWorkspace.STAT_* counters of every call, both workspaces summed (reads the device)."""
-        return (self.workspace.stats + self.verify_workspace.stats).tolist()
 
     @property
     def digests(self) -> torch.Tensor:
@@ -114,7 +102,7 @@ class GroupDigest:
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
         """Verify the budgeted share of the last plan's verify entries (same batch), before attention reads."""
         ops, layout, kw = self._ops()
-        ops.verify_planned(self.canary.group, layout, self.digests, self.verify_workspace, log, batch,
+        ops.verify_planned(self.canary.group, layout, self.digests, self.workspace, log, batch,
                            self.canary.workspace, period=self.period, **kw)  # fmt: skip
 
     def verify_slots(self, slots: torch.Tensor, log: ViolationLog) -> None:

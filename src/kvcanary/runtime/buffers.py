@@ -15,7 +15,6 @@ in-place ops plus the group kernels: graph-capturable, nothing allocated, nothin
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -72,11 +71,8 @@ class StepWork:
 
     def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
         self.canaries = tuple(canaries)
-        # The KV digest of each group, when attached (attach_digest): verified after the plan, on the digest
-        # stream (CUDA), stamped after the forward.
+        # The KV digest of each group, when attached: verified after the plan, stamped after the forward.
         self.digests: list[GroupDigest | None] = [None] * len(self.canaries)
-        self._digest_stream: torch.cuda.Stream | None = None
-        self._forked = False  # the digest stream holds this step's verify; after() joins it
         self._batches: Sequence[StepBatch] = ()
         self.layout = layout
         self.live = torch.zeros(layout.live_size, dtype=torch.int64, device=device)
@@ -93,44 +89,16 @@ class StepWork:
         """Batches in group order, already validated by the caller: each group's batch is validated once a
         step, the canary and its launchers do not repeat the checks."""
         self._phase_before.add_(1)
-        self._forked = False  # (a fork left by an abandoned capture is gone with it)
-        side = self._digest_stream
         for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
-            fork = None if digest is None or side is None else functools.partial(self._fork_verify, digest, batch, log)
-            canary.step(batch, log, validated=True, after_verify=fork)
-        self._batches = batches  # kept (alive) until after() has joined the digest stream
-        if side is None:  # on the CPU, in order: every group's link calls, then the digests' verifies
-            for digest, log, batch in zip(self.digests, self.logs, batches, strict=True):
-                if digest is not None:
-                    digest.verify(batch, log)
-
-    def attach_digest(self, index: int, digest: GroupDigest) -> None:
-        """Group ``index`` gets ``digest``; on CUDA the step's digest verify gets a stream of its own."""
-        self.digests[index] = digest
-        if self._digest_stream is None and self.live.device.type == "cuda":
-            self._digest_stream = torch.cuda.Stream(device=self.live.device)  # type: ignore[no-untyped-call]
-
-    def _fork_verify(self, digest: GroupDigest, batch: StepBatch, log: ViolationLog) -> None:
-        """The digest's budgeted verify on the digest stream, forked once its group's plan and verify are
-        issued (it needs the plan's spans and write marks, not the stamp) and joined by after().
-
-        So it runs beside the group's link stamp, the digest stamp (it has its own workspace) and, when the
-        engine's hooks bracket the forward, the forward.  It reads slots written in earlier steps, which
-        none of those write (this step's written slots carry the plan's write marks and are skipped).
-        """
-        assert self._digest_stream is not None  # only forked when the stream exists
-        self._digest_stream.wait_stream(torch.cuda.current_stream(self.live.device))
-        with torch.cuda.stream(self._digest_stream):
-            digest.verify(batch, log)
-        self._forked = True
+            canary.step(batch, log, validated=True)
+            if digest is not None:
+                digest.verify(batch, log)
+        self._batches = batches
 
     def after(self) -> None:
         for digest, log, batch in zip(self.digests, self.logs, self._batches, strict=True):
             if digest is not None and digest.stamp_after_forward:
                 digest.stamp(batch, log)  # the forward has written this step's K/V
-        if self._forked and self._digest_stream is not None:
-            torch.cuda.current_stream(self.live.device).wait_stream(self._digest_stream)
-            self._forked = False
         self._batches = ()
         self._snapshot.copy_(self.live)
         self._totals.add_(self._live_counters)

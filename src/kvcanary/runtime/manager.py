@@ -129,7 +129,7 @@ class CanaryManager:
             self._graphs.clear()  # graphs captured before hold no digest work
         for i, name in enumerate(self.canaries):
             if name in built:
-                self._work.attach_digest(i, built[name])
+                self._work.digests[i] = built[name]
         self._decoder.locate = self._locate_digest
 
     def _locate_digest(self, violation: Violation) -> str:

@@ -46,7 +46,7 @@ def test_clean_workload_is_silent_and_every_write_is_digested(kw: dict) -> None:
     for group in [g.name for g in eng.canary.attached.groups]:
         digest = eng.canary.manager.digest_of(group)
         assert digest is not None
-        stats = digest.stats()
+        stats = digest.workspace.stats.tolist()
         assert stats[DigestWorkspace.STAT_STAMPED] > 0 and stats[DigestWorkspace.STAT_VERIFIED] > 0
     written = eng.canary.manager.canaries["full"].records.links != 0
     assert torch.equal(_digests(eng) != 0, written)
@@ -125,8 +125,8 @@ def test_the_budget_rotates_and_verifies_a_share() -> None:
     full.run()
     every = full.canary.manager.digest_of("full") if full.canary else None
     assert every is not None
-    share = digest.stats()[DigestWorkspace.STAT_VERIFIED]
-    assert 0 < share < every.stats()[DigestWorkspace.STAT_VERIFIED]
+    share = int(digest.workspace.stats[DigestWorkspace.STAT_VERIFIED])
+    assert 0 < share < int(every.workspace.stats[DigestWorkspace.STAT_VERIFIED])
 
 
 def test_options_and_layouts() -> None:
