@@ -5,9 +5,9 @@ CUDA graph; each step replays it, synchronises (as a serving loop does on its sa
 then times ``host_step(request_ids)`` alone: the asynchronous device-to-host copy of the outbox,
 the event, and decoding the previous step (clean run: no violations).  Target: <= 15 us.
 
-Writes ``{"scenario": "host_step_overhead", "median_us", "p20_us", "p80_us", ...}`` into
-``<results-dir>/<gpu>-<commit>.json`` (``{"meta": {...}, "records": [...]}``), replacing records of
-the same scenario and keeping the others (the kernels benchmark writes the same file).
+Writes ``{"scenario": "host_step_overhead", "median_us", "p20_us", "p80_us", ...}`` records into
+``<results-dir>/<gpu>-<commit>-host.json`` (``{"meta": {...}, "records": [...]}``, through
+``bench_kernels.save_records``; the meta carries the ``host_step`` breakdown).
 
 Usage: ``PYTHONPATH=src python benchmarks/bench_host_step.py --commit <sha> [--results-dir DIR]``.
 """
@@ -15,77 +15,17 @@ Usage: ``PYTHONPATH=src python benchmarks/bench_host_step.py --commit <sha> [--r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from bench_kernels import meta, save_records
 from kvcanary import CanaryConfig, CanaryGroup, Capacities, Mode, StepBatch
 from kvcanary.runtime import CanaryManager
-
-
-def gpu_slug() -> str:
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-
-
-def driver_version() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        )
-        return out.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def meta(commit: str) -> dict[str, str]:
-    try:
-        import triton
-
-        triton_version = str(triton.__version__)
-    except ImportError:
-        triton_version = "none"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "driver": driver_version(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-
-
-def merge_results(path: Path, new_meta: dict[str, str], records: list[dict[str, object]]) -> None:
-    """Replace records of the same scenario in ``path`` (created if absent), keep the rest."""
-    data: dict[str, Any] = {"meta": new_meta, "records": []}
-    if path.exists():
-        data = json.loads(path.read_text())
-    scenarios = {r["scenario"] for r in records}
-    kept = [r for r in data.get("records", []) if r.get("scenario") not in scenarios]
-    data["records"] = kept + records
-    data.setdefault("meta", new_meta)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def decode_batch(batch: int, prefix: int, page: int, device: str) -> tuple[CanaryGroup, Capacities, StepBatch]:
@@ -265,13 +205,13 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--commit", default=os.environ.get("KVCANARY_COMMIT") or git_commit())
-    ap.add_argument("--results-dir", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--commit", default=os.environ.get("KVCANARY_COMMIT", "unknown"))
+    ap.add_argument("--results-dir", default=None, help="default: benchmarks/results")
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--warmup", type=int, default=500)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=1024)
-    ap.add_argument("--cpu-dry-run", action="store_true", help="check the script on CPU (eager, no graphs, no file)")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="check the script on CPU (eager, no graphs)")
     args = ap.parse_args()
     device = "cpu" if args.cpu_dry_run else "cuda"
     measure(1, args.batch, args.prefix, args.warmup, args.warmup, device)  # warm the process (first run read high)
@@ -280,12 +220,11 @@ def main() -> None:
         records += [measure_launch(g, args.batch, args.prefix, min(args.steps, 2000), device) for g in (1, 2)]
     for r in records:
         print(json.dumps(r))
-    if args.cpu_dry_run:
-        return
-    print(json.dumps({"breakdown": breakdown()}))
-    path = Path(args.results_dir) / f"{gpu_slug()}-{args.commit}.json"
-    merge_results(path, meta(args.commit), records)
-    print(f"wrote {path}")
+    m = meta(args.commit, torch.device(device))
+    if not args.cpu_dry_run:
+        m["breakdown_us"] = breakdown()
+        print(json.dumps({"breakdown": m["breakdown_us"]}))
+    save_records(args.results_dir, m, args.commit, "-host.json", records)
 
 
 if __name__ == "__main__":

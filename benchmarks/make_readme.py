@@ -52,9 +52,9 @@ digest, below), `kernel_sweep.py` (every combination of a grid of `KernelTuning`
 `results/*-kernel-sweep.txt`), `digest_sweep.py` (the digest's tile and grid, and with `--steps` its
 small-launch fields), `digest_mix_probe.py` (the digest's mixing alone) and `latency_probe.py` (one
 graph-replayed launch and one dependent load in L2 and in DRAM: the two terms of a small step's latency).
-The kernel, digest, end-to-end, sweep and probe scripts store their results through `bench_kernels`'s
-`result_path` / `save_result`, named `<gpu>-<commit><suffix>` (`bench_host_step.py` merges its records into
-`<gpu>-<commit>.json`); `digest_readme.py` renders the digest section of this page.
+The kernel, digest, end-to-end, host-step, sweep and probe scripts store their results through
+`bench_kernels`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py` renders
+the digest section of this page.
 """
 
 TARGETS = (
