@@ -12,11 +12,11 @@ where the bytes are: per verified entry its table entry (and lookup entry) and i
 written token its token id, position and write slot (and lookup entry) read and its record written; per
 batch row its three lengths read and the plan's row outputs written.
 
-Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``--sweep`` instead times a
-few scenarios under several kernel tunings and prints the table.
+Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``kernel_sweep.py`` times the
+goal scenarios under several tunings.
 ``--breakdown`` times plan + verify alone, the step and the three-launch form side by side;
 ``--eager-steps N`` only runs N eager steps per scenario (the program to profile with ncu).
-Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--sweep] [--breakdown]
+Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--breakdown]
 """
 
 from __future__ import annotations
@@ -384,39 +384,6 @@ def run_main(args: argparse.Namespace, dev: torch.device) -> None:
     save_records(args.out, m, args.commit, ".json", records)
 
 
-def run_sweep(args: argparse.Namespace, dev: torch.device) -> None:
-    gen = torch.Generator().manual_seed(1)
-    tune = launchers.KernelTuning
-    tunings = {
-        "default": launchers.DEFAULT_TUNING,
-        "g1": tune(programs_per_sm=1),
-        "g2": tune(programs_per_sm=2),
-        "g8": tune(programs_per_sm=8),
-        "vw4": tune(verify_warps=4),
-        "v2048w8": tune(verify_block=2048, verify_warps=8),
-        "v512w4": tune(verify_block=512, verify_warps=4),
-        "sw4": tune(stamp_warps=4),
-        "s256w4": tune(stamp_block=256, stamp_warps=4, carry_block=256),
-    }
-    picks = scenarios(False, tiny=True) if args.dry_run else goal_scenarios()
-    print(f"{'scenario':20} " + " ".join(f"{k:>10}" for k in tunings), flush=True)
-    score = dict.fromkeys(tunings, 1.0)
-    for s in picks:
-        w = build(s, args.rotations, dev, gen)
-        row = {k: statistics.median(time_kernels(w, t, max(10, args.replays // 2))) for k, t in tunings.items()}
-        print(f"{s.name:20} " + " ".join(f"{v:>10.2f}" for v in row.values()), flush=True)
-        for k, v in row.items():
-            score[k] *= v / min(row.values())
-        del w
-        torch.cuda.empty_cache()
-    best = min(score, key=lambda k: score[k])
-    print(f"best tuning (geometric mean of time / best time): {best} {tunings[best]}")
-    if args.out:
-        path = Path(args.out) / "best_tuning.json"
-        path.write_text(json.dumps(dataclasses.asdict(tunings[best])) + "\n")
-        print(f"wrote {path}")
-
-
 BREAKDOWN = ("decode_b1_p512", "decode_b32_p4k", "decode_b256_p16k", "prefill_16k", "window4k_b128_p16k")
 
 
@@ -462,7 +429,6 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=40)
     p.add_argument("--ref-iters", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="five scenarios only")
-    p.add_argument("--sweep", action="store_true", help="time tunings instead of writing results")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU interpreter (harness check)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     p.add_argument("--tuning-json", default=None, help="kernel tuning to time (default: the launchers' default)")
@@ -481,8 +447,6 @@ def main() -> int:
         run_eager(args, dev)
     elif args.breakdown:
         run_breakdown(args, dev)
-    elif args.sweep:
-        run_sweep(args, dev)
     else:
         run_main(args, dev)
     return 0

@@ -41,17 +41,17 @@ graph-replayed kernel); `x floor` = median / floor; `reference` = eager referenc
 Workload: every request's prefix is stamped and clean; each step verifies every prefix (or window)
 and writes `extend` tokens per request.  Slots come in 64-slot runs in shuffled order (a paged
 allocator); the window scenarios translate through a full->window lookup table that is a random
-permutation, so their record gathers have no locality at all (a worst case).  `--sweep` times a few
-scenarios under several kernel tunings; its tables are kept beside the results (`*-sweep.txt`).
+permutation, so their record gathers have no locality at all (a worst case).
 
 Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped model step, below),
 `bench_host_step.py` (host time of `host_step` and of an eager `before_forward` + `after_forward`),
 `bench_translate.py` (host time of the transformers adapter's translation per step, by batch shape),
 `bench_vllm_host.py` (the vLLM adapter's host time per step on the CPU engine), `bench_digest.py` (the KV
-digest, below), `kernel_sweep.py` (every combination of a grid of `KernelTuning` fields over the goal scenarios:
-`results/*-kernel-sweep.txt`), `digest_sweep.py` (the digest's tile and grid, and with `--steps` its
-small-launch fields), `digest_mix_probe.py` (the digest's mixing alone) and `latency_probe.py` (one
-graph-replayed launch and one dependent load in L2 and in DRAM: the two terms of a small step's latency).
+digest, below), `kernel_sweep.py` (the goal scenarios under every combination of a grid of `KernelTuning`
+fields, or a hand-picked list: `results/*-kernel-sweep.txt`, older runs `*-sweep.txt`), `digest_sweep.py`
+(the digest's tile and grid, and with `--steps` its small-launch fields), `digest_mix_probe.py` (the
+digest's mixing alone) and `latency_probe.py` (one graph-replayed launch and one dependent load in L2 and
+in DRAM: the two terms of a small step's latency).
 The kernel, digest, end-to-end, host-step, sweep and probe scripts store their results through
 `bench_kernels`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py` renders
 the digest section of this page.

@@ -30,7 +30,8 @@ for stage in "$@"; do
         | tee "$OUT/sanitizer.log"
       ;;
     sweep)
-      timeout "${SWEEP_TIMEOUT:-200}" $PY benchmarks/bench_kernels.py --sweep --rotations 4 --replays 30 --out "$OUT" 2>&1 \
+      timeout "${SWEEP_TIMEOUT:-200}" $PY benchmarks/kernel_sweep.py --hand-picked --rotations 4 --replays 15 \
+        --commit "${COMMIT:-unknown}" --out "$OUT" --best-json "$OUT/best_tuning.json" 2>&1 \
         | tee "$OUT/sweep.log"
       ;;
     bench)
