@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench_kernels import copy_bandwidth, meta, save_records, time_graph
+from bench_common import copy_bandwidth, meta, save_records, time_graph
 from kvcanary import digest as D
 from kvcanary.batch import StepBatch
 from kvcanary.canary import GroupCanary

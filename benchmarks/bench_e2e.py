@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import copy_bandwidth, meta, pct, result_path
+from bench_common import copy_bandwidth, meta, pct, result_path
 from kvcanary.batch import StepBatch
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup

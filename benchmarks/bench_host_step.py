@@ -7,7 +7,7 @@ the event, and decoding the previous step (clean run: no violations).  Target: <
 
 Writes ``{"scenario": "host_step_overhead", "median_us", "p20_us", "p80_us", ...}`` records into
 ``<results-dir>/<gpu>-<commit>-host.json`` (``{"meta": {...}, "records": [...]}``, through
-``bench_kernels.save_records``; the meta carries the ``host_step`` breakdown).
+``bench_common.save_records``; the meta carries the ``host_step`` breakdown).
 
 Usage: ``PYTHONPATH=src python benchmarks/bench_host_step.py --commit <sha> [--results-dir DIR]``.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench_kernels import meta, save_records
+from bench_common import meta, save_records
 from kvcanary import CanaryConfig, CanaryGroup, Capacities, Mode, StepBatch
 from kvcanary.runtime import CanaryManager
 

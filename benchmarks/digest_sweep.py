@@ -20,8 +20,8 @@ import sys
 
 import torch
 
+from bench_common import copy_bandwidth, save_result
 from bench_digest import Pool, list_throughput, step_cost
-from bench_kernels import copy_bandwidth, save_result
 from kvcanary.config import DigestConfig
 from kvcanary.ops import digest_launchers as dl
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench_kernels import build, goal_scenarios, save_result, scenarios, time_kernels
+from bench_common import save_result
+from bench_kernels import build, goal_scenarios, scenarios, time_kernels
 from kvcanary.ops import launchers
 
 GRID = {"verify_block": (512, 1024, 2048), "verify_warps": (4, 8, 16), "programs_per_sm": (2, 4, 8)}

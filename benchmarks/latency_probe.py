@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench_kernels import meta, save_records, time_graph
+from bench_common import meta, save_records, time_graph
 
 LAUNCHES = 32
 HOPS = (0, 8, 32, 128)

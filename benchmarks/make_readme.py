@@ -51,7 +51,7 @@ fields, or a hand-picked list: `results/*-kernel-sweep.txt`, older runs `*-sweep
 digest's mixing alone) and `latency_probe.py` (one graph-replayed launch and one dependent load in L2 and
 in DRAM: the two terms of a small step's latency).
 The kernel, digest, end-to-end, host-step, sweep and probe scripts store their results through
-`bench_kernels`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py` and
+`bench_common`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py` and
 `host_readme.py` render the digest and host-time sections of this page.
 """
 
