@@ -86,6 +86,26 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * n / statistics.median(times)
 
 
+def bf16_matmul_rate(dev: torch.device) -> float:
+    """FLOP/s of a large bf16 matrix product on random data."""
+    if dev.type != "cuda":
+        return 1e11
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / 1000.0)
+    return 2 * n**3 / statistics.median(ts)
+
+
 def result_path(out_dir: str | None, gpu: str, commit: str, suffix: str = ".json") -> Path:
     """Where a run's results go: ``<out_dir or benchmarks/results>/<gpu>-<commit><suffix>`` (folder made)."""
     path = Path(out_dir or RESULTS) / f"{gpu.replace(' ', '-').lower()}-{commit}{suffix}"

@@ -39,23 +39,25 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_bandwidth, meta, pct, result_path
+from bench_common import bf16_matmul_rate, copy_bandwidth, meta, pct, result_path
 from kvcanary.batch import StepBatch
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.layout import CanaryGroup
 from kvcanary.ops import reference as ref
 from kvcanary.runtime import CanaryManager
 from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
+from qwen3_model import (
+    QWEN3_06B,
+    TOY,
+    build_model,
+    kv_bytes_per_token,
+    matmul_flops,
+    transformers_version,
+    weight_bytes,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = 16
 KV_BUDGET_BYTES = 64 << 30  # points whose static cache would exceed this are left out (recorded as such)
-QWEN3_06B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
-)  # fmt: skip
-TOY = QWEN3_06B | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=1000)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,36 +82,6 @@ def all_points(dry_run: bool) -> list[Point]:
 
 
 # --------------------------------------------------------------------------- the model
-
-
-def build_model(cfg_kw: dict[str, Any], dev: torch.device) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**cfg_kw)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    return model.eval()
-
-
-def kv_bytes_per_token(cfg: Any, dtype_bytes: int) -> int:
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of every distinct parameter (tied embeddings counted once: the LM head reads them)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(seen.values())
-
-
-def matmul_flops(model: Any, tokens: int) -> float:
-    """2 x tokens x the parameters every token multiplies (all but the embedding gather; LM head once for
-    the last token only, as an engine's prefill keeps one logit row)."""
-    cfg = model.config
-    embed = cfg.vocab_size * cfg.hidden_size
-    body = sum(p.numel() for p in model.parameters()) - embed
-    return 2.0 * (tokens * body + embed)
 
 
 # --------------------------------------------------------------------------- the canary, laid out as a paged engine
@@ -278,26 +250,6 @@ def measure_point(pt: Point, model: Any, dev: torch.device, gen: torch.Generator
     }
 
 
-def bf16_matmul_rate(dev: torch.device) -> float:
-    """FLOP/s of a large bf16 matrix product on random data."""
-    if dev.type != "cuda":
-        return 1e11
-    n = 8192
-    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        ts.append(start.elapsed_time(end) / 1000.0)
-    return 2 * n**3 / statistics.median(ts)
-
-
 def run(args: argparse.Namespace, dev: torch.device) -> int:
     gen = torch.Generator().manual_seed(0)
     model = build_model(TOY if args.dry_run else QWEN3_06B, dev)
@@ -311,7 +263,7 @@ def run(args: argparse.Namespace, dev: torch.device) -> int:
         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "bf16_matmul_tflop_s": round(rate / 1e12, 1),
         "model": "Qwen3-0.6B-shaped (random bf16 weights, sdpa, static cache)" if not args.dry_run else "toy",
         "weight_bytes": wbytes, "kv_bytes_per_token": per_token, "replays": args.replays,
-        "transformers": _transformers_version(),
+        "transformers": transformers_version(),
     }  # fmt: skip
     out = result_path(args.out, m["gpu"], args.commit, "-e2e.json")
     wanted = set(args.points.split(",")) if args.points else None
@@ -350,12 +302,6 @@ def run(args: argparse.Namespace, dev: torch.device) -> int:
         )
     print(f"wrote {out}")
     return 0
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 def main() -> int:

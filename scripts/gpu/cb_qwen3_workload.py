@@ -32,12 +32,9 @@ from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.config import CanaryConfig, Mode
 
-QWEN3_06B = dict(
-    hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True,
-)  # fmt: skip
-TOY = QWEN3_06B | dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=1000)  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model benchmarks share
+from qwen3_model import QWEN3_06B, TOY, build_model, transformers_version
+
 RUNS = {  # name: (prompts, CUDA graphs)
     "b1_graphs": (1, True),
     "b32_graphs": (32, True),
@@ -79,17 +76,6 @@ class ReadCount:
 
     def __exit__(self, *exc: object) -> None:
         HostBatch.from_future_states = self._original  # type: ignore[method-assign]
-
-
-def build_model(toy: bool, dev: str) -> Any:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**(TOY if toy else QWEN3_06B))
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
-    return model.eval()
 
 
 def run_one(model: Any, prompts: int, graphs: bool, toy: bool) -> dict[str, Any]:
@@ -143,9 +129,9 @@ def main() -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_model(args.toy, dev)
+    model = build_model(TOY if args.toy else QWEN3_06B, dev)
     failed = 0
-    done: dict[str, Any] = {"torch": torch.__version__, "transformers": _transformers_version(), "runs": {}}
+    done: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers_version(), "runs": {}}
     for name in args.runs.split(","):
         prompts, graphs = RUNS[name]
         if args.toy:
@@ -168,12 +154,6 @@ def main() -> int:
         for line in rec.get("log", [])[:6]:
             print(f"    {line}", flush=True)
     return 1 if failed else 0
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
 
 
 if __name__ == "__main__":
