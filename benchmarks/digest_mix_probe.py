@@ -5,7 +5,7 @@ components x 256 words (1.88 GB, a Qwen3-0.6B-shaped KV of 16k tokens), each til
 MODE 0 sums the words (a read with a reduction), 1 sums ``fmix64(word ^ key)`` with keys from a table
 (the digest's term), 2 a mix built from 32-bit multiplies.  Results: ``results/nvidia-h200-ceed092-digest-checks.txt``.
 
-Usage: python benchmarks/digest_mix_probe.py   (CUDA only)
+Usage: PYTHONPATH=src python benchmarks/digest_mix_probe.py   (CUDA only)
 """
 
 from __future__ import annotations
@@ -16,17 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-C1 = tl.constexpr(0xBF58476D1CE4E5B9)
-C2 = tl.constexpr(0x94D049BB133111EB)
-
-
-@triton.jit
-def _fmix64(x):
-    x = x ^ (x >> 30)
-    x = x * C1
-    x = x ^ (x >> 27)
-    x = x * C2
-    return x ^ (x >> 31)
+from kvcanary.ops.kernels.hashing import fmix64  # the digest's own term
 
 
 @triton.jit
@@ -55,7 +45,7 @@ def probe(pool_ptr, keys_ptr, slots_ptr, out_ptr, n_tiles, n_comp, comp_stride, 
         if MODE == 0:
             term = word
         elif MODE == 1:
-            term = _fmix64(word ^ key[None])
+            term = fmix64(word ^ key[None])
         else:
             term = _mix32(word, key[None])
         t = tl.sum(tl.sum(term, axis=2), axis=1)
