@@ -9,23 +9,10 @@ import torch
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.layout import RecordStore
+from transformers_helpers import PAGE, geometry
 
-PAGE, STRIDE, BPS, BYTES_PER_BLOCK = 4, 8, 2, 16
-NAME = "full_attention"
-
-
-def geometry() -> GroupGeometry:
-    return GroupGeometry(
-        name=NAME,
-        index=0,
-        sliding_window=0,
-        page_size=PAGE,
-        stride=STRIDE,
-        num_blocks=BPS * 6,
-        read_trash_index=0,
-        sentinel_index=1,
-        write_trash_index=STRIDE * BPS,
-    )
+BYTES_PER_BLOCK = 16
+NAME = geometry().name
 
 
 def allocator(g: GroupGeometry) -> types.SimpleNamespace:
