@@ -29,21 +29,13 @@ from kvcanary import digest as D
 from kvcanary.config import DigestConfig
 from kvcanary.runtime import ranked
 from kvcanary.runtime.distributed import CanaryPeerError, DistributedCanary, RankedHealthError, RankedViolation
+from log_capture import Messages
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 STEPS = 6
 FAULT_AT = 2
 PEER_TIMEOUT_S = 2.0
 IDS = ["req-a", "req-b"]
-
-
-class Counting(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def make(mode: Mode, calls: list[Any], lag: int = 1, every: int = 1) -> DistributedCanary:
@@ -127,7 +119,7 @@ def digest_shards(rank: int, world: int) -> dict[str, Any]:
 
 
 def scenario(name: str, rank: int, world: int) -> dict[str, Any]:
-    handler = Counting()
+    handler = Messages()
     logging.getLogger("kvcanary").addHandler(handler)
     calls: list[Any] = []
     mode = {

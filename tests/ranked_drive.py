@@ -24,6 +24,7 @@ from typing import Any
 from kvcanary import CanaryConfig, CanaryGroup, Mode
 from kvcanary.runtime import CanaryViolation
 from kvcanary.runtime.distributed import CanaryPeerError
+from log_capture import Messages
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 STEPS = 6
@@ -33,15 +34,6 @@ IDS = ["req-a", "req-b"]
 MODES = {"clean": Mode.RAISE, "log": Mode.LOG, "fail": Mode.FAIL_REQUEST, "raise": Mode.RAISE, "kill": Mode.RAISE}
 
 Build = Callable[..., Any]  # ranked.build_manager on the engine's group
-
-
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def drive(manager: Any, faulty: bool, die: bool) -> dict[str, Any]:
@@ -68,7 +60,7 @@ def drive(manager: Any, faulty: bool, die: bool) -> dict[str, Any]:
 
 
 def scenario(name: str, build: Build, rank: int, world: int) -> dict[str, Any]:
-    handler = Warnings()
+    handler = Messages()
     logging.getLogger("kvcanary").addHandler(handler)
     calls: list[list[object]] = []
     mode = MODES[name]

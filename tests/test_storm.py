@@ -29,6 +29,7 @@ from kvcanary import CanaryConfig, Mode
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.adapter import TransformersCBAdapter
 from kvcanary.demo import build_model, build_prompts
+from log_capture import Messages
 from storm_probe import STORM_FROM, StormProbe
 
 REQUESTS = 32
@@ -37,15 +38,6 @@ LOG_ROWS = 4  # K: the device log keeps the first 4 and the last 4 rows of a ste
 RATE_PER_S = 2.0
 EVENTS_CAP = 24 << 10
 TIME_GROWTH = 3.0  # last quarter's median host_step time / first quarter's: bounded, whatever the rows seen
-
-
-class Captured(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +51,7 @@ def storm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         events_max_bytes=EVENTS_CAP,
     )  # fmt: skip
     model = build_model("dense")
-    handler = Captured()
+    handler = Messages()
     kv_logger, tf_logger = logging.getLogger("kvcanary"), logging.getLogger("transformers")
     kv_logger.addHandler(handler)
     tf_level = tf_logger.level
