@@ -1,10 +1,14 @@
 """Compile the canary's kernels for sm_90 on a machine without a GPU (Triton's front end, LLVM and ptxas).
 
+The link kernels (plan, verify, stamp) and the KV digest kernel, every variant the launchers reach.
+
 The interpreter runs kernels as Python and accepts code the compiler refuses (a loop-carried variable whose
 type changes, say); this catches that before device time is spent.  The kernels' arguments come from the
 launchers themselves, run on CPU tensors with the kernels swapped for recorders, over the differential
-test's random cases (so every combination of static flags that they reach is compiled).  Each variant's line
-ends with a hash of its cubin: two source trees whose lines match compile to the same machine code.
+test's random cases and, for the digest, every layout and dtype of ``tests/digest_cases.py`` through the list
+calls and a planned verify (so every combination of static flags that they reach is compiled).  Each variant's line
+ends with a hash of its machine code (SASS, without the line info the cubin also carries): two source
+trees whose lines match compile to the same machine code.
 Usage: PYTHONPATH=src:tests python scripts/gpu/compile_offline.py [cases]
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import re
 import subprocess
 import sys
@@ -25,10 +30,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import digest_cases as dc
 import gen
+from kvcanary import CanaryGroup
+from kvcanary import digest as D
+from kvcanary.ops import digest_launchers as dl
 from kvcanary.ops import launchers
 from kvcanary.ops import reference as ref
-from kvcanary.workspace import GroupState
+from kvcanary.workspace import GroupState, ViolationLog
 
 _TYPES = {torch.int32: "*i32", torch.int64: "*i64", torch.int16: "*i16", torch.int8: "*i8", torch.uint8: "*u8"}
 
@@ -56,15 +65,59 @@ class Recorder:
         return launch
 
 
-def _registers(cubin: bytes) -> str:
-    """Registers per thread and spill stores, from the cuobjdump that ships with Triton."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def _sass_hash(cubin: bytes) -> str:
+    """A hash of the machine code alone: the cubin's bytes also carry line info, which moves with the source."""
+    code = [line.split(";")[0].strip() for line in _cuobjdump(cubin, "-sass").splitlines() if "/*0" in line]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
+def _registers(cubin: bytes) -> str:
+    """Registers per thread and spill stores, from the cuobjdump that ships with Triton."""
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", _cuobjdump(cubin, "-res-usage"))
     return f"{m.group(1)} (stack {m.group(2)})" if m else "?"
+
+
+def record_digest(seen: dict) -> None:
+    """The digest kernel's launches: each layout and dtype as stamp and verify lists (small and large,
+    with and without a lookup), and a planned verify over paged and token-major pools."""
+    dl.digest_kernel = Recorder(dl.digest_kernel, seen)
+    rng = random.Random(0)
+    for kind in dc.LAYOUTS:
+        for dtype in dc.DTYPES:
+            bs = 1 if kind == "token_major" else 16
+            for heads, dim in ((8, 128), (2, 5)):
+                layout = D.DigestLayout(tuple(dc.layer_components(kind, 8, bs, heads, dim, dtype, torch.Generator())))
+                _digest_lists(layout, rng)
+    for page, kind in ((1, "token_major"), (16, "paged")):
+        group, batch, plan_ws = dc.planned_step(16 * 24, [0, 17, 45, 100], page=page)
+        comps = dc.layer_components(kind, 16 * 24 // page, page, 8, 128, torch.bfloat16, torch.Generator())
+        layout = dl.DeviceLayout.build(D.DigestLayout(tuple(comps)))
+        digests, ws, log = _digest_state(group.num_slots, 256)
+        for tuning in (dl.DEFAULT_TUNING, dl.DigestTuning(block_words=128)):
+            dl.verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=3, tuning=tuning)
+
+
+def _digest_state(slots: int, entries: int) -> tuple[torch.Tensor, D.DigestWorkspace, ViolationLog]:
+    return torch.zeros(slots, dtype=torch.int64), D.DigestWorkspace.allocate(entries), ViolationLog.allocate(4)
+
+
+def _digest_lists(layout: D.DigestLayout, rng: random.Random) -> None:
+    group = CanaryGroup(num_slots=layout.num_slots, reserved_slots=())
+    dev_layout = dl.DeviceLayout.build(layout)
+    digests, ws, log = _digest_state(layout.num_slots, 128)
+    lookup = torch.randperm(layout.num_slots)
+    for n in (1, 100):
+        locs = torch.tensor([rng.randrange(layout.num_slots) for _ in range(n)])
+        dl.stamp_list(group, dev_layout, digests, ws, log, locs)
+        dl.verify_list(group, dev_layout, digests, ws, log, locs, lookup=lookup, report_range=True)
 
 
 def main() -> int:
@@ -73,6 +126,7 @@ def main() -> int:
     seen: dict = {}
     for name in ("plan_kernel", "verify_kernel", "stamp_kernel"):
         setattr(launchers, name, Recorder(getattr(launchers, name), seen))
+    record_digest(seen)
     tunings = (launchers.DEFAULT_TUNING, launchers.KernelTuning(verify_block=128, stamp_block=128, carry_block=128))
     for seed in range(n):
         case = gen.random_case(seed, corrupt=seed % 2 == 0)
@@ -86,13 +140,13 @@ def main() -> int:
     target = GPUTarget("cuda", 90, 32)
     failures = 0
     for (kname, _s, _c, warps), (sig, consts, _w) in sorted(seen.items(), key=lambda kv: str(kv[0])):
-        fn = getattr(launchers, kname).fn
+        fn = (dl if kname == "digest_kernel" else launchers).__dict__[kname].fn
         os.environ.pop("TRITON_INTERPRET", None)
         try:
             compiled = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": warps})
             regs = _registers(compiled.asm["cubin"])
-            digest = hashlib.sha256(compiled.asm["cubin"]).hexdigest()[:16]
-            print(f"ok   {kname} warps={warps} {dict(consts)} regs={regs} cubin={digest}", flush=True)
+            sass = _sass_hash(compiled.asm["cubin"])
+            print(f"ok   {kname} warps={warps} {dict(consts)} regs={regs} sass={sass}", flush=True)
         except Exception as exc:
             failures += 1
             print(f"FAIL {kname} warps={warps} {dict(consts)}: {str(exc)[-600:]}", flush=True)
