@@ -168,8 +168,9 @@ def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float
         return record
 
     digest.workspace.stats.zero_()
-    us = _median_us(steps(digest.verify, digest.stamp), replays)
+    us = _median_us(steps(digest.verify_and_stamp), replays)  # one call after the forward (transformers, sglang)
     stats = digest.workspace.stats.tolist()  # verify and stamp calls in pairs
+    split_us = _median_us(steps(digest.verify, digest.stamp), replays)  # verify, then stamp (vLLM)
     verify_us = _median_us(steps(digest.verify), replays)
     stamp_us = _median_us(steps(digest.stamp), replays)
     if int(log.counters[16]):
@@ -180,7 +181,8 @@ def step_cost(pool: Pool, batch: int, prefix: int, extend: int, copy_gbps: float
     kv_read_us = read_bytes / copy_gbps / 1e3
     digested = (verified + batch * extend) * pool.bytes_per_slot
     rec = {
-        "us": round(us, 2), "verify_us": round(verify_us, 2), "stamp_us": round(stamp_us, 2),
+        "us": round(us, 2), "split_us": round(split_us, 2), "verify_us": round(verify_us, 2),
+        "stamp_us": round(stamp_us, 2),
         "budget": config.budget, "period": config.period,
         "verified_slots_per_step": round(verified, 1), "stamped_slots_per_step": batch * extend,
         "bytes": int(digested), "gbps": round(digested / us / 1e3, 1),

@@ -14,7 +14,9 @@ INTRO = (
     "128 bf16, 114,688 bytes a slot), CUDA-graph medians. Throughput rows: one list call over 16,384 slots "
     "(runs of consecutive slots or scattered); `GB/s` = bytes digested per second, `% copy` = against the run's "
     "device copy (bytes read + written per second; goal >= 60 %). Step rows: one engine step's digest work at the "
-    "default budget (1/256) or 1.0, its verify and stamp also timed apart, against two references measured in the "
+    "default budget (1/256) or 1.0: `us` is the one fused call after the forward (transformers, sglang); the verify "
+    "and stamp are also timed alone and as two calls in a row (`split`, vLLM's schedule, where recorded); all against "
+    "two references measured in the "
     "same run: the step's attention (PyTorch SDPA over all 28 layers, contiguous KV, graph-replayed: `% attn`, the "
     "goal is <= 2 % at the default budget) and its KV bytes read once at the copy's rate (`% KV read`). Results "
     "before commit 98b7195 took the KV read at half the copy's rate, which halved their shares; the `us before` "
@@ -29,10 +31,12 @@ def _digest_files() -> list[tuple[Path, dict]]:
 
 def _row(r: dict, before: dict | None) -> str:
     was = f"{before['us']:,.1f}" if before else ""
+    split = f" (split {r['split_us']:,.1f})" if "split_us" in r else ""
     if "attention_us" not in r:
         return f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | {r.get('pct_of_copy', '')} | | | | | {was} |"
     return (
-        f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | | {r['verify_us']:,.1f} / {r['stamp_us']:,.1f} | "
+        f"| {r['scenario']} | {r['us']:,.1f} | {r['gbps']:,.1f} | | {r['verify_us']:,.1f} / {r['stamp_us']:,.1f}"
+        f"{split} | "
         f"{r['attention_us']:,.1f} | {r['pct_of_attention']} | {r['pct_of_kv_read']} | {was} |"
     )
 

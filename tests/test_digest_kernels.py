@@ -9,6 +9,7 @@ windowed plans with bit flips in every component.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -163,6 +164,65 @@ def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) 
             dc.flip_bit(comp, rng.randrange(1, num_slots), rng.randrange(2), rng.randrange(5), rng.randrange(16))
         twin.call("verify_planned", batch, plan_ws, period=period)
     assert int(twin.log.counters[16]) > 0  # some flips were read and caught
+
+
+@pytest.mark.parametrize("tuning", list(TUNINGS))
+@pytest.mark.parametrize("page", [1, 3, 16])
+@pytest.mark.parametrize("writes", [1, 7, 40])
+def test_fused_verify_and_stamp_matches_reference(page: int, writes: int, tuning: str) -> None:
+    """One launch verifying the plan's share and stamping the step's writes: the reference's two calls.
+    Writes carry -1, the reserved slot, out-of-range and repeated indices; some slots are both written
+    and in a read span; flips land in read and in written slots."""
+    rng = random.Random(page * 1000 + writes)
+    prefix = [0, 1, 17, 45, rng.randint(2, 60)]
+    num_slots = page * (sum(-(-(n + 1) // page) for n in prefix) + 2)
+    group, batch, plan_ws = planned_step(num_slots, prefix, page=page, device=DEVICE)
+    bs = 1 if page == 1 else page
+    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
+        dc.layer_components("paged" if bs > 1 else "token_major", num_slots // bs, bs, 2, 5, torch.bfloat16,
+                            torch.Generator().manual_seed(page))
+    )), num_slots))  # fmt: skip
+    entries = 64 + 16 * -(-writes // 16)  # the verify's share: 4 tiles, not every one a step needs
+    twin = Twin(group, pool.layout, entries=entries, log_rows=3, tuning=TUNINGS[tuning])
+    for c0 in range(0, num_slots, entries):
+        twin.call("stamp_list", torch.arange(c0, min(c0 + entries, num_slots), device=DEVICE))
+    calls = twin.calls
+    mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
+    table = batch.table.cpu()
+    for step in range(5):
+        locs = _random_locs(rng, writes, num_slots)
+        plan_ws.write_marks.zero_()
+        marked = locs[(locs >= 0) & (locs < num_slots)].long()
+        plan_ws.write_marks[marked] = 2 * mark + step % 2  # what the plan marks for these writes
+        for _ in range(rng.randint(1, 4)):
+            r = rng.choice([i for i, n in enumerate(prefix) if n])  # a slot some row reads, or one written
+            pos = rng.randrange(prefix[r])
+            read = int(table[r + 1, pos // page]) * page + pos % page
+            victim = rng.choice([read, read, *marked.tolist()[:1]])
+            dc.flip_bit(pool.layout.components[step % 2], victim, rng.randrange(2), rng.randrange(5), rng.randrange(16))
+        step_batch = dataclasses.replace(batch, out_cache_loc=locs)
+        twin.call("verify_and_stamp", step_batch, plan_ws, period=[1, 2, 3][step % 3])
+    assert int(twin.log.counters[16]) > 0  # some flips were read and caught
+    stats = twin.sides[1][3].stats
+    assert int(stats[D.DigestWorkspace.STAT_STAMPED]) > 0 and int(stats[D.DigestWorkspace.STAT_CALLS]) == calls + 2 * 5
+
+
+def test_fused_call_takes_the_stamp_off_the_verify_share_and_refuses_too_many_writes() -> None:
+    group, batch, plan_ws = planned_step(400, [150, 90, 60], device=DEVICE)
+    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
+        dc.layer_components("token_major", 400, 1, 1, 4, torch.float32, torch.Generator().manual_seed(0))
+    )), 400))  # fmt: skip
+    twin = Twin(group, pool.layout, entries=64)  # 4 tiles: 1 for the 3 writes, 3 for the verify
+    for c0 in range(0, 400, 64):
+        twin.call("stamp_list", torch.arange(c0, min(c0 + 64, 400), device=DEVICE))
+    twin.call("verify_and_stamp", batch, plan_ws, period=1)
+    stats = twin.sides[1][3].stats
+    assert int(stats[D.DigestWorkspace.STAT_VERIFIED]) <= 48 and int(stats[D.DigestWorkspace.STAT_SKIPPED_TILES]) > 0
+    too_many = dataclasses.replace(batch, out_cache_loc=torch.arange(65, device=DEVICE))
+    for mod, layout, digests, ws, log in twin.sides:
+        with pytest.raises(ValueError, match="exceed the digest workspace"):
+            mod.verify_and_stamp(group, layout, digests, ws, log, too_many, plan_ws, period=1)
+    twin.assert_equal()
 
 
 def test_budgeted_verify_over_capacity_counts_skipped_tiles() -> None:

@@ -76,7 +76,7 @@ def run(
 ) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
     """The workload through the manager.  ``tap``: "bracket" (before_forward, forward, after_forward, as
     sglang does) or "after" (forward, then forward_step, as the transformers tap does: on CUDA its step
-    graphs capture the digest stream's fork and join)."""
+    graphs capture the digest's calls).  Either way the digest is verified and stamped after the forward."""
     config = CanaryConfig(mode=Mode.LOG, digest=DigestConfig(budget))
     mgr = CanaryManager(engine.canary_groups(), CAPS, config, clock=clock, device=device)
     pools = KVPools(engine, device)
@@ -253,9 +253,9 @@ def test_cuda_bit_flip_is_caught_at_the_next_read(tap: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_write_during_the_forward_is_caught_at_the_next_read(device: str) -> None:
-    """A stray write that lands while the forward runs, after the step's verify, is reported by the next
-    step's read (budget 1.0)."""
+def test_write_during_the_forward_is_caught_by_that_step(device: str) -> None:
+    """A stray write that lands while the forward runs is reported by that step's verify, which runs once
+    the forward has written (budget 1.0)."""
 
     def fault(engine: ScriptedEngine, step: EngineStep, pools: KVPools, mgr: CanaryManager) -> None:
         forward = KVPools.forward
@@ -268,4 +268,4 @@ def test_write_during_the_forward_is_caught_at_the_next_read(device: str) -> Non
 
     reports, _ = run(ScriptedEngine(standard_workload()), 1.0, fault, device=device)
     _, report = _first_digest_report(reports)
-    assert report.step == 8
+    assert report.step == 7

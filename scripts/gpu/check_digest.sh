@@ -6,7 +6,7 @@
 #   probe    benchmarks/digest_mix_probe.py (the same tiles with the mixing alone)
 #   profile  Nsight Compute on one 16k-slot stamp launch (what bounds the kernel), if ncu is installed
 #   demo     `kvcanary demo --device cuda` with the digest on (dense eager, dense and hybrid under CUDA graphs):
-#            the transformers path with the verify on its own stream; needs the wheel in .whl (carry [".whl"])
+#            the digest verified and stamped in one call after the forward; needs the wheel in .whl (carry [".whl"])
 # Usage: COMMIT=$(git rev-parse --short HEAD) scripts/gpu/check_digest.sh tests bench profile
 set -uo pipefail
 cd "$(dirname "$0")/../.."

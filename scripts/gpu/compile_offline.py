@@ -87,7 +87,8 @@ def _registers(cubin: bytes) -> str:
 
 def record_digest(seen: dict) -> None:
     """The digest kernel's launches: each layout and dtype as stamp and verify lists (small and large,
-    with and without a lookup), and a planned verify over paged and token-major pools."""
+    with and without a lookup), and a planned verify (alone and fused with the stamp) over paged and token-major
+    pools."""
     dl.digest_kernel = Recorder(dl.digest_kernel, seen)
     rng = random.Random(0)
     for kind in dc.LAYOUTS:
@@ -103,6 +104,7 @@ def record_digest(seen: dict) -> None:
         digests, ws, log = _digest_state(group.num_slots, 256)
         for tuning in (dl.DEFAULT_TUNING, dl.DigestTuning(block_words=128)):
             dl.verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=3, tuning=tuning)
+            dl.verify_and_stamp(group, layout, digests, ws, log, batch, plan_ws, period=3, tuning=tuning)
 
 
 def _digest_state(slots: int, entries: int) -> tuple[torch.Tensor, D.DigestWorkspace, ViolationLog]:

@@ -2,12 +2,13 @@
 
 Created beside a :class:`~kvcanary.canary.GroupCanary` (it stores the digests in that group's records,
 so they follow every record copy) from the engine's :class:`~kvcanary.digest.DigestLayout` and a
-:class:`~kvcanary.config.DigestConfig`.  Per step: :meth:`verify` after the group's plan and before
-attention reads (it selects from the plan's verify spans), :meth:`stamp` once the engine has written the
-step's K/V (it digests ``out_cache_loc``).  :meth:`verify_slots` checks slots whose bytes were just
-moved (copied, restored), whatever the budget.  Violations go into the group's log like the others.
-:meth:`note_move` remembers where moved bytes came from, and :meth:`locate` names the layer whose bytes
-differ in a reported slot (:mod:`kvcanary.digest_locate`; off the clean path).
+:class:`~kvcanary.config.DigestConfig`.  Per step: :meth:`verify` after the group's plan (it selects
+from the plan's verify spans), :meth:`stamp` once the engine has written the step's K/V (it digests
+``out_cache_loc``), or both in one call after the forward (:meth:`verify_and_stamp`).
+:meth:`verify_slots` checks slots whose bytes were just moved (copied, restored), whatever the budget.
+Violations go into the group's log like the others.  :meth:`note_move` remembers where moved bytes came
+from, and :meth:`locate` names the layer whose bytes differ in a reported slot
+(:mod:`kvcanary.digest_locate`; off the clean path).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from kvcanary.workspace import ViolationLog
 
 
 def workspace_entries(canary: GroupCanary, period: int) -> int:
-    """Entries one call may need: a prefill chunk's writes, or the budgeted share of a full verify.
+    """Entries one call may need: a step's writes (a prefill chunk's) and the budgeted share of a full
+    verify, which a fused call (:meth:`GroupDigest.verify_and_stamp`) holds at once.
 
     A row's verify span of n positions spans at most n / G + 2 runs of G positions, of which every
     ``period``-th is selected (at least one per row).
@@ -35,7 +37,7 @@ def workspace_entries(canary: GroupCanary, period: int) -> int:
     caps = canary.caps
     writes = -(-caps.max_tokens // TILE_TOKENS) * TILE_TOKENS
     reads = TILE_TOKENS * (caps.verify_entries // (TILE_TOKENS * period) + caps.max_batch * (1 + 2 // period + 1))
-    return max(writes, reads)
+    return writes + reads
 
 
 class GroupDigest:
@@ -68,8 +70,10 @@ class GroupDigest:
         self.workspace = DigestWorkspace.allocate(entries, canary.device)
         self._kernels = uses_kernels(canary.backend, canary.device)
         self.sources = MoveSources()  # the last few moves' sources, read only by locate()
-        # False: the adapter stamps after its engine's forward itself (CanaryManager.stamp_digests), because
-        # its before/after calls both run before the forward (vLLM's passes); after_forward then skips it.
+        # True: after_forward verifies the step's budgeted share and stamps its writes in one call
+        # (verify_and_stamp).  False: before_forward verifies and the adapter stamps after its engine's
+        # forward itself (CanaryManager.stamp_digests), because its before/after calls both run before the
+        # forward (vLLM's passes).
         self.stamp_after_forward = True
         self._device_layout = None
         self._kernel_kw: dict[str, object] = {}
@@ -104,6 +108,13 @@ class GroupDigest:
         ops, layout, kw = self._ops()
         ops.verify_planned(self.canary.group, layout, self.digests, self.workspace, log, batch,
                            self.canary.workspace, period=self.period, **kw)  # fmt: skip
+
+    def verify_and_stamp(self, batch: StepBatch, log: ViolationLog) -> None:
+        """:meth:`verify` then :meth:`stamp`, as one device call, once the forward has written the step's K/V:
+        the verify reads what attention read (slots written this step are left to the stamp)."""
+        ops, layout, kw = self._ops()
+        ops.verify_and_stamp(self.canary.group, layout, self.digests, self.workspace, log, batch,
+                             self.canary.workspace, period=self.period, **kw)  # fmt: skip
 
     def verify_slots(self, slots: torch.Tensor, log: ViolationLog) -> None:
         """Verify slots whose bytes were just moved (in chunks of the workspace's entries)."""

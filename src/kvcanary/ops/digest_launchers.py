@@ -18,7 +18,7 @@ import torch
 from kvcanary.batch import StepBatch
 from kvcanary.digest import TILE_TOKENS, WORD_BYTES, DigestLayout, DigestWorkspace, KVComponent
 from kvcanary.layout import CanaryGroup
-from kvcanary.ops.digest_reference import word_keys
+from kvcanary.ops.digest_reference import stamp_entries, word_keys
 from kvcanary.ops.kernels.digest import digest_kernel
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import PlanWorkspace, ViolationLog
@@ -188,8 +188,9 @@ def _reserved(group: CanaryGroup) -> list[int]:
 def _launch(
     group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog, *,
     locs: torch.Tensor | None, lookup: torch.Tensor | None, batch: StepBatch | None, plan_ws: PlanWorkspace | None,
-    stamp: bool, report_range: bool, period: int, max_tiles: int, tuning: DigestTuning,
+    stamp: bool, report_range: bool, period: int, max_tiles: int, tuning: DigestTuning, and_stamp: bool = False,
 ) -> None:  # fmt: skip
+    """One call's launches; ``and_stamp``: a planned verify that then stamps ``locs`` (verify_and_stamp)."""
     dummy = ws.sync
     n_list = 0 if locs is None else int(locs.shape[0])
     b = n_rows = n_cols = 0
@@ -205,14 +206,16 @@ def _launch(
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
     cap = _grid_cap(dl.layout.device, tuning)
+    tiles = max_tiles if batch is None else _planned_tiles(batch, group, period, max_tiles)
+    tiles += -(-n_list // TILE_TOKENS) if and_stamp else 0
     for k, lc in enumerate(dl.classes):
         es = lc.element_size
-        units = max_tiles * lc.rows
+        units = tiles * lc.rows
         programs = max(1, min(units, cap))
         t = tuning.for_units(units, cap)
         hb, bj, exact, vec = lc.path(t)
         # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
-        # planned verify knows only its capacity, not its tiles, so it keeps one (all programs in use).
+        # planned verify knows only a bound on its tiles, so it keeps one (all programs in use).
         cpu = 1
         while batch is None and cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
             cpu *= 2
@@ -224,12 +227,24 @@ def _launch(
             n_list, int(lookup.shape[0]) if has_lookup and lookup is not None else 0, b, n_rows, n_cols,
             group.page_size, min(group.num_slots, dl.layout.num_slots), period, max_tiles, lc.first, lc.rows,
             log.capacity, group.group_id, *_reserved(group),
-            FROM_PLAN=batch is not None, STAMP=stamp, HAS_LOOKUP=has_lookup, PAGED=group.page_size > 1,
-            REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
+            FROM_PLAN=batch is not None, STAMP=stamp, AND_STAMP=and_stamp, HAS_LOOKUP=has_lookup,
+            PAGED=group.page_size > 1, REPORT_RANGE=report_range, FINALIZE=k == len(dl.classes) - 1, ESIZE=es,
             G=TILE_TOKENS, BLOCK_W=_ELEMENT_BLOCK_W.get(es, 1), BLOCK_B=block_b, HB=hb, BJ=bj,
             CPU=cpu, BS_LOG=lc.block_log, EXACT=exact, VEC=vec,
             num_warps=t.warps if es == WORD_BYTES else 4,
         )  # fmt: skip
+
+
+def _planned_tiles(batch: StepBatch, group: CanaryGroup, period: int, max_tiles: int) -> int:
+    """Most tiles a planned verify of ``batch`` selects, from its shapes (known when a graph is captured):
+    a row's span lies inside its table row, so it selects at most one run in ``period`` of them (plus the
+    partial runs at its ends).  It sizes the grid only: a corrupt span past its row still gets every tile,
+    from fewer programs."""
+    n_cols = int(batch.table.shape[1]) if batch.table.dim() == 2 else 0
+    if not n_cols:
+        return max_tiles
+    runs = -(-n_cols * group.page_size // TILE_TOKENS) + 1
+    return min(max_tiles, batch.batch_size * -(-runs // period))
 
 
 def _list(
@@ -257,20 +272,44 @@ stamp_list = functools.partial(_list, stamp=True)
 verify_list = functools.partial(_list, stamp=False)
 
 
-def verify_planned(
-    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
-    batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
-    tuning: DigestTuning = DEFAULT_TUNING,
+def _check_planned(
+    group: CanaryGroup, dl: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    batch: StepBatch, plan_ws: PlanWorkspace, period: int, group_tokens: int,
 ) -> None:  # fmt: skip
-    """digest_reference.verify_planned on device (the batch's plan must have run)."""
-    _check(group, layout, digests, ws, log)
+    _check(group, dl, digests, ws, log)
     if group_tokens != TILE_TOKENS:
         raise ValueError(f"the kernel selects runs of {TILE_TOKENS} positions, got group_tokens={group_tokens}")
     if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
         raise ValueError(f"period must be a positive int, got {period!r}")
     if batch.batch_size > int(plan_ws.row_state.shape[0]):
         raise ValueError("batch larger than the plan workspace")
+
+
+def verify_planned(
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+    tuning: DigestTuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    """digest_reference.verify_planned on device (the batch's plan must have run)."""
+    _check_planned(group, layout, digests, ws, log, batch, plan_ws, period, group_tokens)
     _launch(
         group, layout, digests, ws, log, locs=None, lookup=batch.lookup, batch=batch, plan_ws=plan_ws,
         stamp=False, report_range=False, period=period, max_tiles=ws.entries // TILE_TOKENS, tuning=tuning,
+    )  # fmt: skip
+
+
+def verify_and_stamp(
+    group: CanaryGroup, layout: DeviceLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+    tuning: DigestTuning = DEFAULT_TUNING,
+) -> None:  # fmt: skip
+    """digest_reference.verify_and_stamp on device: one call of launches, one finalize."""
+    _check_planned(group, layout, digests, ws, log, batch, plan_ws, period, group_tokens)
+    taken = stamp_entries(batch)
+    if taken > ws.entries:
+        raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    _launch(
+        group, layout, digests, ws, log, locs=batch.out_cache_loc, lookup=batch.lookup, batch=batch,
+        plan_ws=plan_ws, stamp=False, report_range=False, period=period,
+        max_tiles=(ws.entries - taken) // TILE_TOKENS, tuning=tuning, and_stamp=True,
     )  # fmt: skip

@@ -9,6 +9,9 @@
   tiles of ``group_tokens`` positions, at most ``entries // group_tokens`` tiles a call (the
   rest are counted as skipped tiles); slots the step also writes (its write marks) are left to the
   stamp; the digest epoch then advances.
+* :func:`verify_and_stamp`: :func:`verify_planned` then :func:`stamp_list` of the batch's writes, for an
+  engine whose step is verified once its forward has written (the kernel runs both in one launch); the
+  stamp's entries come off the verify's share of the workspace.
 
 A stored digest of 0 (never stamped) is never compared.  Violation rows are appended in entry order.
 """
@@ -175,12 +178,14 @@ def written_this_step(plan_ws: PlanWorkspace, slot: torch.Tensor, valid: torch.T
 def verify_planned(
     group: CanaryGroup, layout: DigestLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+    entries: int | None = None,
 ) -> None:  # fmt: skip
-    """Verify the budgeted share of the last plan's verify entries (see the module docstring)."""
+    """Verify the budgeted share of the last plan's verify entries (see the module docstring), at most
+    ``entries`` of them (default: the workspace's)."""
     dev = batch.rows.device
     epoch = int(ws.epoch[0])
     first, tiles, start, end = selected_tiles(plan_ws, batch.rows, epoch, period, group_tokens)
-    max_tiles = ws.entries // group_tokens
+    max_tiles = (ws.entries if entries is None else entries) // group_tokens
     offsets = torch.cumsum(tiles, 0) - tiles
     total = int(tiles.sum())
     kept = min(total, max_tiles)
@@ -212,3 +217,21 @@ def verify_planned(
     out[:, Field.EXPECTED_LINK] = stored[mismatch]
     out[:, Field.STORED_LINK] = computed[mismatch]
     append_rows(log, out)
+
+
+def stamp_entries(batch: StepBatch) -> int:
+    """Workspace entries the stamp of ``batch``'s writes takes in :func:`verify_and_stamp`: whole tiles."""
+    return -(-int(batch.out_cache_loc.shape[0]) // TILE_TOKENS) * TILE_TOKENS
+
+
+def verify_and_stamp(
+    group: CanaryGroup, layout: DigestLayout, digests: torch.Tensor, ws: DigestWorkspace, log: ViolationLog,
+    batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
+) -> None:  # fmt: skip
+    """:func:`verify_planned` then :func:`stamp_list` of ``batch.out_cache_loc`` (see the module docstring)."""
+    taken = stamp_entries(batch)
+    if taken > ws.entries:
+        raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=period, group_tokens=group_tokens,
+                   entries=ws.entries - taken)  # fmt: skip
+    stamp_list(group, layout, digests, ws, log, batch.out_cache_loc, lookup=batch.lookup)

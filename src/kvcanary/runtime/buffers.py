@@ -71,7 +71,8 @@ class StepWork:
 
     def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
         self.canaries = tuple(canaries)
-        # The KV digest of each group, when attached: verified after the plan, stamped after the forward.
+        # The KV digest of each group, when attached: verified and stamped in one call after the forward,
+        # or (an adapter that stamps itself, GroupDigest.stamp_after_forward False) verified after the plan.
         self.digests: list[GroupDigest | None] = [None] * len(self.canaries)
         self._batches: Sequence[StepBatch] = ()
         self.layout = layout
@@ -91,14 +92,14 @@ class StepWork:
         self._phase_before.add_(1)
         for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
             canary.step(batch, log, validated=True)
-            if digest is not None:
+            if digest is not None and not digest.stamp_after_forward:
                 digest.verify(batch, log)
         self._batches = batches
 
     def after(self) -> None:
         for digest, log, batch in zip(self.digests, self.logs, self._batches, strict=True):
             if digest is not None and digest.stamp_after_forward:
-                digest.stamp(batch, log)  # the forward has written this step's K/V
+                digest.verify_and_stamp(batch, log)  # the forward has written this step's K/V
         self._batches = ()
         self._snapshot.copy_(self.live)
         self._totals.add_(self._live_counters)

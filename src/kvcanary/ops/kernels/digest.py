@@ -30,7 +30,15 @@ from kvcanary.ops.kernels.codes import (
     STAT_VERIFIED,
 )
 from kvcanary.ops.kernels.const import const
-from kvcanary.ops.kernels.digest_entries import BAD, POS_BITS, POS_MASK, SKIP, row_spans, tile_entries
+from kvcanary.ops.kernels.digest_entries import (
+    BAD,
+    POS_BITS,
+    POS_MASK,
+    SKIP,
+    row_spans,
+    tile_entries,
+    verify_or_stamp_entries,
+)
 from kvcanary.ops.kernels.hashing import fmix64
 from kvcanary.ops.kernels.log import COUNTER_LANES, TICKET, VIOLATIONS, add_counters, finish, store_rows
 
@@ -149,9 +157,10 @@ def _unit(
 @triton.jit
 def _finalize(
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, first_ptr, last_ptr, counters_ptr,
-    n_entries, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr,
+    n_entries, n_verified, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr, AND_STAMP: tl.constexpr,
 ):  # fmt: skip
     """Every entry in order: store or compare its digest, count, then write the kept violation rows.
+    ``AND_STAMP``: entries from ``n_verified`` on are the stamp's (stored after every compare before them).
 
     Runs in the program whose ticket came last: that acquire synchronises with every program's release
     of its sums, so the exchanges need no fences of their own (relaxed).  The statistics were added with
@@ -164,7 +173,13 @@ def _finalize(
         slot = tl.load(eslot_ptr + e, mask=m, other=SKIP, cache_modifier=".cg")
         usable = m & (slot >= 0)
         d = tl.atomic_xchg(acc_ptr + e, tl.zeros((FIN,), tl.int64), mask=m, sem="relaxed") | 1
-        if STAMP:
+        if AND_STAMP:
+            st = e >= n_verified
+            stored = tl.load(digests_ptr + slot, mask=usable & ~st, other=0)
+            mismatch = usable & ~st & (stored != 0) & (stored != d)
+            tl.store(acc_ptr + e, d, mask=mismatch)
+            tl.store(digests_ptr + slot, d, mask=usable & st)
+        elif STAMP:
             tl.store(digests_ptr + slot, d, mask=usable)
             mismatch = usable & (slot < 0)
         else:
@@ -228,7 +243,7 @@ def digest_kernel(
     n_list, n_lookup, b, n_rows, n_cols, page, num_slots, period, max_tiles, c_begin, n_cls, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
     FROM_PLAN: tl.constexpr, STAMP: tl.constexpr, HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr,
-    REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr,
+    REPORT_RANGE: tl.constexpr, FINALIZE: tl.constexpr, ESIZE: tl.constexpr, AND_STAMP: tl.constexpr,
     G: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
     CPU: tl.constexpr, BS_LOG: tl.constexpr, EXACT: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
@@ -253,21 +268,35 @@ def digest_kernel(
         trows = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
+    n_stamp = tl.zeros((), tl.int64)  # AND_STAMP: the list's tiles, after the verify's
+    if AND_STAMP:
+        n_stamp += (n_list + G - 1) // G
     n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
     done = tl.zeros((), tl.int64)  # entries this program's units digest (counted once, in chunk 0)
-    for u in range(pid, n_tiles * n_chunks, n_programs):
+    stamped = tl.zeros((), tl.int64)  # AND_STAMP: of which the stamp's
+    for u in range(pid, (n_tiles + n_stamp) * n_chunks, n_programs):
         tile = u // n_chunks
         chunk = u % n_chunks
-        e, marker, info, read_slot, readable = tile_entries(
-            tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-            first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
-            FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
-        )  # fmt: skip
+        if AND_STAMP:
+            e, marker, info, read_slot, readable = verify_or_stamp_entries(
+                tile, n_tiles, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page,
+                num_slots, first, excl, incl, starts, ends, period, wmarks_ptr, mark,
+                res0, res1, res2, res3, res4, res5, res6, res7, HAS_LOOKUP, PAGED, G,
+            )  # fmt: skip
+        else:
+            e, marker, info, read_slot, readable = tile_entries(
+                tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
+                first, excl, incl, starts, ends, period, wmarks_ptr, mark,
+                res0, res1, res2, res3, res4, res5, res6, res7, FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
+            )  # fmt: skip
         usable = marker >= 0
         if chunk == 0:
             tl.store(eslot_ptr + e, marker)
             tl.store(einfo_ptr + e, info)
-            done += tl.sum(usable.to(tl.int64))
+            n = tl.sum(usable.to(tl.int64))
+            done += n
+            if AND_STAMP:
+                stamped += tl.where(tile >= n_tiles, n, 0)
         c0 = c_begin + chunk * CPU
         c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
         part = tl.zeros((G,), tl.uint64)
@@ -297,14 +326,20 @@ def digest_kernel(
             done_stat = STAT_STAMPED
         else:
             done_stat = STAT_VERIFIED
+        calls = 1
+        if AND_STAMP:  # two calls' statistics; the stamp's count goes ahead of the ticket (no round trip)
+            calls = 2
+            tl.atomic_add(stats_ptr + STAT_STAMPED, stamped, mask=stamped != 0, sem="relaxed")
+            done -= stamped
         ticket = finish(
-            sync_ptr, stats_ptr, pid, STAT_CALLS, 1, STAT_SKIPPED_TILES, total_tiles - n_tiles, done_stat, done, True
+            sync_ptr, stats_ptr, pid, STAT_CALLS, calls, STAT_SKIPPED_TILES, total_tiles - n_tiles, done_stat, done,
+            True,
         )  # fmt: skip
         if ticket == n_programs - 1:
             tl.atomic_xchg(sync_ptr + TICKET, 0, sem="relaxed")
             _finalize(
                 digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, first_ptr, last_ptr, counters_ptr,
-                n_tiles * G, log_k, group_id, STAMP, FROM_PLAN,
+                (n_tiles + n_stamp) * G, n_tiles * G, log_k, group_id, STAMP, FROM_PLAN, AND_STAMP,
             )  # fmt: skip
             if FROM_PLAN:
                 tl.store(epoch_ptr, epoch + 1)
