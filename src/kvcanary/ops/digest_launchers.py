@@ -206,18 +206,18 @@ def _launch(
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
     cap = _grid_cap(dl.layout.device, tuning)
-    tiles = max_tiles if batch is None else _planned_tiles(batch, group, period, max_tiles)
-    tiles += -(-n_list // TILE_TOKENS) if and_stamp else 0
+    listed = max_tiles if batch is None else -(-n_list // TILE_TOKENS) if and_stamp else 0  # known tiles
+    tiles = listed + (0 if batch is None else _planned_tiles(batch, group, period, max_tiles))
     for k, lc in enumerate(dl.classes):
         es = lc.element_size
         units = tiles * lc.rows
         programs = max(1, min(units, cap))
         t = tuning.for_units(units, cap)
         hb, bj, exact, vec = lc.path(t)
-        # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
-        # planned verify knows only a bound on its tiles, so it keeps one (all programs in use).
+        # Components per unit: more where listed tiles alone keep every program busy (amortizes the entries);
+        # a planned verify knows only a bound on its tiles, so it counts for none.
         cpu = 1
-        while batch is None and cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
+        while cpu < tuning.max_comps_per_unit and listed * lc.rows // (2 * cpu) >= 2 * programs:
             cpu *= 2
         digest_kernel[(programs,)](
             dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,

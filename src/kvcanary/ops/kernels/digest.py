@@ -30,15 +30,7 @@ from kvcanary.ops.kernels.codes import (
     STAT_VERIFIED,
 )
 from kvcanary.ops.kernels.const import const
-from kvcanary.ops.kernels.digest_entries import (
-    BAD,
-    POS_BITS,
-    POS_MASK,
-    SKIP,
-    row_spans,
-    tile_entries,
-    verify_or_stamp_entries,
-)
+from kvcanary.ops.kernels.digest_entries import BAD, POS_BITS, POS_MASK, SKIP, row_spans, tile_entries
 from kvcanary.ops.kernels.hashing import fmix64
 from kvcanary.ops.kernels.log import COUNTER_LANES, TICKET, VIOLATIONS, add_counters, finish, store_rows
 
@@ -155,6 +147,42 @@ def _unit(
 
 
 @triton.jit
+def _digest_unit(
+    comp_ptr, keys_ptr, acc_ptr, eslot_ptr, einfo_ptr, e, marker, info, read_slot, readable, chunk, c_begin, n_cls,
+    ESIZE: tl.constexpr, G: tl.constexpr, BLOCK_W: tl.constexpr, HB: tl.constexpr, BJ: tl.constexpr,
+    CPU: tl.constexpr, BS_LOG: tl.constexpr, EXACT: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """One unit: chunk ``chunk``'s components summed for a tile's entries ``e`` and added into ``acc``;
+    chunk 0 also records the entries.  Returns the entries it counts (chunk 0's usable ones)."""
+    usable = marker >= 0
+    n = tl.zeros((), tl.int64)
+    if chunk == 0:
+        tl.store(eslot_ptr + e, marker)
+        tl.store(einfo_ptr + e, info)
+        n += tl.sum(usable.to(tl.int64))
+    c0 = c_begin + chunk * CPU
+    c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
+    part = tl.zeros((G,), tl.uint64)
+    # Loads by ``readable`` (they need not wait for the write marks), sums added by ``usable``.
+    if ESIZE == 8:
+        s = read_slot.to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
+        if BS_LOG >= 0:  # every component of the launch has block size 2**BS_LOG
+            blk = s >> BS_LOG
+            off = s & ((1 << BS_LOG) - 1)
+            for c in range(c0, c1):
+                part += _unit_words(comp_ptr, keys_ptr, c, blk, off, readable, G, HB, BJ, EXACT, VEC)
+        else:
+            for c in range(c0, c1):
+                bsize = tl.load(comp_ptr + c * COMP_WIDTH + 5)
+                part += _unit_words(comp_ptr, keys_ptr, c, s // bsize, s % bsize, readable, G, HB, BJ, EXACT, VEC)
+    else:
+        for c in range(c0, c1):
+            part += _unit(comp_ptr, keys_ptr, c, read_slot, readable, ESIZE, G, BLOCK_W)
+    tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
+    return n
+
+
+@triton.jit
 def _finalize(
     digests_ptr, acc_ptr, eslot_ptr, einfo_ptr, rows_ptr, first_ptr, last_ptr, counters_ptr,
     n_entries, n_verified, log_k, group_id, STAMP: tl.constexpr, FROM_PLAN: tl.constexpr, AND_STAMP: tl.constexpr,
@@ -268,56 +296,34 @@ def digest_kernel(
         trows = first
         total_tiles = tl.zeros((), tl.int64) + (n_list + G - 1) // G
         n_tiles = total_tiles
-    n_stamp = tl.zeros((), tl.int64)  # AND_STAMP: the list's tiles, after the verify's
-    if AND_STAMP:
-        n_stamp += (n_list + G - 1) // G
     n_chunks = (n_cls + CPU - 1) // CPU  # units: (tile, CPU components), components inner
     done = tl.zeros((), tl.int64)  # entries this program's units digest (counted once, in chunk 0)
-    stamped = tl.zeros((), tl.int64)  # AND_STAMP: of which the stamp's
-    for u in range(pid, (n_tiles + n_stamp) * n_chunks, n_programs):
+    for u in range(pid, n_tiles * n_chunks, n_programs):
         tile = u // n_chunks
-        chunk = u % n_chunks
-        if AND_STAMP:
-            e, marker, info, read_slot, readable = verify_or_stamp_entries(
-                tile, n_tiles, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page,
-                num_slots, first, excl, incl, starts, ends, period, wmarks_ptr, mark,
-                res0, res1, res2, res3, res4, res5, res6, res7, HAS_LOOKUP, PAGED, G,
-            )  # fmt: skip
-        else:
+        e, marker, info, read_slot, readable = tile_entries(
+            tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
+            first, excl, incl, starts, ends, period, wmarks_ptr, mark,
+            res0, res1, res2, res3, res4, res5, res6, res7, FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
+        )  # fmt: skip
+        done += _digest_unit(
+            comp_ptr, keys_ptr, acc_ptr, eslot_ptr, einfo_ptr, e, marker, info, read_slot, readable, u % n_chunks,
+            c_begin, n_cls, ESIZE, G, BLOCK_W, HB, BJ, CPU, BS_LOG, EXACT, VEC,
+        )  # fmt: skip
+    n_stamp = tl.zeros((), tl.int64)  # AND_STAMP: the list's tiles, entries numbered on from the verify's
+    stamped = tl.zeros((), tl.int64)
+    if AND_STAMP:  # its units continue the verify's round robin (a loop of its own: no branch per unit)
+        n_stamp += (n_list + G - 1) // G
+        start = (pid - (n_tiles * n_chunks) % n_programs + n_programs) % n_programs
+        for u in range(start, n_stamp * n_chunks, n_programs):
             e, marker, info, read_slot, readable = tile_entries(
-                tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-                first, excl, incl, starts, ends, period, wmarks_ptr, mark,
-                res0, res1, res2, res3, res4, res5, res6, res7, FROM_PLAN, HAS_LOOKUP, PAGED, REPORT_RANGE, G,
+                u // n_chunks, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page,
+                num_slots, first, excl, incl, starts, ends, period, wmarks_ptr, mark,
+                res0, res1, res2, res3, res4, res5, res6, res7, False, HAS_LOOKUP, PAGED, False, G,
             )  # fmt: skip
-        usable = marker >= 0
-        if chunk == 0:
-            tl.store(eslot_ptr + e, marker)
-            tl.store(einfo_ptr + e, info)
-            n = tl.sum(usable.to(tl.int64))
-            done += n
-            if AND_STAMP:
-                stamped += tl.where(tile >= n_tiles, n, 0)
-        c0 = c_begin + chunk * CPU
-        c1 = tl.minimum(c0 + CPU, c_begin + n_cls)
-        part = tl.zeros((G,), tl.uint64)
-        # Loads by ``readable`` (they need not wait for the write marks), sums added by ``usable``.
-        if ESIZE == 8:
-            s = read_slot.to(tl.int32)  # slots < 2**31 (DeviceLayout.build)
-            if BS_LOG >= 0:  # every component of the launch has block size 2**BS_LOG
-                blk = s >> BS_LOG
-                off = s & ((1 << BS_LOG) - 1)
-                for c in range(c0, c1):
-                    part += _unit_words(comp_ptr, keys_ptr, c, blk, off, readable, G, HB, BJ, EXACT, VEC)
-            else:
-                for c in range(c0, c1):
-                    bsize = tl.load(comp_ptr + c * COMP_WIDTH + 5)
-                    part += _unit_words(
-                        comp_ptr, keys_ptr, c, s // bsize, s % bsize, readable, G, HB, BJ, EXACT, VEC
-                    )  # fmt: skip
-        else:
-            for c in range(c0, c1):
-                part += _unit(comp_ptr, keys_ptr, c, read_slot, readable, ESIZE, G, BLOCK_W)
-        tl.atomic_add(acc_ptr + e, part.to(tl.int64, bitcast=True), mask=usable, sem="relaxed")
+            stamped += _digest_unit(
+                comp_ptr, keys_ptr, acc_ptr, eslot_ptr, einfo_ptr, e + n_tiles * G, marker, info, read_slot,
+                readable, u % n_chunks, c_begin, n_cls, ESIZE, G, BLOCK_W, HB, BJ, CPU, BS_LOG, EXACT, VEC,
+            )  # fmt: skip
     if FINALIZE:
         # One vector atomic takes the ticket and adds the statistics (each acq_rel atomic is a round trip
         # on the step's critical path); the ticket's reset and the epoch's advance need no ordering but the
@@ -330,7 +336,6 @@ def digest_kernel(
         if AND_STAMP:  # two calls' statistics; the stamp's count goes ahead of the ticket (no round trip)
             calls = 2
             tl.atomic_add(stats_ptr + STAT_STAMPED, stamped, mask=stamped != 0, sem="relaxed")
-            done -= stamped
         ticket = finish(
             sync_ptr, stats_ptr, pid, STAT_CALLS, calls, STAT_SKIPPED_TILES, total_tiles - n_tiles, done_stat, done,
             True,

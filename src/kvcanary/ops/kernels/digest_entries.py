@@ -3,8 +3,7 @@
 
 A planned verify selects, per row, the runs of G positions whose run index is ``epoch % period`` modulo
 ``period`` (``docs/design.md`` §12); :func:`row_spans` counts each row's selected tiles and their prefix, and
-:func:`tile_entries` maps a tile to its entries' slots (through the table and lookup), or SKIP / BAD;
-:func:`verify_or_stamp_entries` does it for a call that verifies the plan's share and stamps a list.
+:func:`tile_entries` maps a tile to its entries' slots (through the table and lookup), or SKIP / BAD.
 """
 
 from __future__ import annotations
@@ -85,27 +84,3 @@ def tile_entries(
     if REPORT_RANGE:
         marker = tl.where(stored & ~ok, BAD, marker)
     return e, marker, info, tl.where(readable, slot, 0), readable
-
-
-@triton.jit
-def verify_or_stamp_entries(
-    tile, n_verify, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-    first, excl, incl, starts, ends, period, wmarks_ptr, mark, res0, res1, res2, res3, res4, res5, res6, res7,
-    HAS_LOOKUP: tl.constexpr, PAGED: tl.constexpr, G: tl.constexpr,
-):  # fmt: skip
-    """A fused call's tile: the planned verify's first ``n_verify`` tiles, then the stamp list's (entries
-    numbered on from the verify's; neither reports ranges)."""
-    if tile >= n_verify:
-        e, marker, info, read_slot, readable = tile_entries(
-            tile - n_verify, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page,
-            num_slots, first, excl, incl, starts, ends, period, wmarks_ptr, mark,
-            res0, res1, res2, res3, res4, res5, res6, res7, False, HAS_LOOKUP, PAGED, False, G,
-        )  # fmt: skip
-        e += n_verify * G
-    else:
-        e, marker, info, read_slot, readable = tile_entries(
-            tile, locs_ptr, lookup_ptr, trows, table_ptr, n_list, n_lookup, n_rows, n_cols, page, num_slots,
-            first, excl, incl, starts, ends, period, wmarks_ptr, mark,
-            res0, res1, res2, res3, res4, res5, res6, res7, True, HAS_LOOKUP, PAGED, False, G,
-        )  # fmt: skip
-    return e, marker, info, read_slot, readable
