@@ -168,7 +168,7 @@ def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) 
 
 @pytest.mark.parametrize("tuning", list(TUNINGS))
 @pytest.mark.parametrize("page", [1, 3, 16])
-@pytest.mark.parametrize("writes", [1, 7, 40, 100])  # 100: two components a unit on the interpreter
+@pytest.mark.parametrize("writes", [1, 7, 40, 100])  # 100: the stamp gets a launch of its own (interpreter)
 def test_fused_verify_and_stamp_matches_reference(page: int, writes: int, tuning: str) -> None:
     """One launch verifying the plan's share and stamping the step's writes: the reference's two calls.
     Writes carry -1, the reserved slot, out-of-range and repeated indices; some slots are both written

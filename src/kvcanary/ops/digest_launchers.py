@@ -206,18 +206,18 @@ def _launch(
     block_b = max(16, 1 << max(max_b - 1, 0).bit_length())  # from the capacity: one compile for every batch
     has_lookup = lookup is not None and lookup.numel() > 0
     cap = _grid_cap(dl.layout.device, tuning)
-    listed = max_tiles if batch is None else -(-n_list // TILE_TOKENS) if and_stamp else 0  # known tiles
-    tiles = listed + (0 if batch is None else _planned_tiles(batch, group, period, max_tiles))
+    tiles = max_tiles if batch is None else _planned_tiles(batch, group, period, max_tiles)
+    tiles += -(-n_list // TILE_TOKENS) if and_stamp else 0
     for k, lc in enumerate(dl.classes):
         es = lc.element_size
         units = tiles * lc.rows
         programs = max(1, min(units, cap))
         t = tuning.for_units(units, cap)
         hb, bj, exact, vec = lc.path(t)
-        # Components per unit: more where listed tiles alone keep every program busy (amortizes the entries);
-        # a planned verify knows only a bound on its tiles, so it counts for none.
+        # Components per unit: more where tiles alone keep every program busy (amortizes the entries); a
+        # planned verify knows only a bound on its tiles, so it keeps one (all programs in use).
         cpu = 1
-        while cpu < tuning.max_comps_per_unit and listed * lc.rows // (2 * cpu) >= 2 * programs:
+        while batch is None and cpu < tuning.max_comps_per_unit and units // (2 * cpu) >= 2 * programs:
             cpu *= 2
         digest_kernel[(programs,)](
             dl.table, dl.keys, locs if locs is not None and n_list else dummy, lookup if has_lookup else dummy,
@@ -303,13 +303,24 @@ def verify_and_stamp(
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
     tuning: DigestTuning = DEFAULT_TUNING,
 ) -> None:  # fmt: skip
-    """digest_reference.verify_and_stamp on device: one call of launches, one finalize."""
+    """digest_reference.verify_and_stamp on device.  A decode-sized stamp shares the verify's launch (one
+    finalize: most of a small step's cost is fixed latency); a stamp that fills the grid twice over (a
+    prefill chunk's) streams on its own tuned path in a launch of its own, after the verify's."""
     _check_planned(group, layout, digests, ws, log, batch, plan_ws, period, group_tokens)
     taken = stamp_entries(batch)
     if taken > ws.entries:
         raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    verify_tiles = (ws.entries - taken) // TILE_TOKENS
+    stamp_units = taken // TILE_TOKENS * max(lc.rows for lc in layout.classes)
+    if stamp_units > 2 * _grid_cap(layout.layout.device, tuning):
+        _launch(group, layout, digests, ws, log, locs=None, lookup=batch.lookup, batch=batch, plan_ws=plan_ws,
+                stamp=False, report_range=False, period=period, max_tiles=verify_tiles, tuning=tuning)  # fmt: skip
+        _launch(group, layout, digests, ws, log, locs=batch.out_cache_loc, lookup=batch.lookup, batch=None,
+                plan_ws=None, stamp=True, report_range=False, period=1, max_tiles=taken // TILE_TOKENS,
+                tuning=tuning)  # fmt: skip
+        return
     _launch(
         group, layout, digests, ws, log, locs=batch.out_cache_loc, lookup=batch.lookup, batch=batch,
-        plan_ws=plan_ws, stamp=False, report_range=False, period=period,
-        max_tiles=(ws.entries - taken) // TILE_TOKENS, tuning=tuning, and_stamp=True,
+        plan_ws=plan_ws, stamp=False, report_range=False, period=period, max_tiles=verify_tiles, tuning=tuning,
+        and_stamp=True,
     )  # fmt: skip
