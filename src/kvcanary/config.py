@@ -18,10 +18,11 @@ class Mode(enum.Enum):
 class DigestConfig:
     """The KV digest (``docs/design.md`` §12): stamped on every slot written, verified on a budget.
 
-    ``budget`` is the share of a step's read slots whose bytes are re-digested before attention reads
-    them, rotating so that a slot read on consecutive steps is covered within ``period`` steps (1.0:
-    every read slot, every step).  Slots whose bytes were moved (copied, restored) are verified after
-    the move whatever the budget.  ``layers`` restricts the digest to those layer indices (None: all).
+    ``budget`` is the share of a step's read slots whose bytes are re-digested in the step that reads
+    them (after its forward, with the stamp; before it on vLLM), rotating so that a slot read on
+    consecutive steps is covered within ``period`` steps (1.0: every read slot, every step).  Slots whose
+    bytes were moved (copied, restored) are verified after the move whatever the budget.  ``layers``
+    restricts the digest to those layer indices (None: all).
     """
 
     # Default 1/256: the measured cost at 0.01 (benchmarks/results/*-digest.json) is 3.2-3.6 % of a decode step's

@@ -104,7 +104,7 @@ class GroupDigest:
                        lookup=batch.lookup, **kw)  # fmt: skip
 
     def verify(self, batch: StepBatch, log: ViolationLog) -> None:
-        """Verify the budgeted share of the last plan's verify entries (same batch), before attention reads."""
+        """Verify the budgeted share of the last plan's verify entries (same batch): what attention reads."""
         ops, layout, kw = self._ops()
         ops.verify_planned(self.canary.group, layout, self.digests, self.workspace, log, batch,
                            self.canary.workspace, period=self.period, **kw)  # fmt: skip
