@@ -113,7 +113,7 @@ def decode_step(pool: Pool, batch: int, prefix: int, extend: int, dev: torch.dev
         rows=rows, prefix_lens=torch.full((batch,), prefix), extend_lens=torch.full((batch,), extend), table=table,
         input_ids=torch.zeros(batch * extend, dtype=torch.int64), positions=pos, out_cache_loc=loc,
     )  # fmt: skip
-    b = StepBatch(**{k: (v.to(dev) if v is not None else None) for k, v in b.tensors().items()})
+    b = b.to(dev)
     caps = Capacities(max_batch=batch, max_tokens=batch * extend, verify_entries=batch * (prefix + extend),
                       max_context=prefix + extend)  # fmt: skip
     canary = GroupCanary(group, caps, dev)

@@ -110,7 +110,7 @@ class Twin:
     def step(self, batch: StepBatch) -> ViolationLog:
         """One step; returns the log of the step's violations (reference side)."""
         before = self.ref.log.total()
-        dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
+        dev_batch = batch.to(DEVICE)
         # Every other step runs plan and verify in one launch (GroupCanary.step's path), the others as two.
         self.steps += 1
         for phase in ("plan_verify", "stamp") if self.steps % 2 else ("plan", "verify", "stamp"):

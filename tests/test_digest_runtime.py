@@ -17,7 +17,6 @@ import torch
 
 from kvcanary import CanaryConfig, Capacities, Mode
 from kvcanary import digest as D
-from kvcanary.batch import StepBatch
 from kvcanary.config import DigestConfig
 from kvcanary.runtime import CanaryManager, StepReport
 from scripted_engine import EngineStep, ScriptedEngine, standard_workload
@@ -67,10 +66,6 @@ class KVPools:
                 self.window[i][wslot] = row
 
 
-def on(device: str, batch: StepBatch) -> StepBatch:
-    return StepBatch(**{k: None if v is None else v.to(device) for k, v in batch.tensors().items()})
-
-
 def run(
     engine: ScriptedEngine, budget: float, fault=None, clock=time.monotonic, device: str = "cpu", tap: str = "bracket"
 ) -> tuple[list[StepReport], CanaryManager]:  # type: ignore[no-untyped-def]
@@ -86,7 +81,7 @@ def run(
         step = engine.begin_step()
         if fault is not None:
             fault(engine, step, pools, mgr)
-        batches = {"full": on(device, step.full(True)), "window": on(device, step.window(True))}
+        batches = {"full": step.full(True).to(device), "window": step.window(True).to(device)}
         if tap == "bracket":
             mgr.before_forward(batches)
             pools.forward(step)

@@ -58,7 +58,7 @@ def test_group_canary_dispatches_to_kernels() -> None:
     for p, e in ((0, 6), (6, 1), (7, 1)):
         batch = world.batch([(1, p, e), (2, p, e)])
         base.step(batch, blog)
-        kern.step(StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()}), klog)
+        kern.step(batch.to(DEVICE), klog)
     assert torch.equal(kern.records.links.cpu(), base.records.links)
     assert torch.equal(klog.counters.cpu(), blog.counters)
 
@@ -252,7 +252,7 @@ def test_slot_written_twice_holds_one_of_the_writes() -> None:
     ref_state, dev_state = State.make(world.group, caps, torch.device("cpu")), State.make(world.group, caps, DEVICE)
     batch = world.batch([(1, 0, 3), (2, 0, 3)])
     batch.out_cache_loc[4] = batch.out_cache_loc[1]
-    dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
+    dev_batch = batch.to(DEVICE)
     for impl, st, bt in ((ref, ref_state, batch), (launchers, dev_state, dev_batch)):
         impl.plan(st.of(world.group), bt)
         impl.stamp(st.of(world.group), bt)
@@ -274,7 +274,7 @@ def test_launchers_refuse_bad_metadata_before_running() -> None:
     caps = capacities()
     st = State.make(world.group, caps, DEVICE)
     batch = world.batch([(1, 0, 2)])
-    batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
+    batch = batch.to(DEVICE)
     counters = st.log.counters.clone()
     bad_records = RecordStore(st.records.tokens.long(), st.records.positions, st.records.links)
     with pytest.raises(TypeError, match=r"records\.tokens"):

@@ -57,7 +57,7 @@ def test_same_step_fault_is_caught_like_the_reference(name: str) -> None:
 
 def _run_both(world: World, caps, batch: StepBatch, dup_slot: int):  # type: ignore[no-untyped-def]
     """Reference and kernels on one step with a slot written twice: equal except that slot's record."""
-    dev_batch = StepBatch(**{k: None if v is None else v.to(DEVICE) for k, v in batch.tensors().items()})
+    dev_batch = batch.to(DEVICE)
     states = []
     for impl, bt, dev in ((ref, batch, torch.device("cpu")), (launchers, dev_batch, DEVICE)):
         st = State.make(world.group, caps, dev)

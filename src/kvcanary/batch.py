@@ -10,6 +10,7 @@ holds the token the scheduler believes sits at ``pos``, valid below ``truth_lens
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -41,6 +42,11 @@ class StepBatch:
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to(self, device: torch.device | str) -> StepBatch:
+        """This batch with every tensor on ``device`` (a copy where it moves, as ``Tensor.to``)."""
+        moved: dict[str, Any] = {k: None if v is None else v.to(device) for k, v in self.tensors().items()}
+        return StepBatch(**moved)
 
 
 def _check_tensor(name: str, t: object, ndim: int, device: torch.device) -> torch.Tensor:
