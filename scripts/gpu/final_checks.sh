@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check a submitted commit needs, in two device calls (a machine stays warm 30 s between them):
 #   suites   the compiled kernel suites (case, same-step, graph; differential; digest) in three processes
-#            beside compute-sanitizer memcheck on corrupted tables: compile-bound, so run together
+#            beside compute-sanitizer memcheck on corrupted tables (link kernels, then the digest kernel):
+#            compile-bound, so run together
 #   benches  the kernel table, the digest benchmark and bench_e2e one after another (timings alone on the GPU)
 #            and the GPU-marked adapter test; needs the transformers wheel in .whl (carry [".whl"])
 # Logs and results in $OUT/<stage>.tgz (one file: the device returns at most 8).  Usage: COMMIT=<sha> scripts/gpu/final_checks.sh suites|benches
@@ -29,8 +30,13 @@ case $stage in
       --error-exitcode 99 --print-limit 20 python3 scripts/gpu/sanitize_kernels.py "${SANITIZE_CASES:-16}" \
       >"$out/sanitizer.log" 2>&1
     echo "sanitizer exit $?" >>"$out/stages.txt"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-500}" compute-sanitizer --tool memcheck \
+      --error-exitcode 99 --print-limit 20 python3 scripts/gpu/sanitize_digest.py "${SANITIZE_DIGEST_ROUNDS:-12}" \
+      >"$out/sanitizer_digest.log" 2>&1
+    echo "digest sanitizer exit $?" >>"$out/stages.txt"
     for p in $a $b $c; do wait $p; echo "suite pid $p exit $?" >>"$out/stages.txt"; done
-    tail -n 1 "$out"/link.log "$out"/differential.log "$out"/digest.log "$out"/sanitizer.log >>"$out/stages.txt" ;;
+    tail -n 1 "$out"/link.log "$out"/differential.log "$out"/digest.log "$out"/sanitizer.log "$out"/sanitizer_digest.log \
+      >>"$out/stages.txt" ;;
   benches)
     timeout 150 python3 benchmarks/bench_kernels.py --commit "$COMMIT" --out "$out" >"$out/bench_kernels.log" 2>&1
     echo "bench_kernels exit $?" >>"$out/stages.txt"
