@@ -1,9 +1,10 @@
 """Run the digest kernel on corrupt inputs under ``compute-sanitizer --tool memcheck`` (any bad access is an error).
 
-Every call the runtime makes (stamp and verify lists, the planned verify, the fused verify-and-stamp and its
-split form for a prefill-sized stamp) over paged and token-major pools, with the lists, the lookup, the
-table, the plan's spans and the written slots smashed to negative, out-of-range and huge values.  Each call
-is also compared with the reference, so a run that hides an access error behind a wrong answer still fails.
+Every call the runtime makes (stamp and verify lists, the planned verify, the fused verify-and-stamp) over
+paged and token-major pools, with the lists, the lookup, the table and the written slots smashed to
+negative, out-of-range and huge values, each call compared with the reference (a run that hides an access
+error behind a wrong answer still fails); then the plan's spans smashed too, which no plan writes and the
+reference does not model: the kernel alone.
 Usage (repository root): compute-sanitizer --tool memcheck --error-exitcode 99 \\
     python scripts/gpu/sanitize_digest.py [n_rounds]
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+from sanitize_kernels import run_rounds, smash_values  # noqa: E402
 
 import digest_cases as dc  # noqa: E402
 from kvcanary import digest as D  # noqa: E402
@@ -29,14 +31,6 @@ from kvcanary.workspace import ViolationLog  # noqa: E402
 
 NASTY = [-(2**31), -7, -1, 2**31 - 1, 2**40]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def smash(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    t = t.clone().to(torch.int64)
-    flat = t.view(-1)
-    for _ in range(rng.randint(1, 3)):
-        flat[rng.randrange(flat.numel())] = rng.choice(NASTY)
-    return t
 
 
 def one_round(rng: random.Random, page: int) -> list[str]:
@@ -51,10 +45,14 @@ def one_round(rng: random.Random, page: int) -> list[str]:
     sides = [(dref, layout), (dl, dl.DeviceLayout.build(layout))]
     state = [(torch.zeros(num_slots, dtype=torch.int64, device=DEV), D.DigestWorkspace.allocate(512, DEV),
               ViolationLog.allocate(4, DEV)) for _ in sides]  # fmt: skip
-    lookup = smash(torch.randperm(num_slots, device=DEV), rng) if rng.random() < 0.5 else None
-    writes = smash(torch.randint(0, num_slots, (rng.choice([3, 40, 150]),), device=DEV), rng)
-    smashed = dataclasses.replace(batch, table=smash(batch.table, rng), out_cache_loc=writes, lookup=lookup)
-    listed = smash(torch.arange(num_slots, device=DEV), rng)
+
+    def smashed_copy(t: torch.Tensor) -> torch.Tensor:
+        return smash_values(t, rng, NASTY)
+
+    lookup = smashed_copy(torch.randperm(num_slots, device=DEV)) if rng.random() < 0.5 else None
+    writes = smashed_copy(torch.randint(0, num_slots, (rng.choice([3, 40, 150]),), device=DEV))
+    smashed = dataclasses.replace(batch, table=smashed_copy(batch.table), out_cache_loc=writes, lookup=lookup)
+    listed = smashed_copy(torch.arange(num_slots, device=DEV))
     calls = [("stamp_list", (torch.arange(num_slots, device=DEV),), {}),
              ("verify_list", (listed,), {"lookup": lookup, "report_range": True}),
              ("verify_planned", (smashed, plan_ws), {"period": rng.choice([1, 3])}),
@@ -69,7 +67,7 @@ def one_round(rng: random.Random, page: int) -> list[str]:
             problems.append(f"{name} (page {page}) differs from the reference")
     # Spans no plan would write (the reference assumes the plan's): the kernel alone, for memcheck.
     for t in (plan_ws.window_starts, plan_ws.verify_offsets):
-        t.copy_(smash(t, rng))
+        t.copy_(smashed_copy(t))
     digests, ws, log = state[1]
     dl.verify_planned(group, sides[1][1], digests, ws, log, smashed, plan_ws, period=1)
     dl.verify_and_stamp(group, sides[1][1], digests, ws, log, smashed, plan_ws, period=1)
@@ -79,16 +77,7 @@ def one_round(rng: random.Random, page: int) -> list[str]:
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     rng = random.Random(11)
-    t0 = time.time()
-    failures = 0
-    for i in range(n):
-        for problem in one_round(rng, [1, 3, 16][i % 3]):
-            failures += 1
-            print("MISMATCH", i, problem, flush=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    print(f"sanitize_digest: {n} smashed steps x 4 calls, {failures} mismatches, {time.time() - t0:.1f}s")
-    return 1 if failures else 0
+    return run_rounds(f"sanitize_digest: {n} smashed steps x 4 calls", n, lambda i: one_round(rng, [1, 3, 16][i % 3]))
 
 
 if __name__ == "__main__":

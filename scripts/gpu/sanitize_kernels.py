@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -27,40 +28,54 @@ FUSING = launchers.KernelTuning(fuse_max_batch=32)
 NASTY = [-(2**63), -(2**40), -(2**31), -1, 2**31 - 1, 2**40, 2**62, 2**63 - 1]
 
 
+def smash_values(t: torch.Tensor, rng: random.Random, nasty: Sequence[int] = NASTY) -> torch.Tensor:
+    """An int64 copy of ``t`` with one to three of its values overwritten from ``nasty``."""
+    t = t.to(torch.int64).clone()
+    flat = t.view(-1)
+    for _ in range(rng.randint(1, 3)):
+        flat[rng.randrange(flat.numel())] = rng.choice(nasty)
+    return t
+
+
 def smash(case: gen.Case, rng: random.Random) -> gen.Case:
     """Overwrite a few index values of every kind with values from NASTY (int64 so they fit)."""
     b = case.batch
     for name in ("table", "lookup", "rows", "prefix_lens", "extend_lens", "truth_lens", "out_cache_loc"):
         t = getattr(b, name)
-        if t is None or t.numel() == 0:
-            continue
-        t = t.to(torch.int64)
-        flat = t.view(-1)
-        for _ in range(rng.randint(1, 3)):
-            flat[rng.randrange(flat.numel())] = rng.choice(NASTY)
-        setattr(b, name, t)
+        if t is not None and t.numel():
+            setattr(b, name, smash_values(t, rng))
     return case
+
+
+def run_rounds(label: str, n: int, one: Callable[[int], list[str]]) -> int:
+    """Rounds 0..n-1 (each returns its differences from the reference), then one line: ``label``, the
+    mismatches and the time.  Exit status 1 on any mismatch (memcheck's own errors exit 99)."""
+    t0 = time.time()
+    failures = 0
+    for i in range(n):
+        for problem in one(i):
+            failures += 1
+            print("MISMATCH", i, problem, flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    print(f"{label}, {failures} mismatches, {time.time() - t0:.1f}s")
+    return 1 if failures else 0
 
 
 def main() -> int:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 30
     rng = random.Random(7)
-    t0 = time.time()
-    failures = 0
-    for i in range(n):
+
+    def one(i: int) -> list[str]:
         case = gen.random_case(90_000 + i, corrupt=True)
         if i % 2:
             case = smash(case, rng)
         # The scalar oracle does not model int64 wrap-around, so it only serves the unsmashed cases.
         # Half the cases run plan and verify as one launch (the fused kernel, off by default), half as two.
         problems = compare_step(case, tuning=FUSING, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
-        if problems:
-            failures += 1
-            print("MISMATCH", case.describe(), problems[:2], flush=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    print(f"sanitize_kernels: {n} corrupt cases ({n // 2} smashed), {failures} mismatches, {time.time() - t0:.1f}s")
-    return 1 if failures else 0
+        return [f"{case.describe()} {problems[:2]}"] if problems else []
+
+    return run_rounds(f"sanitize_kernels: {n} corrupt cases ({n // 2} smashed)", n, one)
 
 
 if __name__ == "__main__":
