@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
-    collect_ignore_glob = ["test_*.py", "sglang_harness.py"]
+    collect_ignore_glob = ["test_*.py", "sglang_harness.py", "sglang_model.py"]
 else:
     from kvcanary.adapters.sglang.selftest.scheduler_loop import prepare_environment
 

@@ -14,7 +14,8 @@ import torch
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang_harness import DTYPE, Engine, Req, TinyRunner, WriteOnlyModel, make_forward_batch, server_args
+from sglang_harness import Engine, Req
+from sglang_model import DTYPE, TinyRunner, WriteOnlyModel, make_forward_batch, server_args
 
 from kvcanary.adapters.sglang import options_from_args
 from kvcanary.adapters.sglang.digest_layout import pool_layouts

@@ -10,17 +10,8 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
-from sglang_harness import (
-    DTYPE,
-    HEAD_DIM,
-    HEADS,
-    Engine,
-    TinyModel,
-    TinyRunner,
-    WriteOnlyModel,
-    make_forward_batch,
-    server_args,
-)
+from sglang_harness import Engine
+from sglang_model import DTYPE, HEAD_DIM, HEADS, TinyModel, TinyRunner, WriteOnlyModel, make_forward_batch, server_args
 
 from kvcanary.adapters.sglang import SUPPORTED_POOLS, install_canary, options_from_args
 from kvcanary.runtime import CanaryViolation

@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang_harness import DTYPE, HEAD_DIM, HEADS, TinyModel, TinyRunner, server_args
+from sglang_model import DTYPE, HEAD_DIM, HEADS, TinyModel, TinyRunner, server_args
 
 from kvcanary.adapters.base import UnsupportedEngineVersion
 from kvcanary.adapters.sglang import SUPPORTED_SGLANG_VERSIONS, install_canary
