@@ -10,6 +10,8 @@ reference shows up as a difference.  Used only by the tests.  Plan and verify li
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvcanary.batch import StepBatch
@@ -139,6 +141,19 @@ def _mark_writes(group: CanaryGroup, b: Batch, ws: PlanWorkspace, n_slots: int) 
 # --------------------------------------------------------------------------- verify
 
 
+@dataclasses.dataclass
+class _Records:
+    """The record store as lists, and what verify needs beside it."""
+
+    tokens: list[int]
+    positions: list[int]
+    links: list[int]
+    reserved: set[int]
+
+    def readable(self, slot: int) -> bool:
+        return 0 <= slot < len(self.links)
+
+
 def verify(
     group: CanaryGroup,
     batch: StepBatch,
@@ -149,107 +164,94 @@ def verify(
 ) -> None:
     b = Batch.read(batch)
     bs = len(b.rows)
-    tokens, positions, links = ints(records.tokens), ints(records.positions), ints(records.links)
-    n_slots = len(links)
-    reserved = set(group.reserved_slots)
+    rec = _Records(ints(records.tokens), ints(records.positions), ints(records.links), set(group.reserved_slots))
     offsets = ints(ws.verify_offsets[: bs + 1])
     starts = ints(ws.window_starts[:bs])
     out = Log(log)
-
-    def in_pool(s: int) -> bool:
-        return 0 <= s < n_slots
-
     checked_entries = 0
     read_live: dict[int, int] = {}
     for r in range(bs):
-        row = b.rows[r]
         for k in range(offsets[r + 1] - offsets[r]):
             if checked_entries == capacity:
                 break
             checked_entries += 1
-            pos = starts[r] + k
-            full = table_index(group, b, row, pos)
-            slot, lookup_bad = to_pool(b, full)
-            readable = not lookup_bad and in_pool(slot)
-            s_tok, s_pos, s_link = (tokens[slot], positions[slot], links[slot]) if readable else (0, 0, 0)
-            is_reserved = readable and slot in reserved
-            never = readable and not is_reserved and s_link == EMPTY_LINK
-            if readable and not is_reserved:
-                read_live.setdefault(slot, r)  # attention gathers it this step (rows come in order)
-            checked = readable and not is_reserved and not never
-            exp_tok = expected_token(group, b, r, pos)
-
-            reasons = 0
-            bad_index = -1
-            if lookup_bad:
-                reasons |= Reason.LOOKUP_OUT_OF_RANGE
-                bad_index = full
-            elif not readable:
-                reasons |= Reason.SLOT_OUT_OF_RANGE
-                bad_index = slot
-            if is_reserved:
-                reasons |= Reason.RESERVED_SLOT
-            if never:
-                reasons |= Reason.NEVER_WRITTEN
-            if checked and s_pos != pos:
-                reasons |= Reason.POSITION_MISMATCH
-            if checked and exp_tok != UNKNOWN_TOKEN and s_tok != exp_tok:
-                reasons |= Reason.TOKEN_MISMATCH
-
-            # The link is recomputed from the predecessor's stored link and this record's own fields.
-            pred = -1
-            prev_link: int | None = LINK_ANCHOR
-            if pos > 0:
-                pfull = table_index(group, b, row, pos - 1)
-                pslot, plookup_bad = to_pool(b, pfull)
-                prev_link = None
-                if plookup_bad:
-                    if checked:
-                        reasons |= Reason.LOOKUP_OUT_OF_RANGE
-                        if bad_index == -1:
-                            bad_index = pfull
-                else:
-                    pred = pslot
-                    if not in_pool(pslot):
-                        if checked:
-                            reasons |= Reason.PREDECESSOR_OUT_OF_RANGE
-                            if bad_index == -1:
-                                bad_index = pslot
-                    elif pslot not in reserved:
-                        prev_link = links[pslot]
-            exp_link = 0
-            if checked and prev_link is not None:
-                exp_link = to_signed64(link_step(prev_link, s_tok, s_pos))
-                if exp_link != s_link:
-                    reasons |= Reason.LINK_MISMATCH
-
-            if reasons:
-                out.append(
-                    violation_row(
-                        Phase.VERIFY,
-                        group,
-                        REASONS=reasons,
-                        BATCH_ROW=r,
-                        TABLE_ROW=row,
-                        SLOT=slot,
-                        PRED=pred,
-                        EXPECTED_POSITION=pos,
-                        STORED_POSITION=s_pos,
-                        EXPECTED_TOKEN=exp_tok,
-                        STORED_TOKEN=s_tok,
-                        EXPECTED_LINK=exp_link,
-                        STORED_LINK=s_link,
-                        BAD_INDEX=bad_index,
-                    )
-                )
+            row = _verify_entry(group, b, rec, r, starts[r] + k, read_live)
+            if row is not None:
+                out.append(row)
     epoch = int(ws.epoch[0])
-    for slot, row in read_live.items():  # the lowest batch row that read it; kept over older steps' marks
-        ws.read_marks[slot] = max(int(ws.read_marks[slot]), PlanWorkspace.read_mark(epoch, row))
-    _mark_writes(group, b, ws, n_slots)
+    for slot, r in read_live.items():  # the lowest batch row that read it; kept over older steps' marks
+        ws.read_marks[slot] = max(int(ws.read_marks[slot]), PlanWorkspace.read_mark(epoch, r))
+    _mark_writes(group, b, ws, len(rec.links))
     out.counters[Counter.VERIFIED] += checked_entries
     out.counters[Counter.SKIPPED] += offsets[bs] - checked_entries
     out.counters[Counter.CALLS] += 1
     out.write_back(log)
+
+
+def _verify_entry(
+    group: CanaryGroup, b: Batch, rec: _Records, r: int, pos: int, read_live: dict[int, int]
+) -> list[int] | None:
+    """The violation row of batch row ``r``'s read of position ``pos``, or None; notes the slots read."""
+    row = b.rows[r]
+    full = table_index(group, b, row, pos)
+    slot, lookup_bad = to_pool(b, full)
+    readable = not lookup_bad and rec.readable(slot)
+    s_tok, s_pos, s_link = (rec.tokens[slot], rec.positions[slot], rec.links[slot]) if readable else (0, 0, 0)
+    is_reserved = readable and slot in rec.reserved
+    never = readable and not is_reserved and s_link == EMPTY_LINK
+    if readable and not is_reserved:
+        read_live.setdefault(slot, r)  # attention gathers it this step (rows come in order)
+    checked = readable and not is_reserved and not never
+    exp_tok = expected_token(group, b, r, pos)
+
+    reasons = 0
+    bad_index = -1
+    if lookup_bad:
+        reasons |= Reason.LOOKUP_OUT_OF_RANGE
+        bad_index = full
+    elif not readable:
+        reasons |= Reason.SLOT_OUT_OF_RANGE
+        bad_index = slot
+    if is_reserved:
+        reasons |= Reason.RESERVED_SLOT
+    if never:
+        reasons |= Reason.NEVER_WRITTEN
+    if checked and s_pos != pos:
+        reasons |= Reason.POSITION_MISMATCH
+    if checked and exp_tok != UNKNOWN_TOKEN and s_tok != exp_tok:
+        reasons |= Reason.TOKEN_MISMATCH
+    pred, prev_link, pred_reasons, pred_bad = _predecessor(group, b, rec, row, pos)
+    if checked and pred_reasons:
+        reasons |= pred_reasons
+        if bad_index == -1:
+            bad_index = pred_bad
+    exp_link = 0
+    if checked and prev_link is not None:
+        exp_link = to_signed64(link_step(prev_link, s_tok, s_pos))
+        if exp_link != s_link:
+            reasons |= Reason.LINK_MISMATCH
+    if not reasons:
+        return None
+    return violation_row(
+        Phase.VERIFY, group, REASONS=reasons, BATCH_ROW=r, TABLE_ROW=row, SLOT=slot, PRED=pred,
+        EXPECTED_POSITION=pos, STORED_POSITION=s_pos, EXPECTED_TOKEN=exp_tok, STORED_TOKEN=s_tok,
+        EXPECTED_LINK=exp_link, STORED_LINK=s_link, BAD_INDEX=bad_index,
+    )  # fmt: skip
+
+
+def _predecessor(group: CanaryGroup, b: Batch, rec: _Records, row: int, pos: int) -> tuple[int, int | None, int, int]:
+    """Position ``pos - 1`` of table row ``row``: (its slot for PRED, its link to chain from or None where
+    it cannot be read, the reasons it gives a checked entry, the index those report).  The link is
+    recomputed from the predecessor's stored link and the entry's own fields."""
+    if pos == 0:
+        return -1, LINK_ANCHOR, 0, -1
+    pfull = table_index(group, b, row, pos - 1)
+    pslot, plookup_bad = to_pool(b, pfull)
+    if plookup_bad:
+        return -1, None, Reason.LOOKUP_OUT_OF_RANGE, pfull
+    if not rec.readable(pslot):
+        return pslot, None, Reason.PREDECESSOR_OUT_OF_RANGE, pslot
+    return pslot, None if pslot in rec.reserved else rec.links[pslot], 0, -1
 
 
 def step(
