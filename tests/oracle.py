@@ -45,7 +45,6 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     n_rows = len(b.table)
     width = b.table_width * group.page_size
     n_tokens = len(b.input_ids)
-    reserved = set(group.reserved_slots)
 
     verify_offsets, write_offsets = [0], [0]
     starts, seeds, states = [], [], []
@@ -65,45 +64,24 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
             start = max(pre - group.window, 0)
         verify_offsets.append(verify_offsets[-1] + (pre - start if active else 0))
 
-        seed = LINK_ANCHOR
-        reasons = 0
-        bad_index = -1
+        reasons, bad_index = 0, -1
         if row_bad:
-            reasons |= Reason.ROW_OUT_OF_RANGE
-            bad_index = row
+            reasons, bad_index = Reason.ROW_OUT_OF_RANGE, row
         if len_bad:
             reasons |= Reason.LENGTH_OUT_OF_RANGE
+        seed = LINK_ANCHOR
         if active and ext > 0 and pre > 0:
-            # The chain continues from the stored link of the last cached position.
-            full = table_index(group, b, row, pre - 1)
-            slot, lookup_bad = to_pool(b, full)
-            if lookup_bad:
-                reasons |= Reason.LOOKUP_OUT_OF_RANGE
-                bad_index = full
-            elif not 0 <= slot < records.num_slots:
-                reasons |= Reason.SEED_OUT_OF_RANGE
-                bad_index = slot
-            elif slot not in reserved and links[slot] != EMPTY_LINK:
-                seed = to_unsigned64(links[slot])
-
+            seed, seed_reasons, seed_bad = _seed(group, b, links, row, pre)
+            if seed_reasons:
+                reasons, bad_index = reasons | seed_reasons, seed_bad
         starts.append(start)
         seeds.append(seed)
         states.append(ROW_PADDING if padding else ROW_ACTIVE if active else ROW_BAD)
         if reasons:
-            out.append(
-                violation_row(
-                    Phase.PLAN,
-                    group,
-                    REASONS=reasons,
-                    BATCH_ROW=r,
-                    TABLE_ROW=row,
-                    SLOT=-1,
-                    PRED=-1,
-                    EXPECTED_POSITION=pre,
-                    STORED_POSITION=pre + ext,
-                    BAD_INDEX=bad_index,
-                )
-            )
+            out.append(violation_row(
+                Phase.PLAN, group, REASONS=reasons, BATCH_ROW=r, TABLE_ROW=row, SLOT=-1, PRED=-1,
+                EXPECTED_POSITION=pre, STORED_POSITION=pre + ext, BAD_INDEX=bad_index,
+            ))  # fmt: skip
     out.counters[Counter.CALLS] += 1
 
     ws.verify_offsets[: bs + 1] = torch.tensor(verify_offsets, dtype=torch.int64)
@@ -113,6 +91,20 @@ def plan(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWor
     ws.row_state[:bs] = torch.tensor(states, dtype=torch.int32)
     ws.epoch[0] = int(ws.epoch[0]) + 1  # a new step
     out.write_back(log)
+
+
+def _seed(group: CanaryGroup, b: Batch, links: list[int], row: int, pre: int) -> tuple[int, int, int]:
+    """(seed link, reasons, index they report) of a row that continues its chain from the stored link of its
+    last cached position ``pre - 1``."""
+    full = table_index(group, b, row, pre - 1)
+    slot, lookup_bad = to_pool(b, full)
+    if lookup_bad:
+        return LINK_ANCHOR, Reason.LOOKUP_OUT_OF_RANGE, full
+    if not 0 <= slot < len(links):
+        return LINK_ANCHOR, Reason.SEED_OUT_OF_RANGE, slot
+    if slot not in group.reserved_slots and links[slot] != EMPTY_LINK:
+        return to_unsigned64(links[slot]), 0, -1
+    return LINK_ANCHOR, 0, -1
 
 
 def _mark(ws: PlanWorkspace) -> int:
