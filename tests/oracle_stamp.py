@@ -61,45 +61,22 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
             exp_tok = expected_token(group, b, r, exp_pos)
             full = b.out_loc[t]
 
-            reasons = 0
-            slot, bad_index, named = -1, -1, r
-            if full != NOT_STORED:
-                slot, lookup_bad = to_pool(b, full)
-                if lookup_bad:
-                    reasons |= Reason.LOOKUP_OUT_OF_RANGE
-                    bad_index = full
-                elif not 0 <= slot < n_slots:
-                    reasons |= Reason.SLOT_OUT_OF_RANGE
-                    bad_index = slot
-                elif slot in reserved:
-                    reasons |= Reason.RESERVED_SLOT
-                else:
-                    tokens[slot], positions[slot], links[slot] = tok, i32(pos), to_signed64(link)
-                    written.setdefault(slot, []).append((tok, i32(pos), to_signed64(link)))
-                    same, bad_index, named = _same_step(group, b, marks, r, exp_pos, slot)
-                    reasons |= same
+            named = r
+            slot, reasons, bad_index = _write_target(b, full, n_slots, reserved)
+            if reasons == 0 and slot >= 0:
+                tokens[slot], positions[slot], links[slot] = tok, i32(pos), to_signed64(link)
+                written.setdefault(slot, []).append((tok, i32(pos), to_signed64(link)))
+                reasons, bad_index, named = _same_step(group, b, marks, r, exp_pos, slot)
             if pos != exp_pos:
                 reasons |= Reason.WRITE_POSITION_MISMATCH
             if exp_tok != UNKNOWN_TOKEN and tok != exp_tok:
                 reasons |= Reason.WRITE_TOKEN_MISMATCH
             if reasons:
-                out.append(
-                    violation_row(
-                        Phase.STAMP,
-                        group,
-                        REASONS=reasons,
-                        BATCH_ROW=named,
-                        TABLE_ROW=b.rows[named],
-                        SLOT=slot,
-                        PRED=-1,
-                        EXPECTED_POSITION=exp_pos,
-                        STORED_POSITION=pos,
-                        EXPECTED_TOKEN=exp_tok,
-                        STORED_TOKEN=tok,
-                        STORED_LINK=to_signed64(link),
-                        BAD_INDEX=bad_index,
-                    )
-                )
+                out.append(violation_row(
+                    Phase.STAMP, group, REASONS=reasons, BATCH_ROW=named, TABLE_ROW=b.rows[named], SLOT=slot,
+                    PRED=-1, EXPECTED_POSITION=exp_pos, STORED_POSITION=pos, EXPECTED_TOKEN=exp_tok,
+                    STORED_TOKEN=tok, STORED_LINK=to_signed64(link), BAD_INDEX=bad_index,
+                ))  # fmt: skip
     out.counters[Counter.STAMPED] += sum(len(w) for w in written.values())
     out.counters[Counter.CALLS] += 1
     out.write_back(log)
@@ -107,6 +84,21 @@ def stamp(group: CanaryGroup, batch: StepBatch, records: RecordStore, ws: PlanWo
     records.positions.copy_(torch.tensor(positions, dtype=torch.int32))
     records.links.copy_(torch.tensor(links, dtype=torch.int64))
     return {s: w for s, w in written.items() if len(w) > 1}
+
+
+def _write_target(b: Batch, full: int, n_slots: int, reserved: set[int]) -> tuple[int, int, int]:
+    """(slot, reasons, index they report) of a token stored at table index ``full``: reasons 0 with a slot
+    >= 0 means the record is written; NOT_STORED gives (-1, 0, -1)."""
+    if full == NOT_STORED:
+        return -1, 0, -1
+    slot, lookup_bad = to_pool(b, full)
+    if lookup_bad:
+        return slot, Reason.LOOKUP_OUT_OF_RANGE, full
+    if not 0 <= slot < n_slots:
+        return slot, Reason.SLOT_OUT_OF_RANGE, slot
+    if slot in reserved:
+        return slot, Reason.RESERVED_SLOT, -1
+    return slot, 0, -1
 
 
 def _same_step(
