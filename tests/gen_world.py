@@ -64,14 +64,10 @@ def make_group(rng: random.Random) -> tuple[CanaryGroup, int]:
     )
 
 
-def make_world(rng: random.Random) -> World:
-    proto, page = make_group(rng)
-    n_req = rng.choice([1, 1, 2, 3, 5, 7, 11, rng.randint(1, MAX_ROWS)])
+def _draw_requests(rng: random.Random, proto: CanaryGroup, rows: list[int]) -> list[Request]:
+    """One request per table row: decode, prefill, a chunk or idle, within the step's token budget."""
     budget = MAX_STEP_TOKENS
     requests: list[Request] = []
-    first_row = 1 if proto.padding_row == 0 else 0
-    n_rows = first_row + n_req + rng.randint(0, 2)  # spare rows hold stale junk
-    rows = rng.sample(range(first_row, n_rows), n_req)
     for row in rows:
         kind = rng.choice(["decode", "decode", "prefill", "chunk", "idle"])
         if kind == "decode":
@@ -88,6 +84,16 @@ def make_world(rng: random.Random) -> World:
         length = prefix + extend + proto.token_offset
         seq = [rng.randrange(VOCAB) for _ in range(length)]
         requests.append(Request(row=row, seq=seq, prefix=prefix, extend=extend))
+    return requests
+
+
+def make_world(rng: random.Random) -> World:
+    proto, page = make_group(rng)
+    n_req = rng.choice([1, 1, 2, 3, 5, 7, 11, rng.randint(1, MAX_ROWS)])
+    first_row = 1 if proto.padding_row == 0 else 0
+    n_rows = first_row + n_req + rng.randint(0, 2)  # spare rows hold stale junk
+    rows = rng.sample(range(first_row, n_rows), n_req)
+    requests = _draw_requests(rng, proto, rows)
 
     longest = max([r.prefix + r.extend for r in requests] + [1])
     n_pages = -(-longest // page) + rng.randint(0, 2)
