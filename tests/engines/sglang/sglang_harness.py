@@ -65,6 +65,34 @@ def next_token(req: Req) -> int:
     return (sum(req.tokens[-3:]) * 31 + len(req.tokens) * 7 + 3) % VOCAB
 
 
+FEATURES = (
+    "radix_hits", "chunked_extends", "decode_steps", "extend_steps", "reused_slots", "swa_evictions",
+    "swa_reused_slots", "swa_nonidentity", "evictions",
+)  # fmt: skip
+
+
+def _pools(
+    page_size: int, pool_size: int, swa_size: int, window: int | None, model: torch.nn.Module | None
+) -> tuple[object, object, torch.nn.Module]:
+    """(KV pool, its allocator, the model): a full-attention pool (token or paged allocator), or with a
+    window an SWA pool whose layer 1 slides (the model then always the tiny windowed one)."""
+    if window is None:
+        pool = MHATokenToKVPool(
+            pool_size, page_size, DTYPE, HEADS, HEAD_DIM, layer_num=2, device="cpu", enable_memory_saver=False
+        )
+        if page_size == 1:
+            alloc = TokenToKVPoolAllocator(pool_size, DTYPE, "cpu", pool, need_sort=False)
+        else:
+            alloc = PagedTokenToKVPoolAllocator(pool_size, page_size, DTYPE, "cpu", pool, need_sort=False)
+        return pool, alloc, model if model is not None else TinyModel()
+    pool = SWAKVPool(
+        pool_size, swa_size, page_size, DTYPE, HEADS, HEAD_DIM, swa_attention_layer_ids=[1],
+        full_attention_layer_ids=[0], device="cpu",
+    )  # fmt: skip
+    alloc = SWATokenToKVPoolAllocator(pool_size, swa_size, page_size, DTYPE, "cpu", kvcache=pool, need_sort=False)
+    return pool, alloc, TinyModel(window_layers=(1,), window=window)
+
+
 class Engine:
     """Scheduler loop over real sglang pools; one ``step()`` = one forward (extend or decode)."""
 
@@ -92,31 +120,7 @@ class Engine:
         self.window = window
         self.truth = truth  # pass each request's token ids as sglang's init_new snapshots them
         self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
-        if window is None:
-            self.pool = MHATokenToKVPool(
-                pool_size, page_size, DTYPE, HEADS, HEAD_DIM, layer_num=2, device="cpu", enable_memory_saver=False
-            )
-            if page_size == 1:
-                self.alloc = TokenToKVPoolAllocator(pool_size, DTYPE, "cpu", self.pool, need_sort=False)
-            else:
-                self.alloc = PagedTokenToKVPoolAllocator(pool_size, page_size, DTYPE, "cpu", self.pool, need_sort=False)
-            model = model if model is not None else TinyModel()
-        else:
-            self.pool = SWAKVPool(
-                pool_size,
-                swa_size,
-                page_size,
-                DTYPE,
-                HEADS,
-                HEAD_DIM,
-                swa_attention_layer_ids=[1],
-                full_attention_layer_ids=[0],
-                device="cpu",
-            )
-            self.alloc = SWATokenToKVPoolAllocator(
-                pool_size, swa_size, page_size, DTYPE, "cpu", kvcache=self.pool, need_sort=False
-            )
-            model = TinyModel(window_layers=(1,), window=window)
+        self.pool, self.alloc, model = _pools(page_size, pool_size, swa_size, window, model)
         self.tree = (
             RadixCache(
                 CacheInitParams(
@@ -139,20 +143,7 @@ class Engine:
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted; prefilling or decoding
         self.finished: list[Req] = []
-        self.features = dict.fromkeys(
-            (
-                "radix_hits",
-                "chunked_extends",
-                "decode_steps",
-                "extend_steps",
-                "reused_slots",
-                "swa_evictions",
-                "swa_reused_slots",
-                "swa_nonidentity",
-                "evictions",
-            ),
-            0,
-        )
+        self.features = dict.fromkeys(FEATURES, 0)
         self._ever_allocated: set[int] = set()
         self._ever_swa: set[int] = set()
 
