@@ -98,6 +98,31 @@ def _batch_bytes(s: Scenario, lookup: bool) -> int:
     return verify + stamp + plan
 
 
+def _stamp_prefix(
+    s: Scenario, group: CanaryGroup, records: RecordStore, rows: torch.Tensor, table: torch.Tensor,
+    seqs: torch.Tensor, lut: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """Stamp every row's prefix with the reference (one big step, setup only)."""
+    dev = table.device
+    setup_caps = Capacities(max_batch=s.batch, max_tokens=s.batch * s.prefix, verify_entries=1)
+    sws = PlanWorkspace.allocate(setup_caps, dev, num_slots=group.num_slots)
+    pre = StepBatch(
+        rows=rows,
+        prefix_lens=torch.zeros(s.batch, dtype=torch.int32, device=dev),
+        extend_lens=torch.full((s.batch,), s.prefix, dtype=torch.int32, device=dev),
+        table=table,
+        input_ids=seqs[:, : s.prefix].flatten(),
+        positions=torch.arange(s.prefix, device=dev).repeat(s.batch),
+        out_cache_loc=table[1:, : s.prefix].flatten().long(),
+        lookup=lut,
+    )
+    slog = ViolationLog.allocate(4, dev)
+    ref.plan(GroupState(group, records, sws, slog), pre)
+    ref.stamp(GroupState(group, records, sws, slog), pre)
+    if slog.total():
+        raise RuntimeError(f"{s.name}: prefix stamping raised violations")
+
+
 def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) -> World:
     """Input sets, a record pool with every prefix stamped, and a canary state sized for the scenario."""
     lookup = s.window > 0
@@ -128,26 +153,8 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
         table[1:] = slots[k * per_set : (k + 1) * per_set].view(s.batch, span).to(torch.int32)
         seqs = torch.randint(0, 150_000, (s.batch, span), generator=gen).to(dev)
         rows = torch.arange(1, s.batch + 1, dtype=torch.int32, device=dev)
-        if s.prefix:  # stamp the prefix with the reference (one big step, setup only)
-            setup_caps = Capacities(max_batch=s.batch, max_tokens=s.batch * s.prefix, verify_entries=1)
-            sws = PlanWorkspace.allocate(setup_caps, dev, num_slots=num_slots)
-            pos = torch.arange(s.prefix, device=dev).repeat(s.batch)
-            pre = StepBatch(
-                rows=rows,
-                prefix_lens=torch.zeros(s.batch, dtype=torch.int32, device=dev),
-                extend_lens=torch.full((s.batch,), s.prefix, dtype=torch.int32, device=dev),
-                table=table,
-                input_ids=seqs[:, : s.prefix].flatten(),
-                positions=pos,
-                out_cache_loc=table[1:, : s.prefix].flatten().long(),
-                lookup=lut,
-            )
-            slog = ViolationLog.allocate(4, dev)
-            ref.plan(GroupState(group, records, sws, slog), pre)
-            ref.stamp(GroupState(group, records, sws, slog), pre)
-            if slog.total():
-                raise RuntimeError(f"{s.name}: prefix stamping raised violations")
-            del sws
+        if s.prefix:
+            _stamp_prefix(s, group, records, rows, table, seqs, lut)
         batches.append(
             StepBatch(
                 rows=rows,
