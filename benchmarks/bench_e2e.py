@@ -184,6 +184,24 @@ def rewind(cache: Any, length: int) -> None:
             layer.cumulative_length.fill_(length)
 
 
+def _summary(pt: Point, times: dict[str, list[float]], host: list[float]) -> dict[str, Any]:
+    """A point's record: medians and p20/p80 of the step alone, with the canary and the canary alone."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "step_us": round(med["step"], 2),
+        "step_p20_us": round(pct(times["step"], 0.2), 2),
+        "step_p80_us": round(pct(times["step"], 0.8), 2),
+        "step_with_canary_us": round(med["step+canary"], 2),
+        "added_us": round(med["step+canary"] - med["step"], 2),
+        "canary_us": round(med["canary"], 2),
+        "canary_p20_us": round(pct(times["canary"], 0.2), 2),
+        "canary_p80_us": round(pct(times["canary"], 0.8), 2),
+        "host_step_us": round(statistics.median(host), 2),
+        "verified_per_step": pt.batch * pt.prefix,
+        "stamped_per_step": pt.batch * pt.query,
+    }
+
+
 def measure_point(pt: Point, model: Any, dev: torch.device, gen: torch.Generator, replays: int) -> dict[str, Any]:
     from transformers import StaticCache
 
@@ -234,20 +252,7 @@ def measure_point(pt: Point, model: Any, dev: torch.device, gen: torch.Generator
     expected = (2 + 2 * (replays + 2)) * pt.batch * pt.prefix  # warm-ups + canary replays, every prefix entry
     if stats["violations"] or stats["health_failures"] or stats["verified_slots"] != expected:
         raise RuntimeError(f"{pt.name}: canary not clean or incomplete: {stats} (expected {expected} verified)")
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {
-        "step_us": round(med["step"], 2),
-        "step_p20_us": round(pct(times["step"], 0.2), 2),
-        "step_p80_us": round(pct(times["step"], 0.8), 2),
-        "step_with_canary_us": round(med["step+canary"], 2),
-        "added_us": round(med["step+canary"] - med["step"], 2),
-        "canary_us": round(med["canary"], 2),
-        "canary_p20_us": round(pct(times["canary"], 0.2), 2),
-        "canary_p80_us": round(pct(times["canary"], 0.8), 2),
-        "host_step_us": round(statistics.median(host), 2),
-        "verified_per_step": pt.batch * pt.prefix,
-        "stamped_per_step": pt.batch * pt.query,
-    }
+    return _summary(pt, times, host)
 
 
 def run(args: argparse.Namespace, dev: torch.device) -> int:
