@@ -7,8 +7,8 @@ layout (its address and strides come from a device table, so one launch reads ev
 from a key table built with it).  Each unit sums its words' terms per entry and adds them into ``acc``
 (wrapping int64 atomics: the sum is order-independent, so the result is exact whatever the schedule).
 Components of one element size share a launch; the last launch's last program (a ticket) finalizes every
-entry in order: stores digests or compares them, then writes violation rows
-through :mod:`.log`'s first-K / last-K placement.
+entry in order: stores digests or compares them, then writes violation rows through :mod:`.log`'s
+first-K / last-K placement.  ``AND_STAMP``: a planned verify whose list tiles (the step's writes) follow.
 """
 
 from __future__ import annotations
