@@ -307,17 +307,13 @@ def verify_and_stamp(
     finalize: most of a small step's cost is fixed latency); a stamp that fills the grid twice over (a
     prefill chunk's) streams on its own tuned path in a launch of its own, after the verify's."""
     _check_planned(group, layout, digests, ws, log, batch, plan_ws, period, group_tokens)
-    taken = stamp_entries(batch)
-    if taken > ws.entries:
-        raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    taken = stamp_entries(batch, ws)
     verify_tiles = (ws.entries - taken) // TILE_TOKENS
     stamp_units = taken // TILE_TOKENS * max(lc.rows for lc in layout.classes)
     if stamp_units > 2 * _grid_cap(layout.layout.device, tuning):
         _launch(group, layout, digests, ws, log, locs=None, lookup=batch.lookup, batch=batch, plan_ws=plan_ws,
                 stamp=False, report_range=False, period=period, max_tiles=verify_tiles, tuning=tuning)  # fmt: skip
-        _launch(group, layout, digests, ws, log, locs=batch.out_cache_loc, lookup=batch.lookup, batch=None,
-                plan_ws=None, stamp=True, report_range=False, period=1, max_tiles=taken // TILE_TOKENS,
-                tuning=tuning)  # fmt: skip
+        stamp_list(group, layout, digests, ws, log, batch.out_cache_loc, lookup=batch.lookup, tuning=tuning)
         return
     _launch(
         group, layout, digests, ws, log, locs=batch.out_cache_loc, lookup=batch.lookup, batch=batch,

@@ -219,9 +219,13 @@ def verify_planned(
     append_rows(log, out)
 
 
-def stamp_entries(batch: StepBatch) -> int:
-    """Workspace entries the stamp of ``batch``'s writes takes in :func:`verify_and_stamp`: whole tiles."""
-    return -(-int(batch.out_cache_loc.shape[0]) // TILE_TOKENS) * TILE_TOKENS
+def stamp_entries(batch: StepBatch, ws: DigestWorkspace) -> int:
+    """Workspace entries the stamp of ``batch``'s writes takes in :func:`verify_and_stamp` (whole tiles);
+    ValueError when they exceed the workspace."""
+    taken = -(-int(batch.out_cache_loc.shape[0]) // TILE_TOKENS) * TILE_TOKENS
+    if taken > ws.entries:
+        raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    return taken
 
 
 def verify_and_stamp(
@@ -229,9 +233,7 @@ def verify_and_stamp(
     batch: StepBatch, plan_ws: PlanWorkspace, *, period: int, group_tokens: int = TILE_TOKENS,
 ) -> None:  # fmt: skip
     """:func:`verify_planned` then :func:`stamp_list` of ``batch.out_cache_loc`` (see the module docstring)."""
-    taken = stamp_entries(batch)
-    if taken > ws.entries:
-        raise ValueError(f"{batch.out_cache_loc.shape[0]} writes exceed the digest workspace ({ws.entries} entries)")
+    taken = stamp_entries(batch, ws)
     verify_planned(group, layout, digests, ws, log, batch, plan_ws, period=period, group_tokens=group_tokens,
                    entries=ws.entries - taken)  # fmt: skip
     stamp_list(group, layout, digests, ws, log, batch.out_cache_loc, lookup=batch.lookup)
