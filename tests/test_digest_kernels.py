@@ -23,6 +23,7 @@ from digest_cases import planned_step
 from kernel_compare import DEVICE
 from kvcanary import CanaryGroup
 from kvcanary import digest as D
+from kvcanary.batch import StepBatch
 from kvcanary.ops import digest_launchers as dl
 from kvcanary.ops import digest_reference as dref
 from kvcanary.workspace import PlanWorkspace, ViolationLog
@@ -37,7 +38,7 @@ class Twin:
         self, group: CanaryGroup, layout: D.DigestLayout, entries: int = 512, log_rows: int = 4,
         tuning: dl.DigestTuning = dl.DEFAULT_TUNING,
     ) -> None:  # fmt: skip
-        self.group, self.layout, self.tuning = group, layout, tuning
+        self.group, self.layout, self.tuning, self.entries = group, layout, tuning, entries
         self.device_layout = dl.DeviceLayout.build(layout)
         self.sides = [
             (dref, layout, torch.zeros(group.num_slots, dtype=torch.int64, device=DEVICE),
@@ -53,6 +54,11 @@ class Twin:
             getattr(mod, name)(self.group, layout, digests, ws, log, *args, **kw, **extra)
         self.calls += 1
         self.assert_equal()
+
+    def stamp_all(self, num_slots: int) -> None:
+        """Stamp slots 0..num_slots-1, a workspace's worth of entries a call."""
+        for c0 in range(0, num_slots, self.entries):
+            self.call("stamp_list", torch.arange(c0, min(c0 + self.entries, num_slots), device=DEVICE))
 
     def assert_equal(self) -> None:
         (_, _, d_ref, ws_ref, log_ref), (_, _, d_k, ws_k, log_k) = self.sides
@@ -135,6 +141,29 @@ def test_every_component_and_bit_position_is_caught_like_the_reference() -> None
     assert caught >= 12
 
 
+def _planned_pool(
+    prefix: list[int], page: int, window: int = 0
+) -> tuple[CanaryGroup, StepBatch, PlanWorkspace, dc.Pool]:
+    """A planned decode step whose rows have ``prefix`` cached tokens, over a bf16 pool of pages of ``page``
+    slots (token-major when 1) sized to hold them."""
+    num_slots = page * (sum(-(-(n + 1) // page) for n in prefix) + 2)
+    group, batch, plan_ws = planned_step(num_slots, prefix, window=window, page=page, device=DEVICE)
+    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
+        dc.layer_components("paged" if page > 1 else "token_major", num_slots // page, page, 2, 5, torch.bfloat16,
+                            torch.Generator().manual_seed(page))
+    )), num_slots))  # fmt: skip
+    return group, batch, plan_ws, pool
+
+
+def _long_rows_step() -> tuple[CanaryGroup, StepBatch, PlanWorkspace, dc.Pool]:
+    """Three rows reading 150, 90 and 60 positions of a 400-slot fp32 pool: more tiles than small workspaces."""
+    group, batch, plan_ws = planned_step(400, [150, 90, 60], device=DEVICE)
+    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
+        dc.layer_components("token_major", 400, 1, 1, 4, torch.float32, torch.Generator().manual_seed(0))
+    )), 400))  # fmt: skip
+    return group, batch, plan_ws, pool
+
+
 TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(block_words=4, warps=2)}
 
 
@@ -144,13 +173,8 @@ TUNINGS = {"default": dl.DEFAULT_TUNING, "narrow": dl.DigestTuning(block_words=4
 def test_budgeted_verify_matches_reference(page: int, window: int, tuning: str) -> None:
     rng = random.Random(page * 100 + window)
     prefix = [0, 1, 16, 17, 45, rng.randint(2, 60)]
-    num_slots = page * (sum(-(-(n + 1) // page) for n in prefix) + 2)
-    group, batch, plan_ws = planned_step(num_slots, prefix, window=window, page=page, device=DEVICE)
-    bs = 1 if page == 1 else page
-    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
-        dc.layer_components("paged" if bs > 1 else "token_major", num_slots // bs, bs, 2, 5, torch.bfloat16,
-                            torch.Generator().manual_seed(page))
-    )), num_slots))  # fmt: skip
+    group, batch, plan_ws, pool = _planned_pool(prefix, page, window)
+    num_slots = group.num_slots
     twin = Twin(group, pool.layout, entries=256, log_rows=3, tuning=TUNINGS[tuning])
     twin.call("stamp_list", torch.arange(num_slots, device=DEVICE))
     mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
@@ -175,17 +199,11 @@ def test_fused_verify_and_stamp_matches_reference(page: int, writes: int, tuning
     and in a read span; flips land in read and in written slots."""
     rng = random.Random(page * 1000 + writes)
     prefix = [0, 1, 17, 45, rng.randint(2, 60)]
-    num_slots = page * (sum(-(-(n + 1) // page) for n in prefix) + 2)
-    group, batch, plan_ws = planned_step(num_slots, prefix, page=page, device=DEVICE)
-    bs = 1 if page == 1 else page
-    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
-        dc.layer_components("paged" if bs > 1 else "token_major", num_slots // bs, bs, 2, 5, torch.bfloat16,
-                            torch.Generator().manual_seed(page))
-    )), num_slots))  # fmt: skip
+    group, batch, plan_ws, pool = _planned_pool(prefix, page)
+    num_slots = group.num_slots
     entries = 64 + 16 * -(-writes // 16)  # the verify's share: 4 tiles, not every one a step needs
     twin = Twin(group, pool.layout, entries=entries, log_rows=3, tuning=TUNINGS[tuning])
-    for c0 in range(0, num_slots, entries):
-        twin.call("stamp_list", torch.arange(c0, min(c0 + entries, num_slots), device=DEVICE))
+    twin.stamp_all(num_slots)
     calls = twin.calls
     mark = 1 + int(plan_ws.epoch[0]) % PlanWorkspace.MARK_PERIOD
     table = batch.table.cpu()
@@ -208,13 +226,9 @@ def test_fused_verify_and_stamp_matches_reference(page: int, writes: int, tuning
 
 
 def test_fused_call_takes_the_stamp_off_the_verify_share_and_refuses_too_many_writes() -> None:
-    group, batch, plan_ws = planned_step(400, [150, 90, 60], device=DEVICE)
-    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
-        dc.layer_components("token_major", 400, 1, 1, 4, torch.float32, torch.Generator().manual_seed(0))
-    )), 400))  # fmt: skip
+    group, batch, plan_ws, pool = _long_rows_step()
     twin = Twin(group, pool.layout, entries=64)  # 4 tiles: 1 for the 3 writes, 3 for the verify
-    for c0 in range(0, 400, 64):
-        twin.call("stamp_list", torch.arange(c0, min(c0 + 64, 400), device=DEVICE))
+    twin.stamp_all(400)
     twin.call("verify_and_stamp", batch, plan_ws, period=1)
     stats = twin.sides[1][3].stats
     assert int(stats[D.DigestWorkspace.STAT_VERIFIED]) <= 48 and int(stats[D.DigestWorkspace.STAT_SKIPPED_TILES]) > 0
@@ -226,13 +240,9 @@ def test_fused_call_takes_the_stamp_off_the_verify_share_and_refuses_too_many_wr
 
 
 def test_budgeted_verify_over_capacity_counts_skipped_tiles() -> None:
-    group, batch, plan_ws = planned_step(400, [150, 90, 60], device=DEVICE)
-    pool = _on_device(dc.Pool(D.DigestLayout(tuple(
-        dc.layer_components("token_major", 400, 1, 1, 4, torch.float32, torch.Generator().manual_seed(0))
-    )), 400))  # fmt: skip
+    group, batch, plan_ws, pool = _long_rows_step()
     twin = Twin(group, pool.layout, entries=64)  # 4 tiles of 16 positions a call
-    for c0 in range(0, 400, 64):  # a list call takes at most the workspace's entries
-        twin.call("stamp_list", torch.arange(c0, min(c0 + 64, 400), device=DEVICE))
+    twin.stamp_all(400)  # a list call takes at most the workspace's entries
     twin.call("verify_planned", batch, plan_ws, period=1)
     assert int(twin.sides[1][3].stats[D.DigestWorkspace.STAT_SKIPPED_TILES]) > 0
 
