@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.adapters.transformers_cb.translate import StableWrites, StepTranslator
 from transformers_helpers import PAGE, FakeEngine, geometry, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,3 +94,54 @@ def test_a_long_prefill_of_a_sliding_group_sends_its_oldest_writes_to_the_trash_
     same_translation(plain, fused, kwargs, host)
     kwargs, host = eng.step(dict.fromkeys(eng.tables, 13))  # longer than the window: trash writes by design
     same_translation(plain, fused, kwargs, host)
+
+
+class StaticInputs:
+    """The engine's index tensors copied into buffers of fixed addresses, as transformers' static tensors are:
+    each step's tensors are views of the same storage, with the step's lengths."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _view(self, name: str, i: int, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.setdefault((name, i), torch.zeros(4096, dtype=t.dtype, device=DEVICE))
+        flat = buf[: t.numel()]
+        flat.copy_(t.reshape(-1))
+        return flat.view(t.shape)
+
+    def put(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = dict(kwargs)
+        for name in ("read_index", "write_index"):
+            out[name] = [self._view(name, i, t) for i, t in enumerate(kwargs[name])]
+        out["cu_seq_lens_k"] = {k: self._view(k, 0, t) for k, t in kwargs["cu_seq_lens_k"].items()}
+        for name in ("input_ids", "position_ids"):
+            out[name] = self._view(name, 0, kwargs[name])
+        return out
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(window: int) -> None:
+    """What replaying the canary's step graph does: the launch bound (captured) at the first decode step runs
+    again at later ones, whose lengths and index sizes differ, and must translate them as they are."""
+    g = geometry(window)
+    eng, (plain, fused) = engine(window, 3), translators(window)
+    fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it
+    static = StaticInputs()
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 6))
+    same_translation(plain, fused, static.put(kwargs), host)
+    captured = None
+    for _ in range(4):
+        kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+        want = plain.translate(kwargs_to(kwargs, DEVICE), host)
+        got = fused.translate(static.put(kwargs), host, defer=True)
+        assert got.prelude is not None
+        captured = captured or got.prelude
+        assert got.prelude.key == captured.key  # the same addresses and sizes: the graph would replay
+        captured.run()
+        for field, w in want.batches[g.name].tensors().items():
+            x = got.batches[g.name].tensors()[field]
+            if w is not None and x is not None and field != "truth":
+                assert torch.equal(w.cpu(), x.cpu()), field
+        assert torch.equal(plain.tables[g.name].cpu(), fused.tables[g.name].cpu())
+    kwargs, host = eng.step(dict.fromkeys(list(eng.tables)[:2], 1))  # another batch shape: another key
+    assert fused.translate(static.put(kwargs), host, defer=True).prelude.key != captured.key  # type: ignore[union-attr]

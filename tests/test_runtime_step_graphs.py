@@ -124,6 +124,36 @@ def test_a_replayed_step_is_neither_validated_nor_launched_kernel_by_kernel(
     assert replays == ["replay"] and counted == {}  # step 3: one replay, no validation, no launch
 
 
+class LoggedPrelude:
+    """An adapter's device work ahead of the step (the transformers translation), logged when it runs."""
+
+    def __init__(self, key: str, log: list[str]) -> None:
+        self._key, self._log = key, log
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return (self._key,)
+
+    def run(self) -> None:
+        self._log.append(f"prelude {self._key}")
+
+
+def test_a_prelude_runs_before_the_canary_work_and_joins_its_graph_and_key() -> None:
+    mgr = manager()
+    log = with_fake_graphs(mgr)
+    before = mgr._work.before
+    mgr._work.before = lambda ordered: (log.append("canary"), before(ordered))[1]  # type: ignore[method-assign]
+    keep, wl = StaticBatch(), Workload()
+    for k, prelude_key in enumerate("aaaab"):
+        batch = keep(wl.batch([(1, 4 if k == 0 else 1)], truth=True))
+        mgr.forward_step({"full": batch}, LoggedPrelude(prelude_key, log))
+        mgr.host_step(["a"])
+    # steps 1-3 share the batch key: seen at 1, captured at 2 (with its prelude), replayed at 3; step 4's
+    # prelude has another key, so the same batch tensors run eagerly
+    eager = ["prelude a", "canary"]
+    assert log == [*eager, *eager, *eager, "capture", "replay", *eager, "prelude b", "canary"]
+
+
 class FakeGraphNoRun:
     def __init__(self, log: list[str]) -> None:
         self._log = log

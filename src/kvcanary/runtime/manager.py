@@ -36,7 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
-from kvcanary.runtime.step_graphs import StepGraphs, batch_key, cuda_step_graphs
+from kvcanary.runtime.step_graphs import Prelude, StepGraphs, batch_key, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -207,28 +207,35 @@ class CanaryManager:
         else:
             self._eager_forwards += 1
 
-    def forward_step(self, batches: Mapping[str, StepBatch]) -> None:
+    def forward_step(self, batches: Mapping[str, StepBatch], prelude: Prelude | None = None) -> None:
         """``before_forward(batches)`` then ``after_forward()``, for a tap that runs once the forward is enqueued.
 
         On CUDA, outside any capture, the pair's device work is replayed from the canary's own CUDA graph
         when this step's batch tensors sit where those of a captured step sat (same addresses, shapes,
         dtypes): one launch instead of several per group (see :mod:`~kvcanary.runtime.step_graphs`).
+        ``prelude``: the adapter's device work that fills ``batches``, run first (and in the graph).
         """
         graphs = self._graphs
         if graphs is None or self._open or is_capturing(self.device):
+            if prelude is not None:
+                prelude.run()
             self.before_forward(batches)
             self.after_forward()
             return
         ordered = ordered_batches(batches, self.canaries)
-        key = batch_key(ordered)
+        key = batch_key(ordered) if prelude is None else (prelude.key, *batch_key(ordered))
         if graphs.replay(key):
             self._eager_forwards += 1
             return
+        if prelude is not None:
+            prelude.run()
         self.before_forward(batches)
         self.after_forward()
         work = self._work
 
         def step_work() -> None:
+            if prelude is not None:
+                prelude.run()
             work.before(ordered)
             work.after()
 

@@ -14,6 +14,9 @@ identical metadata, is not repeated.  A key is captured the second time it is se
 eagerly, so every kernel is compiled and the work of that step is done), since many keys are seen once
 (prefill chunks); at most :data:`MAX_GRAPHS` are kept, least recently used evicted.  Adapters raise the
 hit rate by keeping the batch tensors at stable addresses (static buffers, the engine's own).
+
+An adapter may hand in a :class:`Prelude`: device work of its own that fills the step's batches (the
+transformers translation).  It runs first, joins the graph, and its key joins the step's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class Graph(Protocol):
 
 
 GraphFactory = Callable[[Callable[[], None]], Graph]
+
+
+class Prelude(Protocol):
+    """Device work of the adapter's own that a step's canary work reads (its translation), run first and
+    captured into the same graph; ``key`` names every address, size and flag the work bakes in."""
+
+    @property
+    def key(self) -> Key: ...
+
+    def run(self) -> None: ...
 
 
 def batch_key(batches: Sequence[StepBatch]) -> Key:

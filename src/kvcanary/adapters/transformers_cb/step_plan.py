@@ -84,14 +84,22 @@ class GroupEntries:
         return int(self.row.shape[0])
 
 
-def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
-    """Full group: positions ``0..past+query-1``; sliding group: the last ``W - 1`` past ones and the query's
-    (see :mod:`.translate`).  The read segment holds exactly these, in this order."""
+def spans(g: GroupGeometry, rows: RowPlan) -> tuple[I64, I64]:
+    """Per row, the first verified position and how many cells the row fills (0 for a row left out).  Full
+    group: positions ``0..past+query-1``; sliding group: the last ``W - 1`` past ones and the query's (see
+    :mod:`.translate`).  The read segment holds exactly these, in this order."""
     past = rows.past
     starts = np.maximum(past - g.canary_window, 0) if g.is_sliding else np.zeros_like(past)
     counts = np.where(rows.live, past - starts + rows.query, 0)
     if int(counts.sum()) >= MAX_ENTRIES:
         raise ValueError(f"group {g.name!r}: {int(counts.sum())} table cells in one step, more than {MAX_ENTRIES}")
+    return starts, counts
+
+
+def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
+    """Every cell of :func:`spans`, one array element per cell."""
+    past = rows.past
+    starts, counts = spans(g, rows)
     row = np.repeat(np.arange(rows.size, dtype=np.int64), counts)
     offset = _offsets_within(counts)
     position = starts[row] + offset

@@ -146,13 +146,14 @@ class StepTap:
                 return None
             binding = self._bind(runner)
             start = time.perf_counter_ns()
-            tr = binding.translator.translate(batch_data, host)
+            tr = binding.translator.translate(batch_data, host, defer=True)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
             return None
         translated = time.perf_counter_ns()
         try:
-            binding.manager.forward_step(tr.batches)  # on CUDA: one replay of the canary's own step graph
+            # On CUDA: one replay of the canary's own step graph, the translation's launches included.
+            binding.manager.forward_step(tr.batches, tr.prelude)
         except Exception as exc:
             self._adapter_error("the canary refused the step's batch", exc)
             return None

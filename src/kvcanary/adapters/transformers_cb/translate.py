@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import torch
 
@@ -60,6 +61,7 @@ class Translation:
     ring_wraps: int  # sliding-group writes that overwrote an older token of the ring
     padded: bool  # the engine padded the batch (compile / CUDA graphs)
     block_table: bool  # decode fast path
+    prelude: translate_kernel.Launches | None = None  # with ``defer``: the group launches still to run
 
 
 class _Pack:
@@ -78,7 +80,8 @@ class _GroupWork:
     """One group's host plan and where its arrays sit in the pack."""
 
     geometry: GroupGeometry
-    entries: step_plan.GroupEntries
+    path: str  # "kernel" (one launch), "torch" (the read-index ops) or "block_table" (decode fast path)
+    entries: step_plan.GroupEntries | None  # every cell on the host: the torch and block-table paths
     n_write: int  # write entries translated (min(write index length, tokens))
     arrays: dict[str, int]
 
@@ -115,7 +118,9 @@ class StepTranslator:
 
     # ------------------------------------------------------------------ entry point
 
-    def translate(self, kwargs: Mapping[str, Any], host: HostBatch) -> Translation:
+    def translate(self, kwargs: Mapping[str, Any], host: HostBatch, *, defer: bool = False) -> Translation:
+        """The step's batches.  ``defer``: the one-launch groups' launches are returned as
+        ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         if b > self.max_batch:
             raise ValueError(f"batch has {b} requests, more than max_batch={self.max_batch}")
@@ -136,24 +141,39 @@ class StepTranslator:
         truth = self._truth.plan(host, rows.live)
         # The per-row arrays first: their device views then sit at offsets that depend on the batch size
         # only, so a step's batch tensors keep their addresses from step to step (see stable_writes).
+        sizes = self._sizes(kwargs, n_tok)
         common = {
             "rows": pack.add(rows.table_rows()),
             "prefix": pack.add(rows.past),
             "extend": pack.add(rows.query),
             "truth_lens": pack.add(truth.lens),
             "truth_gather": pack.add(truth.gather),
+            "sizes": pack.add(sizes),
             "truth_cells": pack.add(truth.cells),
             "truth_tokens": pack.add(truth.tokens),
         }
-        work = [self._plan_group(g, rows, kwargs, pack, n_tok, host.num_tokens) for g in self.geometries]
+        work = [
+            self._plan_group(g, rows, kwargs, pack, int(sizes[i, 0]), host.num_tokens)
+            for i, g in enumerate(self.geometries)
+        ]
         dev = self._staging.send(pack.arrays)
         truth_table = self._truth.apply(
             truth, dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]]
         )
 
         batches: dict[str, StepBatch] = {}
-        for w in work:
-            out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
+        launches: list[translate_kernel.GroupLaunch] = []
+        for i, w in enumerate(work):
+            if w.path == "kernel":
+                lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
+                launch = self._bind(w, kwargs, dev, lengths, dev[common["sizes"]][i], n_tok)
+                out_loc = launch.args[2]
+                if defer:
+                    launches.append(launch)
+                else:
+                    launch.run()
+            else:
+                out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
             batches[w.geometry.name] = StepBatch(
                 rows=dev[common["rows"]],
                 prefix_lens=dev[common["prefix"]],
@@ -173,7 +193,17 @@ class StepTranslator:
             ring_wraps=wraps,
             padded=padded,
             block_table=block_table is not None,
+            prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
+
+    def _sizes(self, kwargs: Mapping[str, Any], n_tok: int) -> npt.NDArray[np.int64]:
+        """Per group: the write entries translated and the read index's length (the kernel reads them on the
+        device, so its launch does not change with them); zeros on the block-table path."""
+        if kwargs.get("block_table") is not None:
+            return np.zeros((len(self.geometries), 2), dtype=np.int64)
+        write, read = kwargs["write_index"], kwargs["read_index"]
+        sizes = [(min(int(write[g.index].numel()), n_tok), int(read[g.index].numel())) for g in self.geometries]
+        return np.array(sizes, dtype=np.int64).reshape(-1, 2)
 
     # ------------------------------------------------------------------ host plan
 
@@ -183,11 +213,15 @@ class StepTranslator:
         rows: step_plan.RowPlan,
         kwargs: Mapping[str, Any],
         pack: _Pack,
-        n_tok: int,
+        n_write: int,
         num_tokens: int,
     ) -> _GroupWork:
+        if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs):
+            trash = step_plan.trash_writes(g, rows, n_write)
+            arrays = {} if trash is None else {"trash": pack.add(trash)}
+            return _GroupWork(g, "kernel", None, n_write, arrays)
         entries = step_plan.group_entries(g, rows, self.width)
-        arrays: dict[str, int] = {}
+        arrays = {}
         if entries.count:
             arrays["cells"] = pack.add(entries.cells)
         if entries.edges.shape[0]:
@@ -202,8 +236,7 @@ class StepTranslator:
                 page_offset=pack.add(lookups.page_offset),
                 in_table=pack.add(lookups.in_table),
             )
-            return _GroupWork(g, entries, num_tokens, arrays)
-        n_write = min(int(kwargs["write_index"][g.index].reshape(-1).shape[0]), n_tok)
+            return _GroupWork(g, "block_table", entries, num_tokens, arrays)
         if entries.count:
             arrays.update(
                 row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
@@ -215,7 +248,7 @@ class StepTranslator:
         trash = step_plan.trash_writes(g, rows, n_write)
         if trash is not None:
             arrays["trash"] = pack.add(trash)
-        return _GroupWork(g, entries, n_write, arrays)
+        return _GroupWork(g, "torch", entries, n_write, arrays)
 
     # ------------------------------------------------------------------ device work
 
@@ -226,32 +259,37 @@ class StepTranslator:
         block_table = kwargs.get("block_table")
         if block_table is not None:
             out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
-        elif self.kernel and _kernel_covers(w, kwargs, b):
-            out_loc = self._launch(w, kwargs, dev, n_tok)
         else:
             out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
         return out_loc if self._stable is None else self._stable.writes(w.geometry.name, out_loc)
 
-    def _launch(self, w: _GroupWork, kwargs: Mapping[str, Any], dev: list[torch.Tensor], n_tok: int) -> torch.Tensor:
-        """:meth:`_from_read_index` in one kernel launch (see :mod:`.translate_kernel`)."""
+    def _bind(
+        self,
+        w: _GroupWork,
+        kwargs: Mapping[str, Any],
+        dev: list[torch.Tensor],
+        lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        sizes: torch.Tensor,
+        n_tok: int,
+    ) -> translate_kernel.GroupLaunch:
+        """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), not yet run."""
         g, a = w.geometry, w.arrays
         if self._stable is not None:
             out = self._stable.view(g.name, n_tok)
         else:
             out = torch.empty(n_tok, dtype=torch.int64, device=self.device)
-        names = ("expected", "row", "offset", "cells")
-        translate_kernel.launch(
+        return translate_kernel.GroupLaunch.bind(
             g,
-            write=kwargs["write_index"][g.index].reshape(-1)[: w.n_write],
+            write=kwargs["write_index"][g.index].reshape(-1),
             trash=dev[a["trash"]] if "trash" in a else None,
             out=out,
             read=kwargs["read_index"][g.index].reshape(-1),
             cu_k=kwargs["cu_seq_lens_k"][g.name].reshape(-1),
-            entries={k: dev[a[k]] for k in names} if w.entries.count else None,
-            edges=dev[a["edges"]] if "edges" in a else None,
+            lengths=lengths,
+            sizes=sizes,
             cells=self._cells[g.name],
+            width=self.width,
         )
-        return out
 
     def _from_read_index(
         self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
@@ -260,7 +298,7 @@ class StepTranslator:
         g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
         write = kwargs["write_index"][g.index].reshape(-1)[: w.n_write]
         gathered = None
-        if w.entries.count:
+        if _host_entries(w).count:
             read = kwargs["read_index"][g.index].reshape(-1)
             cu_k = kwargs["cu_seq_lens_k"][g.name].reshape(-1)
             n_read = int(read.shape[0])
@@ -301,19 +339,25 @@ class StepTranslator:
         else:
             phys = torch.full(ok.shape, -1, dtype=torch.int64, device=self.device)
         slots = g.to_slots(phys)
-        if w.entries.count:
+        if _host_entries(w).count:
             cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         return _pad_writes(slots[: w.n_write], n_tok)
 
 
-def _kernel_covers(w: _GroupWork, kwargs: Mapping[str, Any], b: int) -> bool:
+def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any]) -> bool:
     """The kernel's case: no verified entry, or read segments to gather them from (see :mod:`.translate_kernel`)."""
-    if not w.entries.count:
+    if not int(step_plan.spans(g, rows)[1].sum()):
         return True
-    g = w.geometry
-    return int(kwargs["cu_seq_lens_k"][g.name].shape[-1]) >= b + 1 and int(kwargs["read_index"][g.index].numel()) > 0
+    cu_k = kwargs["cu_seq_lens_k"][g.name]
+    return int(cu_k.shape[-1]) >= rows.size + 1 and int(kwargs["read_index"][g.index].numel()) > 0
+
+
+def _host_entries(w: _GroupWork) -> step_plan.GroupEntries:
+    if w.entries is None:
+        raise AssertionError(f"group {w.geometry.name!r}: the {w.path} path has no host entries")
+    return w.entries
 
 
 def _pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:

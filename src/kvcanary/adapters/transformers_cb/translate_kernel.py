@@ -1,15 +1,21 @@
 """One group's read-index translation in a single Triton launch (CUDA; the interpreter in tests).
 
 Replaces the two dozen small torch ops of :meth:`.translate.StepTranslator._from_read_index` -- each a
-launch with microseconds of Python on the host -- with one kernel
-(:mod:`kvcanary.ops.kernels.translate`), whose results are the same tensors byte for byte: the table
-cells and ``out_cache_loc`` (written straight into the caller's buffer).  It covers the common case: a
-step whose rows have read segments (``cu_seq_lens_k`` long enough, a non-empty read index) or no verified
-entry at all; the rest (a batch of first chunks with no read index, a short ``cu_seq_lens_k``) stays on
-the torch path.  Nothing is read back and nothing allocated.
+launch with microseconds of Python on the host -- with one kernel (:mod:`kvcanary.ops.kernels.translate`)
+whose results are the same tensors byte for byte: the table cells and ``out_cache_loc`` (written straight
+into the caller's buffer).  The kernel expands each row's span from its lengths itself, so the host sends
+nothing per verified entry, and it reads the step's sizes from a device array: a :class:`GroupLaunch`
+keeps its arguments and can be run again, which is how the translation joins the canary's own step graph
+(:class:`kvcanary.runtime.step_graphs.Prelude`).  It covers the common case: a step whose rows have read
+segments (``cu_seq_lens_k`` long enough, a non-empty read index) or no verified entry at all; the rest (a
+batch of first chunks with no read index, a short ``cu_seq_lens_k``) stays on the torch path.  Nothing
+is read back and nothing allocated.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 
@@ -18,36 +24,72 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 BLOCK = 512
 
 
-def launch(
-    g: GroupGeometry,
-    *,
-    write: torch.Tensor,
-    trash: torch.Tensor | None,
-    out: torch.Tensor,
-    read: torch.Tensor,
-    cu_k: torch.Tensor,
-    entries: dict[str, torch.Tensor] | None,
-    edges: torch.Tensor | None,
-    cells: torch.Tensor,
-) -> None:
-    """``out`` (n_tok) and ``cells`` (the flat table) are written; ``entries``: expected, row, offset, cells."""
-    from kvcanary.ops.kernels.translate import translate_kernel
+@dataclasses.dataclass(frozen=True)
+class GroupLaunch:
+    """One group's translation launch with its arguments bound."""
 
-    n_tok, n_write = int(out.shape[0]), int(write.shape[0])
-    n_entries = 0 if entries is None else int(entries["row"].shape[0])
-    n_edges = 0 if edges is None else int(edges.shape[0])
-    dummy = out
-    e = entries or {}
-    grid = (max(1, -(-max(n_tok, n_entries, n_edges) // BLOCK)),)
-    translate_kernel[grid](
-        _ptr(write, dummy), _ptr(trash, dummy), out,
-        _ptr(read, dummy), _ptr(cu_k, dummy), _ptr(e.get("expected"), dummy), _ptr(e.get("row"), dummy),
-        _ptr(e.get("offset"), dummy), _ptr(e.get("cells"), dummy), _ptr(edges, dummy), cells,
-        n_tok, n_write, n_entries, int(read.shape[0]), n_edges,
-        g.stride, g.page_size, g.num_blocks * g.stride, g.sentinel_index, g.sentinel_slot, g.invalid_slot,
-        g.read_trash_slot, g.write_trash_index,
-        HAS_TRASH=trash is not None, BLOCK=BLOCK,
-    )  # fmt: skip
+    args: tuple[Any, ...]
+    grid: tuple[int]
+    constexprs: dict[str, Any]
+
+    @classmethod
+    def bind(
+        cls,
+        g: GroupGeometry,
+        *,
+        write: torch.Tensor,
+        trash: torch.Tensor | None,
+        out: torch.Tensor,
+        read: torch.Tensor,
+        cu_k: torch.Tensor,
+        lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        sizes: torch.Tensor,
+        cells: torch.Tensor,
+        width: int,
+    ) -> GroupLaunch:
+        """``out`` (n_tok) and ``cells`` (the flat ``(rows, width)`` table) are written.  ``lengths``: the
+        batch's table rows (0: left out), past and query lengths; ``sizes``: the write and read indices'
+        lengths (device int64); ``write``, ``read``, ``cu_k``: the engine's, as attention received them."""
+        rows = lengths[0]
+        n_tok, n_rows = int(out.shape[0]), int(rows.shape[0])
+        chunks = max(1, -(-width // BLOCK))
+        args = (
+            _ptr(write, out), _ptr(trash, out), out, _ptr(read, out), _ptr(cu_k, out), *lengths, sizes, cells,
+            n_tok, width, g.canary_window, g.stride, g.page_size, g.num_blocks * g.stride, g.sentinel_index,
+            g.sentinel_slot, g.invalid_slot, g.read_trash_slot, g.write_trash_index,
+        )  # fmt: skip
+        grid = (-(-n_tok // BLOCK) + n_rows * chunks,)
+        consts = {"SLIDING": g.is_sliding, "HAS_TRASH": trash is not None, "CHUNKS": chunks, "BLOCK": BLOCK}
+        return cls(args, grid, consts)
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """Everything the launch bakes in: each tensor's address and dtype, each scalar, the grid."""
+        return (
+            *((a.data_ptr(), a.dtype) if isinstance(a, torch.Tensor) else a for a in self.args),
+            self.grid,
+            tuple(self.constexprs.values()),
+        )
+
+    def run(self) -> None:
+        from kvcanary.ops.kernels.translate import translate_kernel
+
+        translate_kernel[self.grid](*self.args, **self.constexprs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launches:
+    """A step's group launches, run in order (a :class:`~kvcanary.runtime.step_graphs.Prelude`)."""
+
+    launches: tuple[GroupLaunch, ...]
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return tuple(launch.key for launch in self.launches)
+
+    def run(self) -> None:
+        for launch in self.launches:
+            launch.run()
 
 
 def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
