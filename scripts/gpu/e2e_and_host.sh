@@ -4,10 +4,12 @@
 #   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
+#   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
 #   profile   scripts/gpu/host_profile.py (where the tap's host time goes)
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
-#   gputests  the GPU-marked tests no other script runs (translation never waits on the device)
+#   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
+#             graphs against eager launches) and the translation kernel's suite compiled
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
 # finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail
@@ -35,6 +37,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
             timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
+    olddemo) for model in dense hybrid; do
+               PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
+                 --model "$model" --device cuda --baseline --quiet >>"$OUT/demo_old.txt" 2>&1
+             done ;;
     profile) timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model dense >"$OUT/profile.txt" 2>&1 ;;
     hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
                 --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
@@ -45,7 +51,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
                >>"$OUT/kernels.log" 2>&1
              echo "sanitizer exit $?" >>"$OUT/kernels.log" ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-                tests/test_adapter_transformers_cost.py >>"$OUT/kernels.log" 2>&1 ;;
+                tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py >>"$OUT/kernels.log" 2>&1
+              timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
+                tests/test_adapter_transformers_translate_kernel.py >>"$OUT/kernels.log" 2>&1 ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
   esac
   echo "[$s exit $?]" | tee -a "$OUT/run.log" >&2
