@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 
 PAGE, LAYERS = 16, 28
@@ -63,9 +63,9 @@ class Requests:
             "read_index": [torch.from_numpy(read).to(dev)],
             "write_index": [torch.from_numpy(write).to(dev)],
         }
-        host = HostBatch(
-            tuple(self.ids), (p,) * b, (1,) * b, tuple(self.prompts[r] + self.generated[r] for r in range(b))
-        )
+        # The engine's histories, as the adapter captures them (History: read without copying).
+        truth = tuple(History(self.prompts[r], self.generated[r]) for r in range(b))
+        host = HostBatch(tuple(self.ids), (p,) * b, (1,) * b, truth)
         for g in self.generated:
             g.append(7)
         self.past += 1

@@ -80,3 +80,30 @@ def test_rows_left_out_get_row_zero_and_no_truth() -> None:
     host = HostBatch(("a", "b"), (0, 0), (1, 1), (History([1, 2, 3], []), History(list(range(20)), [])))
     up = store.plan(host, np.array([True, False]))
     assert up.gather.tolist()[2] == 0 and up.lens.tolist() == [3, 0] and up.width == 3
+
+
+def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> None:
+    width = 400
+    store = TruthStore(2, width, torch.device("cpu"))
+    reqs = {"a": (list(range(1, 100)), [5]), "b": (list(range(200, 260)), [6])}
+
+    def step() -> tuple[int, torch.Tensor]:
+        host = HostBatch(("a", "b"), (0, 0), (1, 1), tuple(History(*reqs[r]) for r in ("a", "b")))
+        up = store.plan(host, np.array([True, True]))
+        got = store.apply(up, torch.from_numpy(up.cells), torch.from_numpy(up.tokens), torch.from_numpy(up.gather))
+        want, lens = naive([reqs[r][0] + reqs[r][1] for r in ("a", "b")], width)
+        for r, n in enumerate(lens.tolist()):
+            assert got[r + 1, :n].tolist() == want[r + 1, :n].tolist()
+        return int(up.cells.shape[0]), got
+
+    assert step()[0] == 100 + 61  # first sight: whole histories
+    for k in range(5):
+        for rid in reqs:
+            reqs[rid][1].append(10 + k)
+        assert step()[0] == 2  # one new token each
+    reqs["a"][1][-3] = 999  # the third newest rewritten (a rolled-back draft), then one more token
+    reqs["a"][1].append(11)
+    assert step()[0] == 3 + 0 + 1  # 'a': the rewritten token and the two after it plus the new one; 'b': none
+    del reqs["b"][1][:]  # a rewind past the 32 tokens kept on the host: 'b' is sent from 32 before its end
+    reqs["b"][1].append(77)
+    assert step()[0] == 32

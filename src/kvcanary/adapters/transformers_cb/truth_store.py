@@ -4,9 +4,10 @@ Each step needs, per batch row, the tokens the scheduler believes sit at positio
 request (the canary checks every verified entry and every written token against them).  Rebuilding and
 sending that whole table every step cost host time in proportion to the whole context (about 90 ms a step
 at 256 requests of 4k tokens).  Here each request keeps a row of a persistent device table; a step sends
-only each request's newest tokens -- the ones it has not sent yet, plus the last :attr:`History.TAIL`
-again, so a rewind or rewrite of recent history (a rolled-back token) still reaches the device -- and the
-step's truth is gathered from the persistent rows on the device.
+only each request's newest tokens -- the ones it has not sent yet, plus those of the last
+:attr:`History.TAIL` that differ from what was sent for them, so a rewind or rewrite of recent history (a
+rolled-back token) still reaches the device -- and the step's truth is gathered from the persistent rows on
+the device.  The host keeps a mirror of each request's last ``TAIL`` tokens as sent, to compare with.
 
 Rows are reused least recently used first; a request that comes back after losing its row is sent whole.
 The table has ``max_batch`` rows (every request of a batch holds one) plus row 0, never written: the
@@ -50,7 +51,7 @@ class TruthStore:
         self.table = torch.full((rows + 1, width), UNKNOWN_TOKEN, dtype=torch.int32, device=device)
         self._out = torch.empty_like(self.table) if static_out else None
         self._flat = self.table.view(-1)
-        self._sent: collections.OrderedDict[str, list[int]] = collections.OrderedDict()  # id -> [row, sent]
+        self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._free = list(range(rows, 0, -1))
 
     def plan(self, host: HostBatch, live: npt.NDArray[np.bool_]) -> TruthUpdate:
@@ -68,16 +69,19 @@ class TruthStore:
                 continue
             entry = sent_map.get(rid)
             if entry is None:
-                entry = sent_map[rid] = [self._take_row(host.request_ids), 0]
+                entry = sent_map[rid] = _Sent(self._take_row(host.request_ids))
             else:
                 sent_map.move_to_end(rid)
             n = min(len(hist), width)
-            start = max(0, min(entry[1], n) - tail)
-            tokens += hist.tokens(start, n) if type(hist) is History else _tokens(hist, start, n)
-            entry[1] = n
-            rows[r] = entry[0]
+            start = max(0, min(entry.n, n) - tail)
+            new = hist.tokens(start, n) if type(hist) is History else _tokens(hist, start, n)
+            skip = entry.same_prefix(start, min(entry.n, n), new)
+            tokens += new[skip:] if skip else new
+            start += skip
+            entry.n, entry.tail = n, new[-tail:]
+            rows[r] = entry.row
             lens[r] = n
-            live_rows.append(entry[0])
+            live_rows.append(entry.row)
             starts.append(start)
             live_lens.append(n)
         first = np.array(starts, dtype=np.int64)
@@ -109,8 +113,27 @@ class TruthStore:
         in_batch = set(batch_ids)
         for rid in self._sent:  # least recently used first
             if rid not in in_batch:
-                return self._sent.pop(rid)[0]
+                return self._sent.pop(rid).row
         raise RuntimeError("the truth store has fewer rows than the batch has requests")
+
+
+class _Sent:
+    """A request's store row, how many of its tokens the row holds, and its last ``TAIL`` of them as sent."""
+
+    __slots__ = ("n", "row", "tail")
+
+    def __init__(self, row: int) -> None:
+        self.row, self.n = row, 0
+        self.tail: list[int] = []
+
+    def same_prefix(self, start: int, stop: int, tokens: list[int]) -> int:
+        """How many of ``tokens`` (positions ``start ..``) before ``stop`` the row already holds as they are."""
+        m, off = stop - start, start - (self.n - len(self.tail))
+        if m <= 0 or off < 0:  # off < 0: a rewind past the tail kept here; send everything
+            return 0
+        if tokens[:m] == self.tail[off : off + m]:
+            return m
+        return next(i for i in range(m) if tokens[i] != self.tail[off + i])
 
 
 def _tokens(hist: Sequence[int], start: int, stop: int) -> list[int]:
