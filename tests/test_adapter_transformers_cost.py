@@ -163,3 +163,13 @@ def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> Non
 def _fields(b: StepBatch) -> list[torch.Tensor]:
     fields = (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
     return [t for t in fields if t is not None]
+
+
+def test_staging_hands_out_the_same_view_for_an_array_that_recurs_and_fresh_contents() -> None:
+    st = Staging(torch.device("cpu"))
+    first = st.send([np.arange(4, dtype=np.int64), np.arange(3, dtype=np.int32)])
+    second = st.send([np.arange(10, 14, dtype=np.int64), np.arange(5, dtype=np.int32)])
+    assert second[0] is first[0] and second[0].tolist() == [10, 11, 12, 13]  # same place, this step's values
+    assert second[1] is not first[1] and second[1].tolist() == [0, 1, 2, 3, 4]  # another shape: another view
+    grown = st.send([np.arange(4, dtype=np.int64), np.zeros(1 << 15, dtype=np.int64)])
+    assert grown[0] is not first[0] and grown[0].tolist() == [0, 1, 2, 3]  # a new buffer: new views

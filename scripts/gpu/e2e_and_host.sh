@@ -51,7 +51,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
                >>"$OUT/kernels.log" 2>&1
              echo "sanitizer exit $?" >>"$OUT/kernels.log" ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-                tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py >>"$OUT/kernels.log" 2>&1
+                tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
+                >>"$OUT/kernels.log" 2>&1
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
                 tests/test_adapter_transformers_translate_kernel.py >>"$OUT/kernels.log" 2>&1 ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;

@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcanary.runtime import streams
 from kvcanary.runtime.buffers import Layout
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import ViolationLog
@@ -62,6 +63,7 @@ class LaggedPump:
     def __init__(self, outbox: torch.Tensor, layout: Layout) -> None:
         self._outbox = outbox
         self._cuda = outbox.device.type == "cuda"
+        self._device_index = outbox.device.index if outbox.device.index is not None else 0
         self.phase_offset = layout.phase_offset
         self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
@@ -85,7 +87,7 @@ class LaggedPump:
         buf = self.buffers[step % NUM_BUFFERS]
         buf.tensor.copy_(self._outbox, non_blocking=self._cuda)
         if buf.event is not None:
-            buf.event.record()
+            streams.record(buf.event, self._device_index)
         buf.step = step
         buf.request_ids = request_ids
         self._pending.append(buf)

@@ -11,7 +11,9 @@ Reuse: each step takes a fresh pinned buffer from PyTorch's caching host allocat
 buffer out of circulation until the copies issued from it have run, so the host never overwrites
 bytes still in flight.  The device buffer is rewritten by the next step's copy, ordered on the stream
 after this step's kernels, so a step's views are valid until the next :meth:`Staging.send`.  On CPU the
-views are the host buffer itself, with the same lifetime.
+views are the host buffer itself, with the same lifetime.  A view is kept and handed out again when an
+array recurs with the same dtype, offset and shape (the per-row arrays, every step): slicing a tensor
+costs microseconds of host time too.
 
 Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise pointer arguments on
 16-byte alignment, and a misaligned view would compile another variant of a kernel.
@@ -28,6 +30,7 @@ import torch
 
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
+_MAX_VIEWS = 1024
 
 _TORCH_DTYPES: dict[np.dtype[Any], torch.dtype] = {
     np.dtype(np.int64): torch.int64,
@@ -50,6 +53,7 @@ class Staging:
         self._capacity = 0
         self._device_buf = torch.empty(0, dtype=torch.uint8, device=device)
         self._typed: dict[np.dtype[Any], torch.Tensor] = {}  # the device buffer as each dtype
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}  # by (dtype, offset, shape): most recur every step
         self._grow(_INITIAL_BYTES)
 
     @property
@@ -61,6 +65,7 @@ class Staging:
         self._capacity = cap
         self._device_buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self._typed = {np_type: self._device_buf.view(t) for np_type, t in _TORCH_DTYPES.items()}
+        self._views = {}
 
     def send(self, arrays: Sequence[npt.NDArray[np.generic]]) -> list[torch.Tensor]:
         """Copy ``arrays`` (int64, int32 or bool; any shape) to the device; their device views, in order."""
@@ -82,9 +87,17 @@ class Staging:
             flat[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         if not self._on_host and end:
             self._device_buf[:end].copy_(host[:end], non_blocking=self._pinned)
-        out = []
-        for a, off in zip(arrays, offsets, strict=True):
+        return [self._view(a, off) for a, off in zip(arrays, offsets, strict=True)]
+
+    def _view(self, a: npt.NDArray[np.generic], off: int) -> torch.Tensor:
+        """The device view that ``a`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
+        key = (a.dtype, off, a.shape)
+        view = self._views.get(key)
+        if view is None:
             size = a.dtype.itemsize
             view = self._typed[a.dtype][off // size : off // size + a.size]
-            out.append(view if a.ndim == 1 else view.view(a.shape))
-        return out
+            view = view if a.ndim == 1 else view.view(a.shape)
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            self._views[key] = view
+        return view

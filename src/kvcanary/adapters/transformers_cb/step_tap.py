@@ -28,7 +28,7 @@ from kvcanary.adapters.transformers_cb.modes import ModeActions
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 from kvcanary.adapters.transformers_cb.translate import Translation
 from kvcanary.config import Mode
-from kvcanary.runtime import StepReport
+from kvcanary.runtime import StepReport, streams
 
 logger = logging.getLogger("kvcanary")
 
@@ -201,7 +201,5 @@ class StepTap:
 
 
 def stream_context(stream: Any) -> Any:
-    """The engine's own stream context (its compute stream; a no-op without one)."""
-    from transformers.generation.continuous_batching.utils import stream_context as engine_stream_context
-
-    return engine_stream_context(stream)
+    """The engine's compute stream current for the block (a no-op without one)."""
+    return streams.using(stream)
