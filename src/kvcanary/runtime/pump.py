@@ -87,7 +87,10 @@ class LaggedPump:
         buf = self.buffers[step % NUM_BUFFERS]
         buf.tensor.copy_(self._outbox, non_blocking=self._cuda)
         if buf.event is not None:
-            streams.record(buf.event, self._device_index)
+            if self._cuda:
+                streams.record(buf.event, self._device_index)
+            else:  # a stand-in event (tests)
+                buf.event.record()
         buf.step = step
         buf.request_ids = request_ids
         self._pending.append(buf)
