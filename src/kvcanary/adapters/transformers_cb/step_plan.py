@@ -10,6 +10,7 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +35,11 @@ class RowPlan:
         past = np.array(host.past_lens, dtype=np.int64)
         query = np.array(host.query_lens, dtype=np.int64)
         return cls(past, query, past + query <= width)
+
+    @functools.cached_property
+    def reads_or_writes(self) -> bool:
+        """Whether any row in the table has a token: only then does any group fill a table cell."""
+        return bool(((self.past + self.query) * self.live).any())
 
     @property
     def size(self) -> int:

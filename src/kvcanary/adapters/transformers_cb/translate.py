@@ -348,7 +348,7 @@ class StepTranslator:
 
 def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any]) -> bool:
     """The kernel's case: no verified entry, or read segments to gather them from (see :mod:`.translate_kernel`)."""
-    if not int(step_plan.spans(g, rows)[1].sum()):
+    if not rows.reads_or_writes:  # every group's span is empty (a window reads at least the query)
         return True
     cu_k = kwargs["cu_seq_lens_k"][g.name]
     return int(cu_k.shape[-1]) >= rows.size + 1 and int(kwargs["read_index"][g.index].numel()) > 0
