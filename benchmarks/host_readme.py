@@ -70,6 +70,20 @@ def demo_section() -> list[str]:
         "polling, two steps behind): 16.4 -> 0.07 ms per step at batch 1 and 25.2 -> 0.08 ms at batch 32, the tap's "
         "median 19.8 -> 0.77 ms and 33.4 -> 1.28 ms; all four runs clean, verified == read "
         "(`results/cb-qwen3/nvidia-h200-c8acec9-cb_qwen3.json`).",
+        "",
+        "712ed1e -> 025eb0d (issue 14, part 2, continued): the translation kernel expands each row's span from its "
+        "lengths and reads the step's index sizes from the device, so its launch joins the canary's step graph (one "
+        "replay a step runs the translation too) and the host no longer builds or sends an array per verified "
+        "entry; the truth store resends only the tokens of the recent tail that changed; the per-step stream switch "
+        "and event record skip torch's device lookup; staging views are reused. Measured in one device call each "
+        "(the rows 712ed1e and 025eb0d come from the same call): dense 0.66 -> 0.56 ms, hybrid 1.20 -> 1.05 ms "
+        "(b2bf878, an earlier call on another machine: 0.58 and 0.82 ms). The mean over the run and the share "
+        "against a canary-off run move by several points from call to call (the same 712ed1e code measured 0.71 "
+        "and 0.66 ms, shares 0.0 % and 8.1 %), so compare rows of one call. What is left under the profiler "
+        "(`results/gpu-demo/nvidia-h200-025eb0d-host-profile.txt`): the truth store's per-request loop, the "
+        "staging copy, the eager steps' launches and the host step. The goals are not met. Issue 14's graph "
+        "workload at 025eb0d: all four runs clean, verified == read, 0 health failures "
+        "(`results/cb-qwen3/nvidia-h200-025eb0d-cb_qwen3.json`).",
     ]
     return lines
 
