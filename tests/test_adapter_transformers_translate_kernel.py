@@ -13,7 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcanary.adapters.transformers_cb.translate import StableWrites, StepTranslator
+from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from transformers_helpers import PAGE, FakeEngine, geometry, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -43,6 +43,7 @@ from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
+from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, pad_writes
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
@@ -62,17 +63,6 @@ class Translation:
     padded: bool  # the engine padded the batch (compile / CUDA graphs)
     block_table: bool  # decode fast path
     prelude: translate_kernel.Launches | None = None  # with ``defer``: the group launches still to run
-
-
-class _Pack:
-    """Host arrays collected for one :meth:`Staging.send`; ``add`` returns the index of the device view."""
-
-    def __init__(self) -> None:
-        self.arrays: list[npt.NDArray[Any]] = []
-
-    def add(self, a: npt.NDArray[Any]) -> int:
-        self.arrays.append(a)
-        return len(self.arrays) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,22 +112,10 @@ class StepTranslator:
         """The step's batches.  ``defer``: the one-launch groups' launches are returned as
         ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
-        if b > self.max_batch:
-            raise ValueError(f"batch has {b} requests, more than max_batch={self.max_batch}")
-        input_ids = kwargs["input_ids"].reshape(-1)
-        positions = kwargs["position_ids"].reshape(-1)
-        n_tok = int(input_ids.shape[0])
-        if host.num_tokens > n_tok:
-            raise RuntimeError(
-                f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
-                "the host batch and the forward kwargs are out of step"
-            )
-        block_table = kwargs.get("block_table")
-        cu_q = kwargs.get("cu_seq_lens_q")
-        padded = n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
-
+        input_ids, positions = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
+        n_tok, padded = self._check(kwargs, host, int(input_ids.shape[0]))
         rows = step_plan.RowPlan.of(host, self.width)
-        pack = _Pack()
+        pack = Pack()
         truth = self._truth.plan(host, rows.live)
         # The per-row arrays first: their device views then sit at offsets that depend on the batch size
         # only, so a step's batch tensors keep their addresses from step to step (see stable_writes).
@@ -163,15 +141,12 @@ class StepTranslator:
 
         batches: dict[str, StepBatch] = {}
         launches: list[translate_kernel.GroupLaunch] = []
+        lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
         for i, w in enumerate(work):
             if w.path == "kernel":
-                lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
-                launch = self._bind(w, kwargs, dev, lengths, dev[common["sizes"]][i], n_tok)
-                out_loc = launch.args[2]
-                if defer:
-                    launches.append(launch)
-                else:
-                    launch.run()
+                out_loc = self._kernel_writes(w, kwargs, dev, (lengths, dev[common["sizes"]][i]), n_tok, launches)
+                if not defer:
+                    launches.pop().run()
             else:
                 out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
             batches[w.geometry.name] = StepBatch(
@@ -192,9 +167,22 @@ class StepTranslator:
             rows_too_long=int((~rows.live).sum()),
             ring_wraps=wraps,
             padded=padded,
-            block_table=block_table is not None,
+            block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
+
+    def _check(self, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int) -> tuple[int, bool]:
+        """The forward's token count and whether the engine padded the batch, once the inputs agree."""
+        b = host.batch_size
+        if b > self.max_batch:
+            raise ValueError(f"batch has {b} requests, more than max_batch={self.max_batch}")
+        if host.num_tokens > n_tok:
+            raise RuntimeError(
+                f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
+                "the host batch and the forward kwargs are out of step"
+            )
+        cu_q = kwargs.get("cu_seq_lens_q")
+        return n_tok, n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
 
     def _sizes(self, kwargs: Mapping[str, Any], n_tok: int) -> npt.NDArray[np.int64]:
         """Per group: the write entries translated and the read index's length (the kernel reads them on the
@@ -212,7 +200,7 @@ class StepTranslator:
         g: GroupGeometry,
         rows: step_plan.RowPlan,
         kwargs: Mapping[str, Any],
-        pack: _Pack,
+        pack: Pack,
         n_write: int,
         num_tokens: int,
     ) -> _GroupWork:
@@ -263,22 +251,24 @@ class StepTranslator:
             out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
         return out_loc if self._stable is None else self._stable.writes(w.geometry.name, out_loc)
 
-    def _bind(
+    def _kernel_writes(
         self,
         w: _GroupWork,
         kwargs: Mapping[str, Any],
         dev: list[torch.Tensor],
-        lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        sizes: torch.Tensor,
+        staged: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         n_tok: int,
-    ) -> translate_kernel.GroupLaunch:
-        """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), not yet run."""
+        launches: list[translate_kernel.GroupLaunch],
+    ) -> torch.Tensor:
+        """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), appended to ``launches``
+        and not yet run; returns the out_cache_loc it writes.  ``staged``: the row lengths and the group's sizes."""
+        lengths, sizes = staged
         g, a = w.geometry, w.arrays
         if self._stable is not None:
             out = self._stable.view(g.name, n_tok)
         else:
             out = torch.empty(n_tok, dtype=torch.int64, device=self.device)
-        return translate_kernel.GroupLaunch.bind(
+        launch = translate_kernel.GroupLaunch.bind(
             g,
             write=kwargs["write_index"][g.index].reshape(-1),
             trash=dev[a["trash"]] if "trash" in a else None,
@@ -290,6 +280,8 @@ class StepTranslator:
             cells=self._cells[g.name],
             width=self.width,
         )
+        launches.append(launch)
+        return out
 
     def _from_read_index(
         self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
@@ -325,7 +317,7 @@ class StepTranslator:
         if "trash" in a:
             by_design = dev[a["trash"]] & (write == g.write_trash_index)
             out = torch.where(by_design, NOT_STORED, out)
-        return _pad_writes(out, n_tok)
+        return pad_writes(out, n_tok)
 
     def _from_block_table(
         self, w: _GroupWork, block_table: torch.Tensor, dev: list[torch.Tensor], n_tok: int
@@ -343,7 +335,7 @@ class StepTranslator:
             cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
-        return _pad_writes(slots[: w.n_write], n_tok)
+        return pad_writes(slots[: w.n_write], n_tok)
 
 
 def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any]) -> bool:
@@ -358,36 +350,3 @@ def _host_entries(w: _GroupWork) -> step_plan.GroupEntries:
     if w.entries is None:
         raise AssertionError(f"group {w.geometry.name!r}: the {w.path} path has no host entries")
     return w.entries
-
-
-def _pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
-    """out_cache_loc for every token of the forward: tokens past the translated writes are not stored."""
-    if int(out.shape[0]) == n_tok:
-        return out
-    full = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=out.device)
-    full[: out.shape[0]] = out
-    return full
-
-
-class StableWrites:
-    """Each group's ``out_cache_loc`` copied into a buffer of its own (one copy a step), so that its address
-    depends on nothing but the group: what the step graphs key on."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def view(self, name: str, n: int) -> torch.Tensor:
-        """The group's buffer as ``n`` int64 writes (grown to the next power of two when short)."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < n:
-            size = max(64, 1 << max(n - 1, 0).bit_length())
-            buf = self._buffers[name] = torch.empty(size, dtype=torch.int64, device=self.device)
-        return buf[:n]
-
-    def writes(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        """``out`` copied into the group's buffer (when it is not there already)."""
-        view = self.view(name, int(out.shape[0]))
-        if out.data_ptr() != view.data_ptr():
-            view.copy_(out)
-        return view

@@ -1,0 +1,55 @@
+"""Per-step buffers of the transformers translation: the host arrays of one staging copy, and the
+``out_cache_loc`` buffers whose addresses stay put (what the canary's step graphs key on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy.typing as npt
+import torch
+
+from kvcanary.schema import NOT_STORED
+
+
+class Pack:
+    """Host arrays collected for one :meth:`Staging.send`; ``add`` returns the index of the device view."""
+
+    def __init__(self) -> None:
+        self.arrays: list[npt.NDArray[Any]] = []
+
+    def add(self, a: npt.NDArray[Any]) -> int:
+        self.arrays.append(a)
+        return len(self.arrays) - 1
+
+
+def pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
+    """out_cache_loc for every token of the forward: tokens past the translated writes are not stored."""
+    if int(out.shape[0]) == n_tok:
+        return out
+    full = torch.full((n_tok,), NOT_STORED, dtype=torch.int64, device=out.device)
+    full[: out.shape[0]] = out
+    return full
+
+
+class StableWrites:
+    """Each group's ``out_cache_loc`` copied into a buffer of its own (one copy a step), so that its address
+    depends on nothing but the group: what the step graphs key on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def view(self, name: str, n: int) -> torch.Tensor:
+        """The group's buffer as ``n`` int64 writes (grown to the next power of two when short)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < n:
+            size = max(64, 1 << max(n - 1, 0).bit_length())
+            buf = self._buffers[name] = torch.empty(size, dtype=torch.int64, device=self.device)
+        return buf[:n]
+
+    def writes(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``out`` copied into the group's buffer (when it is not there already)."""
+        view = self.view(name, int(out.shape[0]))
+        if out.data_ptr() != view.data_ptr():
+            view.copy_(out)
+        return view
