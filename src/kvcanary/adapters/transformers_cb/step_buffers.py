@@ -1,13 +1,16 @@
-"""Per-step buffers of the transformers translation: the host arrays of one staging copy, and the
-``out_cache_loc`` buffers whose addresses stay put (what the canary's step graphs key on)."""
+"""Per-step buffers of the transformers translation: the host arrays of one staging copy (and the order of the
+shared ones), and the ``out_cache_loc`` buffers whose addresses stay put (what the canary's step graphs key on)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcanary.adapters.transformers_cb.step_plan import RowPlan
+from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
 from kvcanary.schema import NOT_STORED
 
 
@@ -20,6 +23,22 @@ class Pack:
     def add(self, a: npt.NDArray[Any]) -> int:
         self.arrays.append(a)
         return len(self.arrays) - 1
+
+
+def pack_common(pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: npt.NDArray[np.int64]) -> dict[str, int]:
+    """The arrays every group shares, by name.  The per-row arrays and the sizes first: their device views then
+    sit at offsets that depend on the batch size only, so a step's batch tensors and the translation's launch
+    keep their addresses from step to step (what the step graphs key on)."""
+    return {
+        "rows": pack.add(rows.table_rows()),
+        "prefix": pack.add(rows.past),
+        "extend": pack.add(rows.query),
+        "truth_lens": pack.add(truth.lens),
+        "truth_gather": pack.add(truth.gather),
+        "sizes": pack.add(sizes),
+        "truth_cells": pack.add(truth.cells),
+        "truth_tokens": pack.add(truth.tokens),
+    }
 
 
 def pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
-from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, pad_writes
+from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, pack_common, pad_writes
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
@@ -117,19 +117,8 @@ class StepTranslator:
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
         truth = self._truth.plan(host, rows.live)
-        # The per-row arrays first: their device views then sit at offsets that depend on the batch size
-        # only, so a step's batch tensors keep their addresses from step to step (see stable_writes).
         sizes = self._sizes(kwargs, n_tok)
-        common = {
-            "rows": pack.add(rows.table_rows()),
-            "prefix": pack.add(rows.past),
-            "extend": pack.add(rows.query),
-            "truth_lens": pack.add(truth.lens),
-            "truth_gather": pack.add(truth.gather),
-            "sizes": pack.add(sizes),
-            "truth_cells": pack.add(truth.cells),
-            "truth_tokens": pack.add(truth.tokens),
-        }
+        common = pack_common(pack, rows, truth, sizes)
         work = [
             self._plan_group(g, rows, kwargs, pack, int(sizes[i, 0]), host.num_tokens)
             for i, g in enumerate(self.geometries)
