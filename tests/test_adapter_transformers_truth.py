@@ -18,16 +18,17 @@ from kvcanary.schema import UNKNOWN_TOKEN
 
 
 def test_history_reads_prompt_then_generated_and_freezes_its_length_and_tail() -> None:
-    prompt, gen = list(range(100, 150)), [7, 8, 9]
+    prompt, gen = list(range(100, 100 + 2 * History.TAIL)), [7, 8, 9]
     h = History(prompt, gen)
-    assert len(h) == 53 and h[0] == 100 and h[49] == 149 and h[50] == 7 and h[-1] == 9
-    assert h.tokens(48, 53) == [148, 149, 7, 8, 9] and list(h[:3]) == [100, 101, 102]
-    assert h.tokens(0, 53) == prompt + gen and h.tokens(60, 70) == []
+    n = len(prompt) + 3
+    assert len(h) == n and h[0] == 100 and h[n - 4] == 99 + len(prompt) and h[n - 3] == 7 and h[-1] == 9
+    assert h.tokens(n - 5, n) == [98 + len(prompt), 99 + len(prompt), 7, 8, 9] and list(h[:3]) == [100, 101, 102]
+    assert h.tokens(0, n) == prompt + gen and h.tokens(n + 7, n + 17) == []
     gen.append(10)  # grows after capture: not part of this step's claim
     gen[-2] = 99  # rewritten after capture inside the tail: the capture's value stands
-    assert len(h) == 53 and h[-1] == 9
+    assert len(h) == n and h[-1] == 9
     del prompt[5:]  # the engine dropped old tokens (never done; read as unknown, not as garbage)
-    assert h[10] == UNKNOWN_TOKEN
+    assert h[10] == UNKNOWN_TOKEN  # older than the tail copied at capture
 
 
 def naive(histories: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:

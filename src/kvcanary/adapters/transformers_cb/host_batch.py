@@ -25,7 +25,7 @@ class History(Sequence[int]):
     engine no longer holds reads as the unknown token (not checked).
     """
 
-    TAIL = 32
+    TAIL = 64  # twice the truth store's refresh window (see truth_store.REFRESH)
 
     __slots__ = ("_generated", "_initial", "_n", "_tail", "_tail_start")
 

@@ -5,9 +5,11 @@ request (the canary checks every verified entry and every written token against 
 sending that whole table every step cost host time in proportion to the whole context (about 90 ms a step
 at 256 requests of 4k tokens).  Here each request keeps a row of a persistent device table; a step sends
 only each request's newest tokens -- the ones it has not sent yet, plus those of the last
-:attr:`History.TAIL` that differ from what was sent for them, so a rewind or rewrite of recent history (a
+:data:`REFRESH` that differ from what was sent for them, so a rewind or rewrite of recent history (a
 rolled-back token) still reaches the device -- and the step's truth is gathered from the persistent rows on
-the device.  The host keeps a mirror of each request's last ``TAIL`` tokens as sent, to compare with.
+the device.  The host keeps a mirror of each request's last ``REFRESH`` tokens as sent, to compare with.
+``REFRESH`` is half of :attr:`History.TAIL`, so that a step of up to ``REFRESH`` new tokens reads every
+token it compares from the history's own copy of its newest tokens (cheap), not from the engine's lists.
 
 Rows are reused least recently used first; a request that comes back after losing its row is sent whole.
 The table has ``max_batch`` rows (every request of a batch holds one) plus row 0, never written: the
@@ -28,6 +30,7 @@ from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
 I64 = npt.NDArray[np.int64]
+REFRESH = History.TAIL // 2  # positions before a request's newest sent token compared (and resent if changed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,7 @@ class TruthStore:
         """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
         # One pass of plain Python over the rows (no numpy scalar access inside: it runs every step for every
         # request), then a few vectorised numpy calls.
-        b, width, tail, sent_map = host.batch_size, self.width, History.TAIL, self._sent
+        b, width, tail, sent_map = host.batch_size, self.width, REFRESH, self._sent
         rows, lens = [0] * b, [0] * b  # per batch row: its store row (0: left out) and valid length
         live_rows: list[int] = []  # per live row, in order: store row, first token sent, valid length
         starts: list[int] = []
@@ -118,7 +121,7 @@ class TruthStore:
 
 
 class _Sent:
-    """A request's store row, how many of its tokens the row holds, and its last ``TAIL`` of them as sent."""
+    """A request's store row, how many of its tokens the row holds, and its last ``REFRESH`` of them as sent."""
 
     __slots__ = ("n", "row", "tail")
 
