@@ -63,9 +63,8 @@ class TruthStore:
         # request), then a few vectorised numpy calls.
         b, width, tail, sent_map = host.batch_size, self.width, REFRESH, self._sent
         rows, lens = [0] * b, [0] * b  # per batch row: its store row (0: left out) and valid length
-        live_rows: list[int] = []  # per live row, in order: store row, first token sent, valid length
-        starts: list[int] = []
-        live_lens: list[int] = []
+        first_cells: list[int] = []  # per live row, in order: the store cell of its first token sent, and the count
+        counts: list[int] = []
         tokens: list[int] = []
         for r, rid, hist, ok in zip(range(b), host.request_ids, host.truth, live.tolist(), strict=True):
             if not ok:
@@ -75,27 +74,30 @@ class TruthStore:
                 entry = sent_map[rid] = _Sent(self._take_row(host.request_ids))
             else:
                 sent_map.move_to_end(rid)
-            n = min(len(hist), width)
-            start = max(0, min(entry.n, n) - tail)
+            n = len(hist)
+            n = n if n < width else width
+            stop = entry.n if entry.n < n else n  # the compared window: REFRESH positions before stop
+            start = stop - tail if stop > tail else 0
             new = hist.tokens(start, n) if type(hist) is History else _tokens(hist, start, n)
-            skip = entry.same_prefix(start, min(entry.n, n), new)
+            m, off = stop - start, start - entry.n + len(entry.tail)
+            if m > 0 and off >= 0 and new[:m] == entry.tail[off : off + m]:
+                skip = m  # the usual step: nothing resent
+            else:
+                skip = entry.same_prefix(start, stop, new)
             tokens += new[skip:] if skip else new
-            start += skip
             entry.n, entry.tail = n, new[-tail:]
             rows[r] = entry.row
             lens[r] = n
-            live_rows.append(entry.row)
-            starts.append(start)
-            live_lens.append(n)
-        first = np.array(starts, dtype=np.int64)
-        counts = np.array(live_lens, dtype=np.int64) - first
-        base = np.array(live_rows, dtype=np.int64) * width + first - (np.cumsum(counts) - counts)
+            first_cells.append(entry.row * width + start + skip)
+            counts.append(n - start - skip)
+        count = np.array(counts, dtype=np.int64)
+        base = np.array(first_cells, dtype=np.int64) - (np.cumsum(count) - count)
         lens_a = np.array(lens, dtype=np.int64)
         return TruthUpdate(
             gather=np.array([0, *rows], dtype=np.int64),
             lens=lens_a,
             width=max(1, int(lens_a.max(initial=0))),
-            cells=np.repeat(base, counts) + np.arange(int(counts.sum()), dtype=np.int64),
+            cells=np.repeat(base, count) + np.arange(len(tokens), dtype=np.int64),
             # low 32 bits, as the records keep them; fromiter: a third faster than np.array on a list of ints
             tokens=np.fromiter(tokens, dtype=np.int64, count=len(tokens)).astype(np.int32),
         )
