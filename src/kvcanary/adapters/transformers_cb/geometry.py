@@ -15,6 +15,7 @@ because with page size 1 it would otherwise alias another layer's row.  All thre
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -95,6 +96,16 @@ class GroupGeometry:
     @property
     def write_trash_slot(self) -> int:
         return self._compact(self.write_trash_index)
+
+    @functools.cached_property
+    def slot_map(self) -> tuple[int, int, int, int, int, int, int, int]:
+        """What :meth:`to_slots` and the special slots need, computed once (the translation kernel's arguments):
+        stride, page size, pool end, sentinel index, sentinel slot, invalid slot, read-trash slot, write-trash
+        index."""
+        return (
+            self.stride, self.page_size, self.num_blocks * self.stride, self.sentinel_index, self.sentinel_slot,
+            self.invalid_slot, self.read_trash_slot, self.write_trash_index,
+        )  # fmt: skip
 
     def canary_group(self, group_id: int) -> CanaryGroup:
         return CanaryGroup(

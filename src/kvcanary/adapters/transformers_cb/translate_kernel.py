@@ -55,8 +55,7 @@ class GroupLaunch:
         chunks = max(1, -(-width // BLOCK))
         args = (
             _ptr(write, out), _ptr(trash, out), out, _ptr(read, out), _ptr(cu_k, out), *lengths, sizes, cells,
-            n_tok, width, g.canary_window, g.stride, g.page_size, g.num_blocks * g.stride, g.sentinel_index,
-            g.sentinel_slot, g.invalid_slot, g.read_trash_slot, g.write_trash_index,
+            n_tok, width, g.canary_window, *g.slot_map,
         )  # fmt: skip
         grid = (-(-n_tok // BLOCK) + n_rows * chunks,)
         consts = {"SLIDING": g.is_sliding, "HAS_TRASH": trash is not None, "CHUNKS": chunks, "BLOCK": BLOCK}
