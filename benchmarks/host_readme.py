@@ -91,6 +91,11 @@ def demo_section() -> list[str]:
         "hybrid 1.37 -> 1.14 ms (median 1.11 -> 0.81); the graph workload clean in all four runs "
         "(`results/cb-qwen3/nvidia-h200-a5a456e-cb_qwen3.json`). That machine was slower than the others for "
         "both commits.",
+        "",
+        "9fd5071 (the truth store's loop and History's 64-token copy, the geometry's constants cached): dense 0.52 "
+        "ms (median 0.45), hybrid 0.90 ms (0.58), sliding 0.57 ms (0.46); the graph workload clean in all four runs "
+        "(`results/cb-qwen3/nvidia-h200-9fd5071-cb_qwen3.json`); the compiled translation suite and the GPU tests "
+        "passed (`results/gpu-demo/nvidia-h200-9fd5071-gputests.txt`). No 712ed1e run in that call.",
     ]
     return lines
 
