@@ -21,6 +21,50 @@ DEMO_LINE = re.compile(
 DEMO_SHARE = re.compile(r"the canary's share of step time: (?P<share>[\d.]+)%")
 
 
+# What changed between the stored runs of the demo table, oldest first (rendered under it).
+DEMO_NOTES = (
+    "",
+    "3d14a28 -> c8acec9 (issue 14, part 2): the step's plan/verify/stamp launches, validation and log snapshot "
+    "replay from the canary's own CUDA graph (`runtime/step_graphs.py`: 657 of 720 dense steps replayed, the rest "
+    "eager or captured), and each group's read-index translation is one Triton launch "
+    "(`ops/kernels/translate.py`) instead of about two dozen torch ops. What is left per step is host work: "
+    "numpy planning and the truth store's per-request loop (about 0.2 ms of dense under the profiler), the "
+    "staging copy (0.14 ms), the translation launch (0.12 ms), the host step (0.07 ms): "
+    "`results/gpu-demo/nvidia-h200-c8acec9-host-profile.txt`. The goals are not met.",
+    "",
+    "Issue 14's graph workload (`scripts/gpu/cb_qwen3_workload.py`, Qwen3-0.6B-shaped, asynchronous batching), "
+    "a035a84 -> c8acec9: with CUDA graphs `host_step` no longer waits for the previous step's device work (pump "
+    "polling, two steps behind): 16.4 -> 0.07 ms per step at batch 1 and 25.2 -> 0.08 ms at batch 32, the tap's "
+    "median 19.8 -> 0.77 ms and 33.4 -> 1.28 ms; all four runs clean, verified == read "
+    "(`results/cb-qwen3/nvidia-h200-c8acec9-cb_qwen3.json`).",
+    "",
+    "712ed1e -> 025eb0d (issue 14, part 2, continued): the translation kernel expands each row's span from its "
+    "lengths and reads the step's index sizes from the device, so its launch joins the canary's step graph (one "
+    "replay a step runs the translation too) and the host no longer builds or sends an array per verified "
+    "entry; the truth store resends only the tokens of the recent tail that changed; the per-step stream switch "
+    "and event record skip torch's device lookup; staging views are reused. Measured in one device call each "
+    "(the rows 712ed1e and 025eb0d come from the same call): dense 0.66 -> 0.56 ms, hybrid 1.20 -> 1.05 ms "
+    "(b2bf878, an earlier call on another machine: 0.58 and 0.82 ms). The mean over the run and the share "
+    "against a canary-off run move by several points from call to call (the same 712ed1e code measured 0.71 "
+    "and 0.66 ms, shares 0.0 % and 8.1 %), so compare rows of one call. What is left under the profiler "
+    "(`results/gpu-demo/nvidia-h200-025eb0d-host-profile.txt`): the truth store's per-request loop, the "
+    "staging copy, the eager steps' launches and the host step. The goals are not met. Issue 14's graph "
+    "workload at 025eb0d: all four runs clean, verified == read, 0 health failures "
+    "(`results/cb-qwen3/nvidia-h200-025eb0d-cb_qwen3.json`).",
+    "",
+    "a5a456e (the submitted code; translate.py split, no behaviour change) with 712ed1e again in one later call "
+    "(`results/gpu-demo/nvidia-h200-a5a456e-run-with-712ed1e.txt`): dense 0.84 -> 0.75 ms (median 0.69 -> 0.61), "
+    "hybrid 1.37 -> 1.14 ms (median 1.11 -> 0.81); the graph workload clean in all four runs "
+    "(`results/cb-qwen3/nvidia-h200-a5a456e-cb_qwen3.json`). That machine was slower than the others for "
+    "both commits.",
+    "",
+    "9fd5071 (the truth store's loop and History's 64-token copy, the geometry's constants cached): dense 0.52 "
+    "ms (median 0.45), hybrid 0.90 ms (0.58), sliding 0.57 ms (0.46); the graph workload clean in all four runs "
+    "(`results/cb-qwen3/nvidia-h200-9fd5071-cb_qwen3.json`); the compiled translation suite and the GPU tests "
+    "passed (`results/gpu-demo/nvidia-h200-9fd5071-gputests.txt`). No 712ed1e run in that call.",
+)
+
+
 @functools.cache
 def _commit_time(commit: str) -> int:
     """When a stored run's commit was made (rows in history order, the same in every clone); 0 if unknown."""
@@ -56,47 +100,7 @@ def demo_section() -> list[str]:
             f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {share} "
             f"| `{f.relative_to(HERE)}` |"
         )
-    lines += [
-        "",
-        "3d14a28 -> c8acec9 (issue 14, part 2): the step's plan/verify/stamp launches, validation and log snapshot "
-        "replay from the canary's own CUDA graph (`runtime/step_graphs.py`: 657 of 720 dense steps replayed, the rest "
-        "eager or captured), and each group's read-index translation is one Triton launch "
-        "(`ops/kernels/translate.py`) instead of about two dozen torch ops. What is left per step is host work: "
-        "numpy planning and the truth store's per-request loop (about 0.2 ms of dense under the profiler), the "
-        "staging copy (0.14 ms), the translation launch (0.12 ms), the host step (0.07 ms): "
-        "`results/gpu-demo/nvidia-h200-c8acec9-host-profile.txt`. The goals are not met.",
-        "",
-        "Issue 14's graph workload (`scripts/gpu/cb_qwen3_workload.py`, Qwen3-0.6B-shaped, asynchronous batching), "
-        "a035a84 -> c8acec9: with CUDA graphs `host_step` no longer waits for the previous step's device work (pump "
-        "polling, two steps behind): 16.4 -> 0.07 ms per step at batch 1 and 25.2 -> 0.08 ms at batch 32, the tap's "
-        "median 19.8 -> 0.77 ms and 33.4 -> 1.28 ms; all four runs clean, verified == read "
-        "(`results/cb-qwen3/nvidia-h200-c8acec9-cb_qwen3.json`).",
-        "",
-        "712ed1e -> 025eb0d (issue 14, part 2, continued): the translation kernel expands each row's span from its "
-        "lengths and reads the step's index sizes from the device, so its launch joins the canary's step graph (one "
-        "replay a step runs the translation too) and the host no longer builds or sends an array per verified "
-        "entry; the truth store resends only the tokens of the recent tail that changed; the per-step stream switch "
-        "and event record skip torch's device lookup; staging views are reused. Measured in one device call each "
-        "(the rows 712ed1e and 025eb0d come from the same call): dense 0.66 -> 0.56 ms, hybrid 1.20 -> 1.05 ms "
-        "(b2bf878, an earlier call on another machine: 0.58 and 0.82 ms). The mean over the run and the share "
-        "against a canary-off run move by several points from call to call (the same 712ed1e code measured 0.71 "
-        "and 0.66 ms, shares 0.0 % and 8.1 %), so compare rows of one call. What is left under the profiler "
-        "(`results/gpu-demo/nvidia-h200-025eb0d-host-profile.txt`): the truth store's per-request loop, the "
-        "staging copy, the eager steps' launches and the host step. The goals are not met. Issue 14's graph "
-        "workload at 025eb0d: all four runs clean, verified == read, 0 health failures "
-        "(`results/cb-qwen3/nvidia-h200-025eb0d-cb_qwen3.json`).",
-        "",
-        "a5a456e (the submitted code; translate.py split, no behaviour change) with 712ed1e again in one later call "
-        "(`results/gpu-demo/nvidia-h200-a5a456e-run-with-712ed1e.txt`): dense 0.84 -> 0.75 ms (median 0.69 -> 0.61), "
-        "hybrid 1.37 -> 1.14 ms (median 1.11 -> 0.81); the graph workload clean in all four runs "
-        "(`results/cb-qwen3/nvidia-h200-a5a456e-cb_qwen3.json`). That machine was slower than the others for "
-        "both commits.",
-        "",
-        "9fd5071 (the truth store's loop and History's 64-token copy, the geometry's constants cached): dense 0.52 "
-        "ms (median 0.45), hybrid 0.90 ms (0.58), sliding 0.57 ms (0.46); the graph workload clean in all four runs "
-        "(`results/cb-qwen3/nvidia-h200-9fd5071-cb_qwen3.json`); the compiled translation suite and the GPU tests "
-        "passed (`results/gpu-demo/nvidia-h200-9fd5071-gputests.txt`). No 712ed1e run in that call.",
-    ]
+    lines += DEMO_NOTES
     return lines
 
 
