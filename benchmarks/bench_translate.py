@@ -7,7 +7,7 @@ advances every request by one token (new histories, new write slots), so whateve
 between steps is exercised as in serving.  The time is the host's: ``translate`` issues its device work
 asynchronously (CUDA) and nothing waits for it.
 
-Usage: PYTHONPATH=src python benchmarks/bench_translate.py [--device cuda] [--shapes 32x576,256x4096]
+Usage: PYTHONPATH=src python benchmarks/bench_translate.py [--device cuda] [--shapes 32x576,256x4096] [--kernel-path]
 """
 
 from __future__ import annotations
@@ -72,19 +72,25 @@ class Requests:
         return kwargs, host
 
 
-def measure(batch: int, past: int, steps: int, device: str) -> dict[str, Any]:
+def measure(batch: int, past: int, steps: int, device: str, kernel_path: bool = False) -> dict[str, Any]:
+    """Median host time of one step's translation.  ``kernel_path``: what the step tap does on the GPU path
+    (the one-launch translation, its launches deferred to the canary's step graph).  On the CPU the device
+    work is host work too (the truth gather copies every row), so only CUDA times the tap's host cost."""
     reqs = Requests(batch, past, steps + 2, device)
-    tr = StepTranslator([reqs.geometry], max_batch=batch, max_context=past + steps + 8, device=device)
+    tr = StepTranslator(
+        [reqs.geometry], max_batch=batch, max_context=past + steps + 8, device=device, kernel=kernel_path or None
+    )
     times = []
     for i in range(steps + 2):
         kwargs, host = reqs.step()
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
-        tr.translate(kwargs, host)
+        tr.translate(kwargs, host, defer=kernel_path)
         if i >= 2:
             times.append((time.perf_counter_ns() - t0) / 1000.0)
-    return {"batch": batch, "past": past, "device": device, "median_us": round(statistics.median(times), 1)}
+    median = round(statistics.median(times), 1)
+    return {"batch": batch, "past": past, "device": device, "kernel_path": kernel_path, "median_us": median}
 
 
 def main() -> int:
@@ -92,10 +98,11 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--shapes", default="1x512,32x576,64x2048,256x4096")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--kernel-path", action="store_true", help="the GPU path's host work (launches deferred, not run)")
     args = p.parse_args()
     for shape in args.shapes.split(","):
         b, past = (int(x) for x in shape.split("x"))
-        print(json.dumps(measure(b, past, args.steps, args.device)), flush=True)
+        print(json.dumps(measure(b, past, args.steps, args.device, args.kernel_path)), flush=True)
     return 0
 
 
