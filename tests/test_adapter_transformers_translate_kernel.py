@@ -5,6 +5,7 @@ compiled on a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -13,8 +14,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from transformers_helpers import PAGE, FakeEngine, geometry, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,19 +123,27 @@ class StaticInputs:
         return out
 
 
+def growing(host: HostBatch) -> HostBatch:
+    """``host`` with each request's truth cut to the tokens it has so far (the fake engine hands them all)."""
+    truth = tuple(t[: p + q] for t, p, q in zip(host.truth, host.past_lens, host.query_lens, strict=True))
+    return dataclasses.replace(host, truth=truth)
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(window: int) -> None:
     """What replaying the canary's step graph does: the launch bound (captured) at the first decode step runs
     again at later ones, whose lengths and index sizes differ, and must translate them as they are."""
     g = geometry(window)
     eng, (plain, fused) = engine(window, 3), translators(window)
-    fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it
+    fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it: static writes and truth
+    fused._truth = TruthStore(4, 64, torch.device(DEVICE), static_out=True)
     static = StaticInputs()
     kwargs, host = eng.step(dict.fromkeys(eng.tables, 6))
-    same_translation(plain, fused, static.put(kwargs), host)
+    same_translation(plain, fused, static.put(kwargs), growing(host))
     captured = None
     for _ in range(4):
         kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+        host = growing(host)  # each step's truth has one more token a request: the truth update writes them
         want = plain.translate(kwargs_to(kwargs, DEVICE), host)
         got = fused.translate(static.put(kwargs), host, defer=True)
         assert got.prelude is not None
@@ -141,7 +152,9 @@ def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(win
         captured.run()
         for field, w in want.batches[g.name].tensors().items():
             x = got.batches[g.name].tensors()[field]
-            if w is not None and x is not None and field != "truth":
+            assert (w is None) == (x is None), field
+            if w is not None and x is not None:
+                x = x[:, : w.shape[1]] if field == "truth" else x  # the static truth is full width
                 assert torch.equal(w.cpu(), x.cpu()), field
         assert torch.equal(plain.tables[g.name].cpu(), fused.tables[g.name].cpu())
     kwargs, host = eng.step(dict.fromkeys(list(eng.tables)[:2], 1))  # another batch shape: another key

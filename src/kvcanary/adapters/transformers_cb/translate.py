@@ -109,8 +109,8 @@ class StepTranslator:
     # ------------------------------------------------------------------ entry point
 
     def translate(self, kwargs: Mapping[str, Any], host: HostBatch, *, defer: bool = False) -> Translation:
-        """The step's batches.  ``defer``: the one-launch groups' launches are returned as
-        ``Translation.prelude`` instead of run; the batches are filled once it has run."""
+        """The step's batches.  ``defer``: the truth update (a static store's) and the one-launch groups'
+        launches are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         input_ids, positions = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
         n_tok, padded = self._check(kwargs, host, int(input_ids.shape[0]))
@@ -124,12 +124,16 @@ class StepTranslator:
             for i, g in enumerate(self.geometries)
         ]
         dev = self._staging.send(pack.arrays)
-        truth_table = self._truth.apply(
-            truth, dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]]
-        )
+        truth_arrays = (dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]])
+        launches: list[translate_kernel.Launch] = []
+        if defer and self._truth.static:  # the truth update joins the prelude (and the step graph)
+            truth_write = self._truth.deferred(truth, *truth_arrays)
+            launches.append(truth_write)
+            truth_table = truth_write.out
+        else:
+            truth_table = self._truth.apply(truth, *truth_arrays)
 
         batches: dict[str, StepBatch] = {}
-        launches: list[translate_kernel.GroupLaunch] = []
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
         for i, w in enumerate(work):
             if w.path == "kernel":
@@ -247,7 +251,7 @@ class StepTranslator:
         dev: list[torch.Tensor],
         staged: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         n_tok: int,
-        launches: list[translate_kernel.GroupLaunch],
+        launches: list[translate_kernel.Launch],
     ) -> torch.Tensor:
         """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), appended to ``launches``
         and not yet run; returns the out_cache_loc it writes.  ``staged``: the row lengths and the group's sizes."""

@@ -15,7 +15,7 @@ is read back and nothing allocated.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,11 +76,21 @@ class GroupLaunch:
         translate_kernel[self.grid](*self.args, **self.constexprs)
 
 
+class Launch(Protocol):
+    """Device work bound to its tensors: ``key`` names what it bakes in, ``run`` issues it."""
+
+    @property
+    def key(self) -> tuple[object, ...]: ...
+
+    def run(self) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Launches:
-    """A step's group launches, run in order (a :class:`~kvcanary.runtime.step_graphs.Prelude`)."""
+    """A step's translation work (the truth update, the group launches), run in order (a
+    :class:`~kvcanary.runtime.step_graphs.Prelude`)."""
 
-    launches: tuple[GroupLaunch, ...]
+    launches: tuple[Launch, ...]
 
     @property
     def key(self) -> tuple[object, ...]:

@@ -112,6 +112,20 @@ class TruthStore:
             return torch.index_select(self.table, 0, gather, out=self._out[: int(gather.shape[0])])
         return torch.index_select(self.table[:, : update.width], 0, gather)
 
+    @property
+    def static(self) -> bool:
+        """Whether each step's truth lands in one persistent buffer (then :meth:`deferred` applies)."""
+        return self._out is not None
+
+    def deferred(
+        self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor, gather: torch.Tensor
+    ) -> TruthWrite:
+        """:meth:`apply` as a unit to run later (and to replay): a static store only."""
+        if self._out is None:
+            raise RuntimeError("a truth store without a static output cannot defer its update")
+        out = self._out[: int(gather.shape[0])]
+        return TruthWrite(self._flat, cells, tokens, self.table, gather, out, bool(update.cells.shape[0]))
+
     def _take_row(self, batch_ids: Sequence[str]) -> int:
         if self._free:
             return self._free.pop()
@@ -120,6 +134,32 @@ class TruthStore:
             if rid not in in_batch:
                 return self._sent.pop(rid).row
         raise RuntimeError("the truth store has fewer rows than the batch has requests")
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthWrite:
+    """One step's truth update on the device, with its tensors bound: the new tokens written into the store,
+    then the batch's rows gathered into ``out``.  Part of the translation's prelude (see
+    :class:`kvcanary.runtime.step_graphs.Prelude`): a steady decode step sends one token a request, so its
+    shapes and addresses repeat and the update replays inside the canary's step graph."""
+
+    flat: torch.Tensor
+    cells: torch.Tensor
+    tokens: torch.Tensor
+    table: torch.Tensor
+    gather: torch.Tensor
+    out: torch.Tensor
+    writes: bool
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        tensors = (self.flat, self.cells, self.tokens, self.table, self.gather, self.out)
+        return (*((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors), self.writes)
+
+    def run(self) -> None:
+        if self.writes:
+            self.flat.index_copy_(0, self.cells, self.tokens)
+        torch.index_select(self.table, 0, self.gather, out=self.out)
 
 
 class _Sent:
