@@ -109,7 +109,9 @@ class Binding:
         if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
-        translator = StepTranslator(geometries, max_batch=max_batch, max_context=width, device=device)
+        translator = StepTranslator(
+            geometries, max_batch=max_batch, max_context=width, device=device, max_tokens=max_tokens
+        )
         return cls(cache, geometries, translator, manager)
 
 

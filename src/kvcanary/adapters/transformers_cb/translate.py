@@ -35,15 +35,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
+from kvcanary.adapters.transformers_cb.batch_shapes import StepShape, forward_tokens
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
-from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, pack_common, pad_writes
+from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common, pad_writes
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
@@ -87,8 +86,12 @@ class StepTranslator:
         max_context: int,
         device: torch.device | str,
         kernel: bool | None = None,
+        max_tokens: int | None = None,
+        bucket: bool | None = None,
     ) -> None:
-        """``kernel``: translate the read-index path with one Triton launch a group (default: on CUDA)."""
+        """``kernel``: translate the read-index path with one Triton launch a group (default: on CUDA).
+        ``bucket``: pad each step's batch to a shape class (:mod:`.batch_shapes`; default: on CUDA, where the
+        step graphs key on shapes), its tokens too when ``max_tokens`` (the canary's capacity) is given."""
         if max_batch <= 0 or max_context <= 0:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
@@ -105,6 +108,8 @@ class StepTranslator:
         self._truth = TruthStore(max_batch, max_context, self.device, static_out=static)  # kept between steps
         self._stable = StableWrites(self.device) if static else None
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
+        self.bucket = static if bucket is None else bucket
+        self.max_tokens = max_tokens or 0
 
     # ------------------------------------------------------------------ entry point
 
@@ -112,13 +117,14 @@ class StepTranslator:
         """The step's batches.  ``defer``: the truth update (a static store's) and the one-launch groups'
         launches are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
-        input_ids, positions = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
-        n_tok, padded = self._check(kwargs, host, int(input_ids.shape[0]))
+        n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
+        shape = self._shape(b, kwargs)
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
         truth = self._truth.plan(host, rows.live)
-        sizes = self._sizes(kwargs, n_tok)
-        common = pack_common(pack, rows, truth, sizes)
+        truth = truth.padded(shape.rows) if self.bucket else truth
+        sizes = index_sizes(kwargs, self.geometries, n_tok)
+        common = pack_common(pack, rows, truth, sizes, shape.rows)
         work = [
             self._plan_group(g, rows, kwargs, pack, int(sizes[i, 0]), host.num_tokens)
             for i, g in enumerate(self.geometries)
@@ -137,18 +143,20 @@ class StepTranslator:
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
         for i, w in enumerate(work):
             if w.path == "kernel":
-                out_loc = self._kernel_writes(w, kwargs, dev, (lengths, dev[common["sizes"]][i]), n_tok, launches)
+                out_loc = self._kernel_writes(
+                    w, kwargs, dev, (lengths, dev[common["sizes"]][i]), shape.tokens, launches
+                )
                 if not defer:
                     launches.pop().run()
             else:
-                out_loc = self._group_writes(w, kwargs, b, dev, n_tok)
+                out_loc = self._group_writes(w, kwargs, b, dev, shape.tokens)
             batches[w.geometry.name] = StepBatch(
                 rows=dev[common["rows"]],
                 prefix_lens=dev[common["prefix"]],
                 extend_lens=dev[common["extend"]],
                 table=self.tables[w.geometry.name],
-                input_ids=input_ids,
-                positions=positions,
+                input_ids=shape.input_ids,
+                positions=shape.positions,
                 out_cache_loc=out_loc,
                 truth=truth_table,
                 truth_lens=dev[common["truth_lens"]],
@@ -164,27 +172,11 @@ class StepTranslator:
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
 
-    def _check(self, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int) -> tuple[int, bool]:
-        """The forward's token count and whether the engine padded the batch, once the inputs agree."""
-        b = host.batch_size
-        if b > self.max_batch:
-            raise ValueError(f"batch has {b} requests, more than max_batch={self.max_batch}")
-        if host.num_tokens > n_tok:
-            raise RuntimeError(
-                f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
-                "the host batch and the forward kwargs are out of step"
-            )
-        cu_q = kwargs.get("cu_seq_lens_q")
-        return n_tok, n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
-
-    def _sizes(self, kwargs: Mapping[str, Any], n_tok: int) -> npt.NDArray[np.int64]:
-        """Per group: the write entries translated and the read index's length (the kernel reads them on the
-        device, so its launch does not change with them); zeros on the block-table path."""
-        if kwargs.get("block_table") is not None:
-            return np.zeros((len(self.geometries), 2), dtype=np.int64)
-        write, read = kwargs["write_index"], kwargs["read_index"]
-        sizes = [(min(int(write[g.index].numel()), n_tok), int(read[g.index].numel())) for g in self.geometries]
-        return np.array(sizes, dtype=np.int64).reshape(-1, 2)
+    def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
+        ids, pos = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
+        if not self.bucket:
+            return StepShape(b, ids, pos)
+        return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
 
     # ------------------------------------------------------------------ host plan
 

@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcanary.adapters.transformers_cb.batch_shapes import bucket, pad_rows
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
@@ -42,6 +43,21 @@ class TruthUpdate:
     width: int  # columns the step's truth needs (at least 1)
     cells: I64  # flat cells of the store to write
     tokens: npt.NDArray[np.int32]  # their tokens
+
+    def padded(self, rows: int) -> TruthUpdate:
+        """The update for a batch padded to ``rows`` rows, its writes to a power of two (see
+        :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0 with length 0, and
+        padding writes put ``UNKNOWN_TOKEN`` into cell 0, row 0's, which no request holds and which holds
+        just that."""
+        n = self.cells.shape[0]
+        writes = bucket(n, 2 * n)
+        return TruthUpdate(
+            gather=pad_rows(self.gather, rows + 1),
+            lens=pad_rows(self.lens, rows),
+            width=self.width,
+            cells=pad_rows(self.cells, writes),
+            tokens=np.concatenate([self.tokens, np.full(writes - n, UNKNOWN_TOKEN, dtype=np.int32)]),
+        )
 
 
 class TruthStore:

@@ -1,0 +1,88 @@
+"""A step's batch padded to a shape class, so that the canary's step graphs replay.
+
+A CUDA graph of the canary's step bakes in the shapes of the batch tensors (see
+:mod:`kvcanary.runtime.step_graphs`): how many batch rows, forward tokens and ground-truth tokens sent.
+An engine's steps vary in all three (the GPU demo's dense run: 44 (rows, tokens) pairs and 80 truth counts
+in 720 steps, so 130 steps ran eagerly, each paying several Triton launches of host time).  Rounded up to
+powers of two (within the capacities) they fall into a few classes.  The padding is inert: a padding row
+has the padding row's table row (0) and no lengths, a padding token lies past every row's writes (its
+``out_cache_loc`` is ``NOT_STORED``), and a padding truth write rewrites the store's unused cell 0 with
+what it holds (see :meth:`~kvcanary.adapters.transformers_cb.truth_store.TruthUpdate.padded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+
+
+def forward_tokens(kwargs: Mapping[str, Any], host: HostBatch, max_batch: int) -> tuple[int, bool]:
+    """The forward's token count and whether the engine padded the batch, once the inputs agree."""
+    b, n_tok = host.batch_size, int(kwargs["input_ids"].numel())
+    if b > max_batch:
+        raise ValueError(f"batch has {b} requests, more than max_batch={max_batch}")
+    if host.num_tokens > n_tok:
+        raise RuntimeError(
+            f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
+            "the host batch and the forward kwargs are out of step"
+        )
+    cu_q = kwargs.get("cu_seq_lens_q")
+    return n_tok, n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
+
+
+def bucket(n: int, cap: int) -> int:
+    """``n`` rounded up to a power of two, at most ``cap`` (``n`` itself when it is 0 or already past ``cap``)."""
+    if n <= 0 or n >= cap:
+        return n
+    return min(1 << (n - 1).bit_length(), cap)
+
+
+def pad_rows(a: npt.NDArray[Any], n: int) -> npt.NDArray[Any]:
+    """``a`` with zeros appended up to ``n`` entries."""
+    if a.shape[0] >= n:
+        return a
+    out = np.zeros(n, dtype=a.dtype)
+    out[: a.shape[0]] = a
+    return out
+
+
+def widen(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """The 1-D contiguous ``t`` as a view of its first ``n`` storage elements from where it starts; None when
+    the storage is shorter (an engine's static input buffers hold the largest batch)."""
+    if int(t.shape[0]) == n:
+        return t
+    if t.dim() != 1 or t.stride(0) != 1 or t.storage_offset() + n > t.untyped_storage().nbytes() // t.element_size():
+        return None
+    return t.as_strided((n,), (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The step's batch rows and its forward's token tensors, padded or as they are."""
+
+    rows: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def padded(
+        cls, rows: int, input_ids: torch.Tensor, positions: torch.Tensor, max_batch: int, max_tokens: int
+    ) -> StepShape:
+        """Rows and tokens rounded up (see :func:`bucket`); the tokens stay as they are when the engine's
+        buffers are too short to view more of."""
+        want = bucket(int(input_ids.shape[0]), max_tokens)
+        ids, pos = widen(input_ids, want), widen(positions, want)
+        if ids is None or pos is None:
+            ids, pos = input_ids, positions
+        return cls(bucket(rows, max_batch), ids, pos)
