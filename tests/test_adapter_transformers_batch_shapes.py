@@ -54,8 +54,9 @@ def test_padded_truth_writes_change_nothing_and_padding_rows_read_row_zero() -> 
     exact, padded = (TruthStore(MAX_BATCH, 16, torch.device("cpu")) for _ in range(2))
     update = exact.plan(host, np.ones(3, dtype=bool))
     padded.plan(host, np.ones(3, dtype=bool))
-    wide = update.padded(5)
-    assert wide.cells.shape[0] == 8 and wide.gather.tolist() == [*update.gather.tolist(), 0, 0]
+    assert update.padded(5, 4).cells.shape[0] == 8  # 8 new tokens: 8 writes, a power of two
+    wide = update.padded(5, 11)
+    assert wide.cells.shape[0] == 11 and wide.gather.tolist() == [*update.gather.tolist(), 0, 0]
     assert wide.lens.tolist() == [*update.lens.tolist(), 0, 0]
 
     def apply(store: TruthStore, u: Any) -> torch.Tensor:

@@ -122,7 +122,7 @@ class StepTranslator:
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
         truth = self._truth.plan(host, rows.live)
-        truth = truth.padded(shape.rows) if self.bucket else truth
+        truth = truth.padded(shape.rows, shape.tokens) if self.bucket else truth
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         common = pack_common(pack, rows, truth, sizes, shape.rows)
         work = [

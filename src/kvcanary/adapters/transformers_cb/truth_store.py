@@ -44,13 +44,14 @@ class TruthUpdate:
     cells: I64  # flat cells of the store to write
     tokens: npt.NDArray[np.int32]  # their tokens
 
-    def padded(self, rows: int) -> TruthUpdate:
-        """The update for a batch padded to ``rows`` rows, its writes to a power of two (see
-        :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0 with length 0, and
-        padding writes put ``UNKNOWN_TOKEN`` into cell 0, row 0's, which no request holds and which holds
-        just that."""
+    def padded(self, rows: int, tokens: int) -> TruthUpdate:
+        """The update for a batch padded to ``rows`` rows and ``tokens`` forward tokens (see
+        :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0 with length 0; the
+        writes are padded to ``tokens`` (a step usually sends its new tokens and no more, so its shape then
+        follows the tokens') or past it to a power of two, and a padding write puts ``UNKNOWN_TOKEN`` into
+        cell 0, row 0's, which no request holds and which holds just that."""
         n = self.cells.shape[0]
-        writes = bucket(n, 2 * n)
+        writes = max(bucket(n, 2 * n), tokens) if n else 0
         return TruthUpdate(
             gather=pad_rows(self.gather, rows + 1),
             lens=pad_rows(self.lens, rows),
