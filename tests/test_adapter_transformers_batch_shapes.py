@@ -7,28 +7,28 @@ no table cell, no record and no report, while steps of different sizes inside on
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from kvcanary.adapters.transformers_cb import binding
-from kvcanary.adapters.transformers_cb.batch_shapes import StepShape, bucket, widen
+from kvcanary.adapters.transformers_cb.batch_shapes import SMALLEST, StepShape, bucket, widen
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.runtime.step_graphs import batch_key
-from kvcanary.schema import NOT_STORED
+from kvcanary.schema import NOT_STORED, UNKNOWN_TOKEN
 from test_adapter_transformers_translate_kernel import StaticInputs, engine, growing
 from transformers_helpers import demo_run, geometry
 
-MAX_BATCH = 8
+MAX_BATCH = 24  # above the smallest class: a batch of 17 rows pads to 24
 
 
 def test_bucket_rounds_up_to_a_power_of_two_within_the_cap() -> None:
-    got = [bucket(n, 12) for n in (0, 1, 2, 3, 5, 8, 9, 12, 13)]
-    assert got == [0, 1, 2, 4, 8, 8, 12, 12, 13]
+    got = [bucket(n, 40) for n in (0, 1, 2, 15, 16, 17, 32, 33, 40, 41)]
+    assert got == [0, SMALLEST, SMALLEST, 16, 16, 32, 32, 40, 40, 41]
+    assert bucket(3, 12) == 12  # the cap below the smallest class
 
 
 def test_widen_views_the_storage_and_refuses_what_it_does_not_hold() -> None:
@@ -43,28 +43,24 @@ def test_widen_views_the_storage_and_refuses_what_it_does_not_hold() -> None:
 
 def test_step_shape_keeps_the_tokens_when_the_engine_buffer_is_short() -> None:
     ids, pos = torch.zeros(5, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)
-    shape = StepShape.padded(3, ids, pos, max_batch=8, max_tokens=64)
-    assert shape.rows == 4 and shape.input_ids is ids and shape.tokens == 5
+    shape = StepShape.padded(3, ids, pos, max_batch=64, max_tokens=64)
+    assert shape.rows == SMALLEST and shape.input_ids is ids and shape.tokens == 5
 
 
-def test_padded_truth_writes_change_nothing_and_padding_rows_read_row_zero() -> None:
+def test_padded_truth_rows_read_row_zero() -> None:
     eng = engine(0, 3)
     _, host = eng.step({"r0": 5, "r1": 2, "r2": 1})
-    host = growing(host)
-    exact, padded = (TruthStore(MAX_BATCH, 16, torch.device("cpu")) for _ in range(2))
-    update = exact.plan(host, np.ones(3, dtype=bool))
-    padded.plan(host, np.ones(3, dtype=bool))
-    assert update.padded(5, 4).cells.shape[0] == 8  # 8 new tokens: 8 writes, a power of two
-    wide = update.padded(5, 11)
-    assert wide.cells.shape[0] == 11 and wide.gather.tolist() == [*update.gather.tolist(), 0, 0]
-    assert wide.lens.tolist() == [*update.lens.tolist(), 0, 0]
-
-    def apply(store: TruthStore, u: Any) -> torch.Tensor:
-        return store.apply(u, *(torch.from_numpy(a) for a in (u.cells, u.tokens, u.gather)))
-
-    want, got = apply(exact, update), apply(padded, wide)
-    assert torch.equal(exact.table, padded.table)
-    assert torch.equal(got[:4], want) and torch.equal(got[4:], want[:1].expand(2, -1))
+    store = TruthStore(MAX_BATCH, 16, torch.device("cpu"))
+    update = store.plan(growing(host), np.ones(3, dtype=bool))
+    wide = update.padded(5)
+    assert wide.gather.tolist() == [*update.gather.tolist(), 0, 0] and wide.lens.tolist() == [
+        *update.lens.tolist(),
+        0,
+        0,
+    ]
+    assert wide.cells is update.cells and wide.tokens is update.tokens  # the writes are not padded
+    got = store.apply(wide, *(torch.from_numpy(a) for a in (wide.cells, wide.tokens, wide.gather)))
+    assert torch.equal(got[4:], got[:1].expand(2, -1)) and (got[0] == UNKNOWN_TOKEN).all()
 
 
 def padded_translators(window: int) -> tuple[StepTranslator, StepTranslator]:

@@ -1,13 +1,13 @@
 """A step's batch padded to a shape class, so that the canary's step graphs replay.
 
 A CUDA graph of the canary's step bakes in the shapes of the batch tensors (see
-:mod:`kvcanary.runtime.step_graphs`): how many batch rows, forward tokens and ground-truth tokens sent.
-An engine's steps vary in all three (the GPU demo's dense run: 44 (rows, tokens) pairs and 80 truth counts
-in 720 steps, so 130 steps ran eagerly, each paying several Triton launches of host time).  Rounded up to
-powers of two (within the capacities) they fall into a few classes.  The padding is inert: a padding row
-has the padding row's table row (0) and no lengths, a padding token lies past every row's writes (its
-``out_cache_loc`` is ``NOT_STORED``), and a padding truth write rewrites the store's unused cell 0 with
-what it holds (see :meth:`~kvcanary.adapters.transformers_cb.truth_store.TruthUpdate.padded`).
+:mod:`kvcanary.runtime.step_graphs`): how many batch rows and forward tokens.  An engine's steps vary in
+both (the GPU demo's dense run: 44 (rows, tokens) pairs in 720 steps, and with the truth writes in the key
+too, 130 steps ran eagerly, each paying several Triton launches of host time).  Rounded up to powers of two,
+at least :data:`SMALLEST` and at most the capacities, they fall into a few classes.  The padding is inert:
+a padding row has the padding row's table row (0) and no lengths, and a padding token lies past every row's
+writes (its ``out_cache_loc`` is ``NOT_STORED``); the kernels skip both at no measurable cost.  (The truth's
+writes stay out of the graph: see :meth:`~kvcanary.adapters.transformers_cb.truth_store.TruthStore.deferred`.)
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+
+# The smallest class: every step of up to 16 rows or tokens shares one shape (the small decode batches of a
+# serving loop, one graph for all of them).
+SMALLEST = 16
 
 
 def forward_tokens(kwargs: Mapping[str, Any], host: HostBatch, max_batch: int) -> tuple[int, bool]:
@@ -38,10 +42,11 @@ def forward_tokens(kwargs: Mapping[str, Any], host: HostBatch, max_batch: int) -
 
 
 def bucket(n: int, cap: int) -> int:
-    """``n`` rounded up to a power of two, at most ``cap`` (``n`` itself when it is 0 or already past ``cap``)."""
+    """``n`` rounded up to a power of two and to at least :data:`SMALLEST`, at most ``cap`` (``n`` itself when
+    it is 0 or already past ``cap``)."""
     if n <= 0 or n >= cap:
         return n
-    return min(1 << (n - 1).bit_length(), cap)
+    return min(max(1 << (n - 1).bit_length(), SMALLEST), cap)
 
 
 def pad_rows(a: npt.NDArray[Any], n: int) -> npt.NDArray[Any]:

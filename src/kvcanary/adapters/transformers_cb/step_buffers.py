@@ -31,10 +31,10 @@ class Pack:
 def pack_common(
     pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: npt.NDArray[np.int64], n_rows: int
 ) -> dict[str, int]:
-    """The arrays every group shares, by name, the per-row ones padded to ``n_rows`` rows (padding rows: table
-    row 0, no lengths).  The per-row arrays and the sizes first: their device views then sit at offsets that
-    depend on the batch size only, so a step's batch tensors and the translation's launch keep their addresses
-    from step to step (what the step graphs key on)."""
+    """The arrays every group shares, by name (the truth's writes are packed after the groups' arrays), the
+    per-row ones padded to ``n_rows`` rows (padding rows: table row 0, no lengths).  The per-row arrays and the
+    sizes first: their device views then sit at offsets that depend on the batch size only, so a step's batch
+    tensors and the translation's launch keep their addresses from step to step (what the step graphs key on)."""
     return {
         "rows": pack.add(pad_rows(rows.table_rows(), n_rows)),
         "prefix": pack.add(pad_rows(rows.past, n_rows)),
@@ -42,8 +42,6 @@ def pack_common(
         "truth_lens": pack.add(truth.lens),
         "truth_gather": pack.add(truth.gather),
         "sizes": pack.add(sizes),
-        "truth_cells": pack.add(truth.cells),
-        "truth_tokens": pack.add(truth.tokens),
     }
 
 

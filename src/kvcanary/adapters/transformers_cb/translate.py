@@ -122,20 +122,23 @@ class StepTranslator:
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
         truth = self._truth.plan(host, rows.live)
-        truth = truth.padded(shape.rows, shape.tokens) if self.bucket else truth
+        truth = truth.padded(shape.rows) if self.bucket else truth
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         common = pack_common(pack, rows, truth, sizes, shape.rows)
         work = [
             self._plan_group(g, rows, kwargs, pack, int(sizes[i, 0]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
+        # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
+        common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
         dev = self._staging.send(pack.arrays)
         truth_arrays = (dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]])
         launches: list[translate_kernel.Launch] = []
-        if defer and self._truth.static:  # the truth update joins the prelude (and the step graph)
-            truth_write = self._truth.deferred(truth, *truth_arrays)
-            launches.append(truth_write)
-            truth_table = truth_write.out
+        if defer and self._truth.static:  # the truth gather joins the prelude (and the step graph)
+            self._truth.write(truth, *truth_arrays[:2])
+            truth_gather = self._truth.deferred(truth_arrays[2])
+            launches.append(truth_gather)
+            truth_table = truth_gather.out
         else:
             truth_table = self._truth.apply(truth, *truth_arrays)
 

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.transformers_cb.batch_shapes import bucket, pad_rows
+from kvcanary.adapters.transformers_cb.batch_shapes import pad_rows
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
@@ -44,21 +44,10 @@ class TruthUpdate:
     cells: I64  # flat cells of the store to write
     tokens: npt.NDArray[np.int32]  # their tokens
 
-    def padded(self, rows: int, tokens: int) -> TruthUpdate:
-        """The update for a batch padded to ``rows`` rows and ``tokens`` forward tokens (see
-        :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0 with length 0; the
-        writes are padded to ``tokens`` (a step usually sends its new tokens and no more, so its shape then
-        follows the tokens') or past it to a power of two, and a padding write puts ``UNKNOWN_TOKEN`` into
-        cell 0, row 0's, which no request holds and which holds just that."""
-        n = self.cells.shape[0]
-        writes = max(bucket(n, 2 * n), tokens) if n else 0
-        return TruthUpdate(
-            gather=pad_rows(self.gather, rows + 1),
-            lens=pad_rows(self.lens, rows),
-            width=self.width,
-            cells=pad_rows(self.cells, writes),
-            tokens=np.concatenate([self.tokens, np.full(writes - n, UNKNOWN_TOKEN, dtype=np.int32)]),
-        )
+    def padded(self, rows: int) -> TruthUpdate:
+        """The update for a batch padded to ``rows`` rows (see
+        :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0, with length 0."""
+        return dataclasses.replace(self, gather=pad_rows(self.gather, rows + 1), lens=pad_rows(self.lens, rows))
 
 
 class TruthStore:
@@ -123,25 +112,30 @@ class TruthStore:
         self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor, gather: torch.Tensor
     ) -> torch.Tensor:
         """Write the update (its arrays on the device) and return the step's truth, ``(b + 1, width)``."""
-        if update.cells.shape[0]:
-            self._flat.index_copy_(0, cells, tokens)
+        self.write(update, cells, tokens)
         if self._out is not None:
             return torch.index_select(self.table, 0, gather, out=self._out[: int(gather.shape[0])])
         return torch.index_select(self.table[:, : update.width], 0, gather)
+
+    def write(self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The update's new tokens into the store (enqueued now)."""
+        if update.cells.shape[0]:
+            self._flat.index_copy_(0, cells, tokens)
 
     @property
     def static(self) -> bool:
         """Whether each step's truth lands in one persistent buffer (then :meth:`deferred` applies)."""
         return self._out is not None
 
-    def deferred(
-        self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor, gather: torch.Tensor
-    ) -> TruthWrite:
-        """:meth:`apply` as a unit to run later (and to replay): a static store only."""
+    def deferred(self, gather: torch.Tensor) -> TruthGather:
+        """The step's truth gather as a unit to run later (and to replay), after :meth:`write`: a static store only.
+
+        Only the gather joins the canary's step graph: its shape follows the batch's rows, while the number of
+        tokens written varies with how much history the step's requests send (a request's first step sends all
+        of it), and a key per write count left a tenth of the GPU demo's steps running eagerly."""
         if self._out is None:
-            raise RuntimeError("a truth store without a static output cannot defer its update")
-        out = self._out[: int(gather.shape[0])]
-        return TruthWrite(self._flat, cells, tokens, self.table, gather, out, bool(update.cells.shape[0]))
+            raise RuntimeError("a truth store without a static output cannot defer its gather")
+        return TruthGather(self.table, gather, self._out[: int(gather.shape[0])])
 
     def _take_row(self, batch_ids: Sequence[str]) -> int:
         if self._free:
@@ -154,28 +148,20 @@ class TruthStore:
 
 
 @dataclasses.dataclass(frozen=True)
-class TruthWrite:
-    """One step's truth update on the device, with its tensors bound: the new tokens written into the store,
-    then the batch's rows gathered into ``out``.  Part of the translation's prelude (see
-    :class:`kvcanary.runtime.step_graphs.Prelude`): a steady decode step sends one token a request, so its
-    shapes and addresses repeat and the update replays inside the canary's step graph."""
+class TruthGather:
+    """One step's truth gather on the device, with its tensors bound: the batch's rows of the store copied into
+    ``out``.  Part of the translation's prelude (see :class:`kvcanary.runtime.step_graphs.Prelude`): its
+    addresses and shapes depend on the batch's rows only, so it replays inside the canary's step graph."""
 
-    flat: torch.Tensor
-    cells: torch.Tensor
-    tokens: torch.Tensor
     table: torch.Tensor
     gather: torch.Tensor
     out: torch.Tensor
-    writes: bool
 
     @property
     def key(self) -> tuple[object, ...]:
-        tensors = (self.flat, self.cells, self.tokens, self.table, self.gather, self.out)
-        return (*((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors), self.writes)
+        return tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in (self.table, self.gather, self.out))
 
     def run(self) -> None:
-        if self.writes:
-            self.flat.index_copy_(0, self.cells, self.tokens)
         torch.index_select(self.table, 0, self.gather, out=self.out)
 
 
