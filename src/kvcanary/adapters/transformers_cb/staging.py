@@ -7,11 +7,9 @@ are views of a persistent device buffer.  A small synchronous copy from ordinary
 wait for the stream -- the model's forward -- to drain, so on CUDA the host buffer is pinned and the
 copy asynchronous: nothing waits.
 
-Reuse: the pinned buffers form a ring of :data:`RING`, each with an event recorded after its copy; a step
-takes the next one when its event has completed and otherwise a fresh buffer from PyTorch's caching host
-allocator (which keeps the old one out of circulation until its copy has run), so the host never
-overwrites bytes still in flight.  Allocating a pinned buffer every step cost more host time than the
-event.  The device buffer is rewritten by the next step's copy, ordered on the stream
+Reuse: each step takes a fresh pinned buffer from PyTorch's caching host allocator, which keeps a
+buffer out of circulation until the copies issued from it have run, so the host never overwrites
+bytes still in flight.  The device buffer is rewritten by the next step's copy, ordered on the stream
 after this step's kernels, so a step's views are valid until the next :meth:`Staging.send`.  On CPU the
 views are the host buffer itself, with the same lifetime.  A view is kept and handed out again when an
 array recurs with the same dtype, offset and shape (the per-row arrays, every step): slicing a tensor
@@ -31,7 +29,6 @@ import numpy.typing as npt
 import torch
 
 ALIGN = 64
-RING = 4  # pinned buffers in rotation: an asynchronous engine keeps a step or two in flight
 _INITIAL_BYTES = 1 << 16
 _MAX_VIEWS = 1024
 
@@ -52,12 +49,11 @@ class Staging:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._on_host = device.type == "cpu"
+        self._pinned = device.type == "cuda"
         self._capacity = 0
         self._device_buf = torch.empty(0, dtype=torch.uint8, device=device)
         self._typed: dict[np.dtype[Any], torch.Tensor] = {}  # the device buffer as each dtype
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}  # by (dtype, offset, shape): most recur every step
-        self._ring: list[_Pinned] = []
-        self._turn = 0
         self._grow(_INITIAL_BYTES)
 
     @property
@@ -82,27 +78,16 @@ class Staging:
             end += _aligned(a.nbytes)
         if end > self._capacity:
             self._grow(end)
-        pinned = None if self._on_host else self._pinned_buffer()
-        host, flat = (self._device_buf, self._device_buf.numpy()) if pinned is None else (pinned.host, pinned.flat)
+        if self._on_host:
+            host = self._device_buf
+        else:
+            host = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=self._pinned)
+        flat = host.numpy()
         for a, off in zip(arrays, offsets, strict=True):
             flat[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        if pinned is not None and end:
-            self._device_buf[:end].copy_(host[:end], non_blocking=True)
-            pinned.copied.record()
+        if not self._on_host and end:
+            self._device_buf[:end].copy_(host[:end], non_blocking=self._pinned)
         return [self._view(a, off) for a, off in zip(arrays, offsets, strict=True)]
-
-    def _pinned_buffer(self) -> _Pinned:
-        """The ring's next buffer, or a fresh one in its place when its last copy may still be running."""
-        i = self._turn
-        self._turn = (i + 1) % RING
-        if i < len(self._ring) and self._ring[i].fits(self._capacity):
-            return self._ring[i]
-        fresh = _Pinned(self._capacity)
-        if i < len(self._ring):
-            self._ring[i] = fresh
-        else:
-            self._ring.append(fresh)
-        return fresh
 
     def _view(self, a: npt.NDArray[np.generic], off: int) -> torch.Tensor:
         """The device view that ``a`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
@@ -116,18 +101,3 @@ class Staging:
                 self._views.clear()
             self._views[key] = view
         return view
-
-
-class _Pinned:
-    """A pinned host buffer, its numpy view and the event recorded after its last copy to the device."""
-
-    __slots__ = ("copied", "flat", "host")
-
-    def __init__(self, nbytes: int) -> None:
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.flat = self.host.numpy()
-        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether it may be refilled for ``nbytes``: the size matches and its last copy has run."""
-        return int(self.host.shape[0]) == nbytes and bool(self.copied.query())  # type: ignore[no-untyped-call]

@@ -47,7 +47,9 @@ class TruthUpdate:
     def padded(self, rows: int) -> TruthUpdate:
         """The update for a batch padded to ``rows`` rows (see
         :mod:`~kvcanary.adapters.transformers_cb.batch_shapes`): padding rows gather row 0, with length 0."""
-        return dataclasses.replace(self, gather=pad_rows(self.gather, rows + 1), lens=pad_rows(self.lens, rows))
+        return TruthUpdate(
+            pad_rows(self.gather, rows + 1), pad_rows(self.lens, rows), self.width, self.cells, self.tokens
+        )
 
 
 class TruthStore:
