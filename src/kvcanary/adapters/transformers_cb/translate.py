@@ -43,11 +43,12 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
 from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common, pad_writes
-from kvcanary.adapters.transformers_cb.truth_store import TruthStore
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.batch import StepBatch
 from kvcanary.schema import NOT_STORED
 
 _REJECTED_SEGMENT = -(1 << 30)  # start of a mis-delimited segment: every offset from it is out of range
+_TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +115,8 @@ class StepTranslator:
     # ------------------------------------------------------------------ entry point
 
     def translate(self, kwargs: Mapping[str, Any], host: HostBatch, *, defer: bool = False) -> Translation:
-        """The step's batches.  ``defer``: the truth update (a static store's) and the one-launch groups'
-        launches are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
+        """The step's batches.  ``defer``: the truth gather (a static store's) and the one-launch groups' launches
+        are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         shape = self._shape(b, kwargs)
@@ -132,16 +133,8 @@ class StepTranslator:
         # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
         common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
         dev = self._staging.send(pack.arrays)
-        truth_arrays = (dev[common["truth_cells"]], dev[common["truth_tokens"]], dev[common["truth_gather"]])
         launches: list[translate_kernel.Launch] = []
-        if defer and self._truth.static:  # the truth gather joins the prelude (and the step graph)
-            self._truth.write(truth, *truth_arrays[:2])
-            truth_gather = self._truth.deferred(truth_arrays[2])
-            launches.append(truth_gather)
-            truth_table = truth_gather.out
-        else:
-            truth_table = self._truth.apply(truth, *truth_arrays)
-
+        truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
         for i, w in enumerate(work):
@@ -174,6 +167,19 @@ class StepTranslator:
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
+
+    def _truth_table(
+        self, truth: TruthUpdate, arrays: list[torch.Tensor], defer: bool, launches: list[translate_kernel.Launch]
+    ) -> torch.Tensor:
+        """Write the step's truth and return its table; with ``defer`` (a static store) the gather is appended to
+        ``launches`` to run with them (and replay in the step graph), the write is enqueued now."""
+        cells, tokens, gather = arrays
+        if not (defer and self._truth.static):
+            return self._truth.apply(truth, cells, tokens, gather)
+        self._truth.write(truth, cells, tokens)
+        truth_gather = self._truth.deferred(gather)
+        launches.append(truth_gather)
+        return truth_gather.out
 
     def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
         ids, pos = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
