@@ -67,6 +67,27 @@ DEMO_NOTES = (
     "too): dense 0.66 ms (median 0.48), hybrid 0.77 ms (0.50), sliding 0.53 ms (0.43); the graph workload clean in "
     "all four runs, its tap median 381 us at batch 1 and 579 us at batch 32 with graphs "
     "(`results/cb-qwen3/nvidia-h200-78f58dc-cb_qwen3.json`); the GPU tests passed. No 712ed1e run in that call.",
+    "",
+    "87a3e72 -> f1fb99a (issue 14: batch shape classes, `adapters/transformers_cb/batch_shapes.py`): each step's "
+    "rows and tokens are padded to a power of two of at least 16 (inert padding) and the truth's writes run "
+    "before the step graph, so its key follows the shape class: steps that ran eagerly on the dense demo 130 -> 7 "
+    "of 720 (`results/gpu-demo/*-graph-keys-dense.txt`), plan/verify/stamp 168 -> 81 us (dense) and 333 -> 142 "
+    "us (hybrid) in one call. Translation rose 253 -> 426 us in that call, but f1fb99a ran first and the machine "
+    "was slower then (its canary-off run too: 3.08 s against 2.79 s), so the rows of that call "
+    "(`results/gpu-demo/nvidia-h200-f1fb99a-run-with-87a3e72.txt`) do not settle the net effect. Under the "
+    "profiler the step total was the same (889 against 897 us, "
+    "`results/gpu-demo/nvidia-h200-{f1fb99a,87a3e72}-host-profile.txt`); what the padding adds to the "
+    "translation per step is an eager truth write (6.8 us) and a few small numpy and view ops "
+    "(`results/gpu-demo/nvidia-h200-f1fb99a-op-costs.txt`). The graph workload clean in all four runs "
+    "(`results/cb-qwen3/nvidia-h200-f1fb99a-cb_qwen3.json`), the GPU tests passed. The goals are not met.",
+    "",
+    "e95cd83 (the submitted code: f1fb99a with the staging back to one pinned buffer a step and a helper split "
+    "out) against 87a3e72 in one call, the dense demo in the order new, old, old, new "
+    "(`results/gpu-demo/nvidia-h200-e95cd83-run-with-87a3e72.txt`): mean 0.48 and 0.56 ms against 0.62 and 0.65 "
+    "ms (-18 %), median 0.46 and 0.53 against 0.44 and 0.48 ms (+8 %): the padding adds about 35 us to a "
+    "replayed step and saves the eager steps' launches. Hybrid at e95cd83: 0.64 ms (median 0.58); its 87a3e72 run "
+    "was cut off by the end of the session's device time. The GPU tests passed at e95cd83 "
+    "(`results/gpu-demo/nvidia-h200-e95cd83-gputests.txt`).",
 )
 
 
