@@ -19,8 +19,8 @@ from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.runtime.step_graphs import batch_key
 from kvcanary.schema import NOT_STORED, UNKNOWN_TOKEN
-from test_adapter_transformers_translate_kernel import StaticInputs, engine, growing
-from transformers_helpers import demo_run, geometry
+from test_adapter_transformers_translate_kernel import engine
+from transformers_helpers import StaticInputs, demo_run, geometry, growing
 
 MAX_BATCH = 24  # above the smallest class: a batch of 17 rows pads to 24
 

@@ -20,10 +20,12 @@ import torch
 from kvcanary.adapters.transformers_cb import translate_kernel
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.staging import ALIGN, Staging
+from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
 from op_counting import NO_KERNEL, SYNCING, OpCounter
-from transformers_helpers import PAGE, STRIDE, FakeEngine, kwargs_to
+from transformers_helpers import PAGE, STRIDE, FakeEngine, growing, kwargs_to
 
 TRANSLATION_OPS = 24  # one full group's step (read-index path, truth store write + gather): lower it, never raise it
 
@@ -82,6 +84,32 @@ def test_the_fused_translation_is_one_launch_a_group_and_two_torch_ops(
     assert launches == [window > 0]
     assert sum(kernels.values()) <= FUSED_TRANSLATION_OPS, kernels
     assert not SYNCING & set(counter.ops), counter.ops
+
+
+# What CUDA runs at each step outside the canary's step graph: the truth's write (its size varies); the truth's gather
+# and the group's launch wait in the prelude, replayed inside the graph.
+GRAPHED_PATH_OPS = {"index_copy_": 1}
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_graphed_path_issues_one_op_a_step_and_defers_the_rest(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launches: list[bool] = []
+    monkeypatch.setattr(translate_kernel.GroupLaunch, "run", lambda self: launches.append(True))
+    eng, tr = decode_step(3, window)
+    cpu = torch.device("cpu")
+    tr.kernel = tr.bucket = True  # what CUDA gives it: one launch a group, shape classes, static writes and truth
+    tr._stable, tr._truth = StableWrites(cpu), TruthStore(4, 32, cpu, static_out=True)
+    for _ in range(3):  # the first step sends each request's whole history: the same ops, more tokens
+        kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+        with OpCounter() as counter:
+            t = tr.translate(kwargs, growing(host), defer=True)  # each step's truth one token longer
+        kernels = {op: n for op, n in counter.ops.items() if op not in NO_KERNEL | {"as_strided", "empty"}}
+        assert kernels == GRAPHED_PATH_OPS, kernels
+        assert not SYNCING & set(counter.ops), counter.ops
+        assert not launches and t.prelude is not None and len(t.prelude.launches) == 2  # the gather, the group
+        assert next(iter(t.batches.values())).batch_size == 4  # 3 rows padded to the class (capped by max_batch)
 
 
 def test_geometry_to_slots_matches_its_definition_on_every_index() -> None:

@@ -5,7 +5,6 @@ compiled on a GPU."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from typing import Any
 
@@ -14,11 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
-from transformers_helpers import PAGE, FakeEngine, geometry, kwargs_to
+from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,35 +99,6 @@ def test_a_long_prefill_of_a_sliding_group_sends_its_oldest_writes_to_the_trash_
     same_translation(plain, fused, kwargs, host)
 
 
-class StaticInputs:
-    """The engine's index tensors copied into buffers of fixed addresses, as transformers' static tensors are:
-    each step's tensors are views of the same storage, with the step's lengths."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-
-    def _view(self, name: str, i: int, t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.setdefault((name, i), torch.zeros(4096, dtype=t.dtype, device=DEVICE))
-        flat = buf[: t.numel()]
-        flat.copy_(t.reshape(-1))
-        return flat.view(t.shape)
-
-    def put(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        out = dict(kwargs)
-        for name in ("read_index", "write_index"):
-            out[name] = [self._view(name, i, t) for i, t in enumerate(kwargs[name])]
-        out["cu_seq_lens_k"] = {k: self._view(k, 0, t) for k, t in kwargs["cu_seq_lens_k"].items()}
-        for name in ("input_ids", "position_ids"):
-            out[name] = self._view(name, 0, kwargs[name])
-        return out
-
-
-def growing(host: HostBatch) -> HostBatch:
-    """``host`` with each request's truth cut to the tokens it has so far (the fake engine hands them all)."""
-    truth = tuple(t[: p + q] for t, p, q in zip(host.truth, host.past_lens, host.query_lens, strict=True))
-    return dataclasses.replace(host, truth=truth)
-
-
 @pytest.mark.parametrize("window", [0, 5])
 def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(window: int) -> None:
     """What replaying the canary's step graph does: the launch bound (captured) at the first decode step runs
@@ -138,7 +107,7 @@ def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(win
     eng, (plain, fused) = engine(window, 3), translators(window)
     fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it: static writes and truth
     fused._truth = TruthStore(4, 64, torch.device(DEVICE), static_out=True)
-    static = StaticInputs()
+    static = StaticInputs(DEVICE)
     kwargs, host = eng.step(dict.fromkeys(eng.tables, 6))
     same_translation(plain, fused, static.put(kwargs), growing(host))
     captured = None

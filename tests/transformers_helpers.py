@@ -3,6 +3,7 @@ and a demo workload run with the canary installed (the real engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -110,3 +111,33 @@ def kwargs_to(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
         return x
 
     return {k: move(v) for k, v in kwargs.items()}
+
+
+class StaticInputs:
+    """The engine's index tensors copied into buffers of fixed addresses, as transformers' static tensors are:
+    each step's tensors are views of the same storage, with the step's lengths."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _view(self, name: str, i: int, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.setdefault((name, i), torch.zeros(4096, dtype=t.dtype, device=self.device))
+        flat = buf[: t.numel()]
+        flat.copy_(t.reshape(-1))
+        return flat.view(t.shape)
+
+    def put(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = dict(kwargs)
+        for name in ("read_index", "write_index"):
+            out[name] = [self._view(name, i, t) for i, t in enumerate(kwargs[name])]
+        out["cu_seq_lens_k"] = {k: self._view(k, 0, t) for k, t in kwargs["cu_seq_lens_k"].items()}
+        for name in ("input_ids", "position_ids"):
+            out[name] = self._view(name, 0, kwargs[name])
+        return out
+
+
+def growing(host: HostBatch) -> HostBatch:
+    """``host`` with each request's truth cut to the tokens it has so far (the fake engine hands them all)."""
+    truth = tuple(t[: p + q] for t, p, q in zip(host.truth, host.past_lens, host.query_lens, strict=True))
+    return dataclasses.replace(host, truth=truth)
