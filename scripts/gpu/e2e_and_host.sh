@@ -8,6 +8,8 @@
 #   profile   scripts/gpu/host_profile.py (where the tap's host time goes)
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
+#   keys      scripts/gpu/graph_keys.py on the dense and hybrid demo (which key parts vary among eager steps)
+#   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
 #             graphs against eager launches) and the translation kernel's suite compiled
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
@@ -50,6 +52,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
                --error-exitcode 99 --print-limit 20 python3 scripts/gpu/sanitize_kernels.py "${SANITIZE_CASES:-6}" \
                >>"$OUT/kernels.log" 2>&1
              echo "sanitizer exit $?" >>"$OUT/kernels.log" ;;
+    keys) for model in dense hybrid; do
+            timeout "${T_KEYS:-60}" python3 scripts/gpu/graph_keys.py --model "$model" >>"$OUT/keys.txt" 2>&1
+          done ;;
+    opcosts) timeout 60 python3 scripts/gpu/op_costs.py >"$OUT/op_costs.txt" 2>&1 ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
                 >>"$OUT/kernels.log" 2>&1
