@@ -26,6 +26,7 @@ import torch
 from bench_common import meta, save_records
 from kvcanary import CanaryConfig, CanaryGroup, Capacities, Mode, StepBatch
 from kvcanary.runtime import CanaryManager
+from kvcanary.runtime.cuda_calls import CudaCalls
 
 
 def decode_batch(batch: int, prefix: int, page: int, device: str) -> tuple[CanaryGroup, Capacities, StepBatch]:
@@ -185,21 +186,25 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
         torch.cuda.synchronize()
         return round(statistics.median(ts) / 1000.0, 3)
 
+    calls = CudaCalls(torch.cuda.current_device())
+    fallback = CudaCalls(torch.cuda.current_device(), bindings=False)
+    step_event, fallback_event = calls.event(), fallback.event()
     out = {
         "copy_non_blocking_us": timed(lambda: host.copy_(outbox, non_blocking=True)),
         "event_record_us": timed(lambda: event.record(stream)),
         "event_synchronize_done_us": timed(event.synchronize),
         "is_capturing_us": timed(torch.cuda.is_current_stream_capturing),
         "outbox_bytes": float(outbox.numel() * 8),
+        "pump_copy_torch_us": timed(fallback.copier(host, outbox)),
+        "pump_record_torch_us": timed(fallback_event.record),
+        "pump_query_torch_us": timed(fallback_event.query),
     }
-    try:
-        from cuda.bindings import runtime as cudart
-
-        kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        nbytes, dst, src, handle = outbox.numel() * 8, host.data_ptr(), outbox.data_ptr(), stream.cuda_stream
-        out["cudart_memcpy_async_us"] = timed(lambda: cudart.cudaMemcpyAsync(dst, src, nbytes, kind, handle))
-    except Exception as exc:  # optional: only to compare
-        print(f"cuda.bindings not usable: {exc}")
+    if calls.through_bindings:  # the pump's path where cuda.bindings is installed
+        out |= {
+            "pump_copy_bindings_us": timed(calls.copier(host, outbox)),
+            "pump_record_bindings_us": timed(step_event.record),
+            "pump_query_bindings_us": timed(step_event.query),
+        }
     return out
 
 

@@ -1,5 +1,5 @@
-"""``runtime.streams``: the stream switch and the event record the per-step path uses instead of torch's
-(which look the current device up in Python on every call).  CUDA only."""
+"""``runtime.streams`` and ``runtime.cuda_calls``: the stream switch, the event and the device-to-host copy the
+per-step path uses instead of torch's (which cost microseconds of Python a call).  CUDA only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvcanary.runtime import streams
+from kvcanary.runtime.cuda_calls import CudaCalls
 
 
 @pytest.mark.gpu
@@ -27,15 +28,39 @@ def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
     assert torch.cuda.current_stream() == before
 
 
-@pytest.mark.gpu
-def test_record_marks_the_current_stream_of_the_device() -> None:
+def needs_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bindings", [True, False])
+def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(bindings: bool) -> None:
+    needs_cuda()
+    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
+    if bindings and not calls.through_bindings:
+        pytest.skip("cuda.bindings is not installed")
+    src = torch.arange(1000, dtype=torch.int64, device="cuda")
+    dst = torch.zeros(1000, dtype=torch.int64, pin_memory=True)
+    copy, event = calls.copier(dst, src), calls.event()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     with streams.using(side):
         torch.cuda._sleep(100_000_000)  # keeps the side stream busy
-        streams.record(event, torch.cuda.current_device())
+        src.add_(1)  # behind the sleep: the copy must see it
+        copy()
+        event.record()
     assert not event.query()  # recorded behind the sleep on the side stream, not on the idle default one
     event.synchronize()
     assert event.query()
+    assert torch.equal(dst, torch.arange(1, 1001, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+def test_the_copier_refuses_what_it_cannot_copy() -> None:
+    needs_cuda()
+    calls = CudaCalls(torch.cuda.current_device())
+    src = torch.zeros(8, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="pinned host memory"):
+        calls.copier(torch.zeros(8, dtype=torch.int64), src)  # not pinned
+    with pytest.raises(ValueError, match="pinned host memory"):
+        calls.copier(torch.zeros(4, dtype=torch.int64, pin_memory=True), src)  # too small

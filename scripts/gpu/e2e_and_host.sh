@@ -7,6 +7,7 @@
 #   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
 #   profile   scripts/gpu/host_profile.py (where the tap's host time goes)
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
+#   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
 #   keys      scripts/gpu/graph_keys.py on the dense and hybrid demo (which key parts vary among eager steps)
 #   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
@@ -46,6 +47,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
     profile) timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model dense >"$OUT/profile.txt" 2>&1 ;;
     hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
                 --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
+    oldhost) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_HOST:-60}" python3 \
+               "$(dirname "$OLD_SRC")/benchmarks/bench_host_step.py" --commit "${OLD_COMMIT:-old}" \
+               --results-dir "$OUT/old" --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
     kernels) timeout "${T_KERNELS:-150}" python3 -m pytest -q -x -p no:cacheprovider -W ignore::UserWarning \
                tests/test_kernels_cases.py tests/test_kernels_same_step.py tests/test_kernels_graph.py >"$OUT/kernels.log" 2>&1
              PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck \

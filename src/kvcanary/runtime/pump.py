@@ -24,18 +24,28 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.runtime import streams
 from kvcanary.runtime.buffers import Layout
+from kvcanary.runtime.cuda_calls import CudaCalls
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import ViolationLog
 
 NUM_BUFFERS = 3
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
+
+
+class StepEvent(Protocol):
+    """What the pump needs of an event (:class:`~kvcanary.runtime.cuda_calls.StepEvent` on CUDA)."""
+
+    def record(self) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -46,13 +56,14 @@ class HostBuffer:
     flat: npt.NDArray[np.int64]  # numpy view of ``tensor``: cheap scalar reads
     totals: npt.NDArray[np.int64]  # [G, NUM_COUNTERS]
     logs: list[ViolationLog]  # the snapshot's per-group logs (host views)
-    event: torch.cuda.Event | None
+    event: StepEvent | None
+    copy: Callable[[], None]  # the outbox into ``tensor``: asynchronous on CUDA
     step: int = -1
     request_ids: tuple[object, ...] | None = None
 
     def landed(self) -> bool:
         """Whether the copy has completed (never waits)."""
-        return self.event is None or bool(self.event.query())  # type: ignore[no-untyped-call]
+        return self.event is None or self.event.query()
 
     def wait(self) -> None:
         if self.event is not None:
@@ -63,7 +74,7 @@ class LaggedPump:
     def __init__(self, outbox: torch.Tensor, layout: Layout) -> None:
         self._outbox = outbox
         self._cuda = outbox.device.type == "cuda"
-        self._device_index = outbox.device.index if outbox.device.index is not None else 0
+        self._calls = CudaCalls(outbox.device.index or 0) if self._cuda else None
         self.phase_offset = layout.phase_offset
         self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
@@ -72,8 +83,11 @@ class LaggedPump:
         t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
         flat = t.numpy()
         totals = flat[layout.totals_offset : layout.phase_offset].reshape(layout.num_groups, NUM_COUNTERS)
-        event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
-        return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event)
+        if self._calls is None:
+            event, copy = None, _copier(t, self._outbox)
+        else:
+            event, copy = self._calls.event(), self._calls.copier(t, self._outbox)
+        return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event, copy=copy)
 
     @property
     def pending_steps(self) -> tuple[int, ...]:
@@ -85,12 +99,9 @@ class LaggedPump:
         if self._pending and self._pending[0].step <= step - MAX_LAG:
             raise RuntimeError(f"step {self._pending[0].step} was not decoded before staging step {step}")
         buf = self.buffers[step % NUM_BUFFERS]
-        buf.tensor.copy_(self._outbox, non_blocking=self._cuda)
+        buf.copy()
         if buf.event is not None:
-            if self._cuda:
-                streams.record(buf.event, self._device_index)
-            else:  # a stand-in event (tests)
-                buf.event.record()
+            buf.event.record()
         buf.step = step
         buf.request_ids = request_ids
         self._pending.append(buf)
@@ -110,3 +121,10 @@ class LaggedPump:
         out = list(self._pending)
         self._pending.clear()
         return out
+
+
+def _copier(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+    def copy() -> None:
+        dst.copy_(src)
+
+    return copy

@@ -1,8 +1,9 @@
-"""The current CUDA stream, and a switch to another, without torch's per-call device lookup.
+"""A switch to another CUDA stream for a block, without torch's per-call Python.
 
-``torch.cuda.current_stream()``, ``Event.record()`` and ``torch.cuda.stream(s)`` look the current device
-up through several layers of Python when no device index is given; with an index they go straight to the
-C entry points.  A verified step calls them a few times, and its host time is counted in microseconds.
+``torch.cuda.stream(s)`` and ``torch.cuda.current_stream()`` look the current device up and build Stream
+objects through several layers of Python; a verified step switches streams twice, and its host time is
+counted in microseconds.  Here the current stream is read and set through torch's C entry points (what
+those wrappers call in the end).
 """
 
 from __future__ import annotations
@@ -13,11 +14,6 @@ from collections.abc import Iterator
 import torch
 
 
-def record(event: torch.cuda.Event, device_index: int) -> None:
-    """``event.record()`` on the current stream of device ``device_index``."""
-    event.record(torch.cuda.current_stream(device_index))
-
-
 @contextlib.contextmanager
 def using(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """``stream`` current for the block: a no-op for None or for the stream already current; torch's own
@@ -25,16 +21,17 @@ def using(stream: torch.cuda.Stream | None) -> Iterator[None]:
     if stream is None:
         yield
         return
-    if torch.cuda.current_device() != stream.device_index:
+    c = torch._C
+    if c._cuda_getDevice() != stream.device_index:
         with torch.cuda.stream(stream):
             yield
         return
-    previous = torch.cuda.current_stream(stream.device_index)
-    if previous == stream:
+    previous_id, index, kind = c._cuda_getCurrentStream(stream.device_index)
+    if previous_id == stream.stream_id:
         yield
         return
-    torch.cuda.set_stream(stream)
+    c._cuda_setStream(stream_id=stream.stream_id, device_index=index, device_type=stream.device_type)
     try:
         yield
     finally:
-        torch.cuda.set_stream(previous)
+        c._cuda_setStream(stream_id=previous_id, device_index=index, device_type=kind)

@@ -1,0 +1,108 @@
+"""The host step's CUDA calls -- a device-to-host copy and an event record and query on the current stream --
+at the cost of the CUDA call itself.
+
+Every host step copies the outbox into pinned host memory and records an event behind it (see
+:mod:`~kvcanary.runtime.pump`).  Through torch each costs microseconds of host time beyond the CUDA call:
+``copy_(non_blocking=True)`` dispatches, builds a tensor iterator and records an event for the caching host
+allocator (about 5 us on the H200 host); ``Event.record()`` looks the current stream up through several layers
+of Python.  Through cuda-python's runtime bindings (``cuda.bindings.runtime``) the same copy costs about
+1.9 us (``bench_host_step.py``'s breakdown).  Where those bindings are installed they are used, with the
+stream handle read from torch's C entry point (the stream torch would use); elsewhere torch's calls do the
+same thing.  The buffers here are the pump's own (pinned, allocated once), so no allocator needs to know
+about a copy in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+
+def _runtime_bindings() -> ModuleType | None:
+    try:
+        from cuda.bindings import runtime  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except Exception:  # not installed (a CPU machine, an older CUDA stack): torch's calls instead
+        return None
+    return runtime  # type: ignore[no-any-return,unused-ignore]
+
+
+class CudaCalls:
+    """The calls for one device; ``bindings=False`` takes torch's path even where the bindings are installed."""
+
+    def __init__(self, device_index: int, *, bindings: bool = True) -> None:
+        self.device_index = device_index
+        self._rt = _runtime_bindings() if bindings else None
+        self._raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
+        if self._rt is not None:
+            self._ok = self._rt.cudaError_t.cudaSuccess
+            self._not_ready = self._rt.cudaError_t.cudaErrorNotReady
+            self._d2h = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+
+    @property
+    def through_bindings(self) -> bool:
+        return self._rt is not None
+
+    def copier(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
+        """A call that copies ``src`` (device) into ``dst`` (pinned host, same size) asynchronously, on the
+        current stream at the time of the call.  Both tensors must outlive it."""
+        if dst.nbytes != src.nbytes or not dst.is_pinned() or src.device.type != "cuda":
+            raise ValueError("copier: dst must be pinned host memory of src's size, src a CUDA tensor")
+        if self._rt is None:
+
+            def torch_copy() -> None:
+                dst.copy_(src, non_blocking=True)
+
+            return torch_copy
+        rt, kind, ok, index, stream = self._rt, self._d2h, self._ok, self.device_index, self._raw_stream
+        args = (dst.data_ptr(), src.data_ptr(), src.nbytes)
+
+        def copy() -> None:
+            (err,) = rt.cudaMemcpyAsync(*args, kind, stream(index))
+            if err != ok:
+                raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
+
+        return copy
+
+    def event(self) -> StepEvent:
+        return StepEvent(self)
+
+
+class StepEvent:
+    """A CUDA event recorded on the current stream of the calls' device; ``query`` never waits."""
+
+    __slots__ = ("_calls", "_event", "_handle")
+
+    def __init__(self, calls: CudaCalls) -> None:
+        self._calls = calls
+        self._event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(calls.device_index))  # creates it: its handle is valid now
+        self._handle = int(self._event.cuda_event)
+
+    def record(self) -> None:
+        calls = self._calls
+        rt = calls._rt
+        if rt is None:
+            self._event.record(torch.cuda.current_stream(calls.device_index))
+            return
+        (err,) = rt.cudaEventRecord(self._handle, calls._raw_stream(calls.device_index))
+        if err != calls._ok:
+            raise RuntimeError(f"cudaEventRecord failed: {err!r}")
+
+    def query(self) -> bool:
+        """Whether the work before the last record has completed."""
+        calls = self._calls
+        rt = calls._rt
+        if rt is None:
+            return bool(self._event.query())
+        (err,) = rt.cudaEventQuery(self._handle)
+        if err == calls._ok:
+            return True
+        if err == calls._not_ready:
+            return False
+        raise RuntimeError(f"cudaEventQuery failed: {err!r}")
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
