@@ -1,15 +1,15 @@
-"""The host step's CUDA calls -- a device-to-host copy and an event record and query on the current stream --
-at the cost of the CUDA call itself.
+"""The host step's CUDA calls -- a device-to-host copy and an event record on the current stream -- at the cost
+of the CUDA call itself.
 
 Every host step copies the outbox into pinned host memory and records an event behind it (see
-:mod:`~kvcanary.runtime.pump`).  Through torch each costs microseconds of host time beyond the CUDA call:
+:mod:`~kvcanary.runtime.pump`).  Through torch each call costs host time beyond the CUDA call:
 ``copy_(non_blocking=True)`` dispatches, builds a tensor iterator and records an event for the caching host
-allocator (about 5 us on the H200 host); ``Event.record()`` looks the current stream up through several layers
-of Python.  Through cuda-python's runtime bindings (``cuda.bindings.runtime``) the same copy costs about
-1.9 us (``bench_host_step.py``'s breakdown).  Where those bindings are installed they are used, with the
-stream handle read from torch's C entry point (the stream torch would use); elsewhere torch's calls do the
-same thing.  The buffers here are the pump's own (pinned, allocated once), so no allocator needs to know
-about a copy in flight.
+allocator; ``Event.record()`` builds the current stream's Python object.  Through cuda-python's runtime
+bindings (``cuda.bindings.runtime``) the copy takes 2.2-3.9 us against torch's 3.3-5.9, the record 1.0-1.8
+against 2.8-5.4 (``bench_host_step.py``'s breakdown on the H200 host, two runs of one call); a query costs
+the same either way and stays torch's.  The bindings are used where installed, with the stream handle from
+torch's C entry point (the stream torch would use); elsewhere torch's calls do the same thing.  The buffers
+are the pump's own (pinned, allocated once), so no allocator needs to know about a copy in flight.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class CudaCalls:
         self._raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
         if self._rt is not None:
             self._ok = self._rt.cudaError_t.cudaSuccess
-            self._not_ready = self._rt.cudaError_t.cudaErrorNotReady
             self._d2h = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
 
     @property
@@ -92,17 +91,8 @@ class StepEvent:
             raise RuntimeError(f"cudaEventRecord failed: {err!r}")
 
     def query(self) -> bool:
-        """Whether the work before the last record has completed."""
-        calls = self._calls
-        rt = calls._rt
-        if rt is None:
-            return bool(self._event.query())
-        (err,) = rt.cudaEventQuery(self._handle)
-        if err == calls._ok:
-            return True
-        if err == calls._not_ready:
-            return False
-        raise RuntimeError(f"cudaEventQuery failed: {err!r}")
+        """Whether the work before the last record has completed (torch's call: as cheap as the bindings')."""
+        return bool(self._event.query())
 
     def synchronize(self) -> None:
         self._event.synchronize()
