@@ -18,6 +18,7 @@ Usage: PYTHONPATH=src python scripts/gpu/cb_qwen3_workload.py [--out DIR] [--run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -33,6 +34,8 @@ from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.config import CanaryConfig, Mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model benchmarks share
+from host_profile import print_profile, profiled_taps
+
 from qwen3_model import QWEN3_06B, TOY, build_model, transformers_version
 
 RUNS = {  # name: (prompts, CUDA graphs)
@@ -122,6 +125,7 @@ def main() -> int:
     p.add_argument("--name", default="cb_qwen3", help="the JSON file's name, without .json")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--toy", action="store_true")
+    p.add_argument("--profile", default="", help="a run to profile (cProfile inside the step tap; printed)")
     args = p.parse_args()
     dev = "cpu" if args.toy else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
@@ -137,7 +141,10 @@ def main() -> int:
         if args.toy:
             graphs = False
         try:
-            rec = run_one(model, prompts, graphs, args.toy)
+            with profiled_taps() if name == args.profile else contextlib.nullcontext() as prof:
+                rec = run_one(model, prompts, graphs, args.toy)
+            if prof is not None:
+                print_profile(prof, 30)
         except Exception as exc:  # keep going: the other runs still tell something
             rec = {"error": f"{type(exc).__name__}: {exc}", "passed": False}
         done["runs"][name] = rec
@@ -148,7 +155,9 @@ def main() -> int:
             f"{name:12} passed={rec['passed']} steps={s.get('steps')} verified={s.get('verified_slots')} "
             f"read={rec.get('read_by_attention')} health_failures={s.get('health_failures')} "
             f"violations={s.get('violations')} adapter_errors={s.get('adapter_errors')} "
-            f"tap_median_us={s.get('tap_median_us')} {rec.get('error', '')}",
+            f"tap_median_us={s.get('tap_median_us')} by phase "
+            f"{[s.get(f'tap_median_{k}_us') for k in ('capture', 'translate', 'launch', 'host_step')]} "
+            f"{rec.get('error', '')}",
             flush=True,
         )
         for line in rec.get("log", [])[:6]:

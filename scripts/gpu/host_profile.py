@@ -11,22 +11,21 @@ Usage: PYTHONPATH=src python scripts/gpu/host_profile.py [--model dense|hybrid|s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvcanary import demo
 from kvcanary.adapters.transformers_cb.step_tap import StepTap
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--top", type=int, default=30)
-    args = p.parse_args()
+@contextlib.contextmanager
+def profiled_taps() -> Iterator[cProfile.Profile]:
+    """A profiler enabled only inside ``StepTap._tap`` (on the engine's thread) for the block."""
     prof = cProfile.Profile()
     original = StepTap._tap
 
@@ -37,16 +36,33 @@ def main() -> int:
         finally:
             prof.disable()
 
+    StepTap._tap = tap  # type: ignore[method-assign]
+    try:
+        yield prof
+    finally:
+        StepTap._tap = original  # type: ignore[method-assign]
+
+
+def print_profile(prof: cProfile.Profile, top: int) -> None:
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(top)
+        print(f"--- by {key}\n" + "\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device)
     model = demo.build_model(opts.model, opts.seed, opts.device)
     prompts = demo.build_prompts(opts.requests + 8, opts.seed)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators
-        StepTap._tap = tap  # type: ignore[method-assign]
-        try:
+        with profiled_taps() as prof:
             result = demo.run_workload(model, prompts, opts, label="profiled")
-        finally:
-            StepTap._tap = original  # type: ignore[method-assign]
     s = result.stats
     steps = max(s["steps"], 1)
     phases = {
@@ -54,10 +70,7 @@ def main() -> int:
     }
     phases.pop("median", None)
     print(f"model {args.model}: {s['steps']} steps, host us per step under the profiler: {phases}")
-    for key in ("tottime", "cumulative"):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats(key).print_stats(args.top)
-        print(f"--- by {key}\n" + "\n".join(line for line in buf.getvalue().splitlines() if line.strip()))
+    print_profile(prof, args.top)
     return 0
 
 

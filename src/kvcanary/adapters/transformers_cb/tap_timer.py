@@ -3,8 +3,8 @@
 Phases: ``capture`` (the scheduler's view of the batch, read while the engine prepares it),
 ``translate`` (forward kwargs -> StepBatches), ``launch`` (plan/verify/stamp issued by the manager;
 on GPU the device work itself runs asynchronously) and ``host_step`` (the lagged report of the
-previous step).  The median is taken over the last :data:`RECENT_STEPS` steps, so a one-off cost
-(kernel compilation on first use) shows in the mean but not in the median.
+previous step).  Medians (of the step and of each phase) are taken over the last :data:`RECENT_STEPS` steps,
+so a one-off cost (kernel compilation on first use) shows in the mean but not in the median.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class TapTimer:
         self.total_ns = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
+        self._recent_phase = {k: collections.deque[int](maxlen=RECENT_STEPS) for k in PHASES}
         self._step = dict.fromkeys(PHASES, 0)  # the step being timed
 
     def add(self, phase: str, ns: int) -> None:
@@ -36,15 +37,18 @@ class TapTimer:
         total = 0
         for k, ns in self._step.items():
             self.phase_ns[k] += ns
+            self._recent_phase[k].append(ns)
             total += ns
             self._step[k] = 0
         self.total_ns += total
         self._recent.append(total)
 
     def stats(self) -> dict[str, int]:
-        out = {
-            "tap_us": self.total_ns // 1000,
-            "tap_median_us": int(statistics.median(self._recent)) // 1000 if self._recent else 0,
-        }
+        out = {"tap_us": self.total_ns // 1000, "tap_median_us": _median_us(self._recent)}
         out.update({f"tap_{k}_us": ns // 1000 for k, ns in self.phase_ns.items()})
+        out.update({f"tap_median_{k}_us": _median_us(d) for k, d in self._recent_phase.items()})
         return out
+
+
+def _median_us(ns: collections.deque[int]) -> int:
+    return int(statistics.median(ns)) // 1000 if ns else 0
