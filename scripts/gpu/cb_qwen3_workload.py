@@ -125,7 +125,7 @@ def main() -> int:
     p.add_argument("--name", default="cb_qwen3", help="the JSON file's name, without .json")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--toy", action="store_true")
-    p.add_argument("--profile", default="", help="a run to profile (cProfile inside the step tap; printed)")
+    p.add_argument("--profile", default="", help="runs to profile, comma-separated (cProfile in the step tap; printed)")
     args = p.parse_args()
     dev = "cpu" if args.toy else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
@@ -141,7 +141,7 @@ def main() -> int:
         if args.toy:
             graphs = False
         try:
-            with profiled_taps() if name == args.profile else contextlib.nullcontext() as prof:
+            with profiled_taps() if name in args.profile.split(",") else contextlib.nullcontext() as prof:
                 rec = run_one(model, prompts, graphs, args.toy)
             if prof is not None:
                 print_profile(prof, 30)

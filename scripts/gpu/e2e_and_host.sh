@@ -2,6 +2,7 @@
 # One device call for issues 14 and 18 (not run by CI).  Stages (STAGES, default "e2e cb demo profile"):
 #   e2e       benchmarks/bench_e2e.py (the canary inside a graphed Qwen3-0.6B-shaped step)
 #   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs)
+#   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
 #   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
@@ -33,6 +34,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
     e2e) timeout "${T_E2E:-170}" python3 benchmarks/bench_e2e.py --commit "$COMMIT" --out "$OUT" \
            ${E2E_POINTS:+--points $E2E_POINTS} >>"$OUT/run.log" 2>&1 ;;
     cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" >>"$OUT/run.log" 2>&1 ;;
+    cbprof) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT/prof" \
+              --runs b1_graphs,b32_graphs --profile b1_graphs,b32_graphs >"$OUT/cbprof.txt" 2>&1 ;;
     old) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_OLD:-90}" python3 \
            scripts/gpu/cb_qwen3_workload.py --out "$OUT" --name cb_qwen3_old --runs b32_graphs,b1_graphs,b32_eager \
            >>"$OUT/run.log" 2>&1 ;;
