@@ -157,6 +157,7 @@ def main() -> int:
             f"violations={s.get('violations')} adapter_errors={s.get('adapter_errors')} "
             f"tap_median_us={s.get('tap_median_us')} by phase "
             f"{[s.get(f'tap_median_{k}_us') for k in ('capture', 'translate', 'launch', 'host_step')]} "
+            f"cpu {s.get('tap_median_cpu_us')} "
             f"{rec.get('error', '')}",
             flush=True,
         )

@@ -33,7 +33,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
   case $s in
     e2e) timeout "${T_E2E:-170}" python3 benchmarks/bench_e2e.py --commit "$COMMIT" --out "$OUT" \
            ${E2E_POINTS:+--points $E2E_POINTS} >>"$OUT/run.log" 2>&1 ;;
-    cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" >>"$OUT/run.log" 2>&1 ;;
+    cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" ${CB_RUNS:+--runs $CB_RUNS} \
+          >>"$OUT/run.log" 2>&1 ;;
     cbprof) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT/prof" \
               --runs b1_graphs,b32_graphs --profile b1_graphs,b32_graphs >"$OUT/cbprof.txt" 2>&1 ;;
     old) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_OLD:-90}" python3 \

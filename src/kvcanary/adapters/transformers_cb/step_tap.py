@@ -130,6 +130,7 @@ class StepTap:
             report = binding.manager.host_step(list(tr.request_ids))
         binding.steps += 1
         self.timer.add("host_step", time.perf_counter_ns() - start)
+        self.timer.stop_cpu()
         self.timer.commit()
         self._collect(report)
         if self._on_step is not None:
@@ -146,6 +147,7 @@ class StepTap:
                 return None
             binding = self._bind(runner)
             start = time.perf_counter_ns()
+            self.timer.start_cpu()
             tr = binding.translator.translate(batch_data, host, defer=True)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
