@@ -88,6 +88,25 @@ DEMO_NOTES = (
     "replayed step and saves the eager steps' launches. Hybrid at e95cd83: 0.64 ms (median 0.58); its 87a3e72 run "
     "was cut off by the end of the session's device time. The GPU tests passed at e95cd83 "
     "(`results/gpu-demo/nvidia-h200-e95cd83-gputests.txt`).",
+    "",
+    "028fccd-8eaf950 (the host step's copy and event record through cuda-python's runtime bindings, "
+    "`runtime/cuda_calls.py`; the stream switch through torch's C entry points; per-phase medians and the tap "
+    "thread's CPU time in the adapter's stats). `bench_host_step.py` in one call, new, old, old, new: host_step "
+    "13.2 / 18.2 us (one / two groups) and 14.8 / 15.5 us against d26c4cc's 22.0 / 21.6 and 26.1 / 26.2 us "
+    "(`results/nvidia-h200-{028fccd,d26c4cc}-host.json`, all four runs in `results/cb-qwen3/nvidia-h200-028fccd-run.log`); "
+    "the pieces: copy 2.2-3.9 us through the bindings against 3.3-5.9 through torch, record 1.0-1.8 against "
+    "2.8-5.4, a query as cheap through torch (kept). The demo at 4afe3cf and d26c4cc in one call, new first "
+    "(`results/gpu-demo/nvidia-h200-{4afe3cf,d26c4cc}-demo_*.txt`): dense 0.74 against 0.64 ms, hybrid 0.69 "
+    "against 0.64 ms; the translation, whose code is the same in both, read 0.53 against 0.43 ms, so run order "
+    "and machine moved that call by a fifth and it does not settle the change. Issue 14's graph workload against "
+    "78f58dc in one call (`results/cb-qwen3/nvidia-h200-4afe3cf-cb_qwen3.json`, `...-cb_qwen3-old-78f58dc.json`): "
+    "clean, verified == read, but the tap's median is 815 us against 625 at batch 1 and 1,312 against 1,157 us at "
+    "batch 32: the batch shape classes of f1fb99a cost this workload what they save the demo (padding to 16 rows "
+    "and tokens, the truth's write out of the graph). Its tap is CPU-bound: the tap thread's CPU time is 972-1,087 "
+    "us of 998-1,120 us at batch 1, the same with OMP_NUM_THREADS=1 "
+    "(`results/cb-qwen3/nvidia-h200-8eaf950-threads-run.log`), and a warm profile shows no hotspot, every torch "
+    "call costing 15-30 us there against 1-8 us alone (`results/cb-qwen3/nvidia-h200-8eaf950-cbprof.txt`). "
+    "The goals are not met.",
 )
 
 
