@@ -97,7 +97,7 @@ DEMO_NOTES = (
     "the pieces: copy 2.2-3.9 us through the bindings against 3.3-5.9 through torch, record 1.0-1.8 against "
     "2.8-5.4, a query as cheap through torch (kept). The demo at 4afe3cf and d26c4cc in one call, new first "
     "(`results/gpu-demo/nvidia-h200-{4afe3cf,d26c4cc}-demo_*.txt`): dense 0.74 against 0.64 ms, hybrid 0.69 "
-    "against 0.64 ms; the translation, whose code is the same in both, read 0.53 against 0.43 ms, so run order "
+    "against 0.64 ms; the translation, whose code is the same in both, read 0.53 against 0.45 ms (dense), so run order "
     "and machine moved that call by a fifth and it does not settle the change. Issue 14's graph workload against "
     "78f58dc in one call (`results/cb-qwen3/nvidia-h200-4afe3cf-cb_qwen3.json`, `...-cb_qwen3-old-78f58dc.json`): "
     "clean, verified == read, but the tap's median is 815 us against 625 at batch 1 and 1,312 against 1,157 us at "
