@@ -34,7 +34,7 @@ from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.config import CanaryConfig, Mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model benchmarks share
-from host_profile import print_profile, profiled_taps
+from host_profile import print_profile, profiled_taps, tap_probe
 
 from qwen3_model import QWEN3_06B, TOY, build_model, transformers_version
 
@@ -125,6 +125,7 @@ def main() -> int:
     p.add_argument("--name", default="cb_qwen3", help="the JSON file's name, without .json")
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--toy", action="store_true")
+    p.add_argument("--probe", action="store_true", help="record the tap's torch modes and call costs in each run")
     p.add_argument("--profile", default="", help="runs to profile, comma-separated (cProfile in the step tap; printed)")
     args = p.parse_args()
     dev = "cpu" if args.toy else "cuda"
@@ -141,8 +142,14 @@ def main() -> int:
         if args.toy:
             graphs = False
         try:
-            with profiled_taps() if name in args.profile.split(",") else contextlib.nullcontext() as prof:
+            with (
+                profiled_taps() if name in args.profile.split(",") else contextlib.nullcontext() as prof,
+                tap_probe(dev, 2 if args.toy else 20) if args.probe else contextlib.nullcontext() as probe,
+            ):
                 rec = run_one(model, prompts, graphs, args.toy)
+            if probe is not None:
+                rec["tap_probe"] = probe
+                print(f"{name} tap probe: {probe}", flush=True)
             if prof is not None:
                 print_profile(prof, 30)
         except Exception as exc:  # keep going: the other runs still tell something

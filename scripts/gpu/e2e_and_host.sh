@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issues 14 and 18 (not run by CI).  Stages (STAGES, default "e2e cb demo profile"):
 #   e2e       benchmarks/bench_e2e.py (the canary inside a graphed Qwen3-0.6B-shaped step)
-#   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs)
+#   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs; CB_RUNS, CB_ARGS=--probe)
 #   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
@@ -33,7 +33,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
   case $s in
     e2e) timeout "${T_E2E:-170}" python3 benchmarks/bench_e2e.py --commit "$COMMIT" --out "$OUT" \
            ${E2E_POINTS:+--points $E2E_POINTS} >>"$OUT/run.log" 2>&1 ;;
-    cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" ${CB_RUNS:+--runs $CB_RUNS} \
+    cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" ${CB_RUNS:+--runs $CB_RUNS} ${CB_ARGS:-} \
           >>"$OUT/run.log" 2>&1 ;;
     cbprof) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT/prof" \
               --runs b1_graphs,b32_graphs --profile b1_graphs,b32_graphs >"$OUT/cbprof.txt" 2>&1 ;;

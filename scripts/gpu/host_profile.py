@@ -15,9 +15,16 @@ import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from kvcanary import demo
 from kvcanary.adapters.transformers_cb.step_tap import StepTap
@@ -39,6 +46,54 @@ def profiled_taps() -> Iterator[cProfile.Profile]:
     StepTap._tap = tap  # type: ignore[method-assign]
     try:
         yield prof
+    finally:
+        StepTap._tap = original  # type: ignore[method-assign]
+
+
+def call_costs(device: str) -> dict[str, float]:
+    """Median host time (us) of a few torch calls the tap makes, on small tensors, where it is called from."""
+    small = torch.zeros(64, dtype=torch.int64, device=device)
+    index = torch.arange(8, device=device)
+    calls = {
+        "reshape": lambda: small.reshape(-1),
+        "slice": lambda: small[:8],
+        "index_copy_": lambda: small.index_copy_(0, index, index),
+        "empty_pinned": lambda: torch.empty(4096, dtype=torch.uint8, pin_memory=device == "cuda"),
+    }
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(200):
+            start = time.perf_counter_ns()
+            call()
+            times.append(time.perf_counter_ns() - start)
+        out[name] = round(statistics.median(times) / 1000, 2)
+    return out
+
+
+@contextlib.contextmanager
+def tap_probe(device: str, at_tap: int = 20) -> Iterator[dict[str, Any]]:
+    """What the engine's thread looks like inside the tap (at its ``at_tap``-th call): the torch modes and Python
+    hooks in force, and the cost of a few torch calls there; the same calls outside it (``outside``)."""
+    found: dict[str, Any] = {"outside": call_costs(device)}
+    original = StepTap._tap
+    count = [0]
+
+    def tap(self: Any, *a: Any, **k: Any) -> None:
+        count[0] += 1
+        if count[0] == at_tap:
+            found.update(
+                function_modes=[type(m).__name__ for m in _get_current_function_mode_stack()],
+                dispatch_modes=[type(m).__name__ for m in _get_current_dispatch_mode_stack()],
+                profiler=repr(sys.getprofile()), tracer=repr(sys.gettrace()), threads=threading.active_count(),
+                inference_mode=torch.is_inference_mode_enabled(), grad=torch.is_grad_enabled(),
+                inside=call_costs(device),
+            )  # fmt: skip
+        original(self, *a, **k)
+
+    StepTap._tap = tap  # type: ignore[method-assign]
+    try:
+        yield found
     finally:
         StepTap._tap = original  # type: ignore[method-assign]
 
