@@ -195,7 +195,6 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
         "event_synchronize_done_us": timed(event.synchronize),
         "is_capturing_us": timed(torch.cuda.is_current_stream_capturing),
         "outbox_bytes": float(outbox.numel() * 8),
-        "pump_copy_torch_us": timed(fallback.copier(host, outbox)),
         "pump_record_torch_us": timed(fallback_event.record),
         "pump_query_us": timed(fallback_event.query),
     }

@@ -10,10 +10,14 @@ from kvcanary.runtime import streams
 from kvcanary.runtime.cuda_calls import CudaCalls
 
 
-@pytest.mark.gpu
-def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
+def needs_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+@pytest.mark.gpu
+def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
+    needs_cuda()
     before = torch.cuda.current_stream()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with streams.using(side):
@@ -26,11 +30,6 @@ def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
     with pytest.raises(ValueError), streams.using(side):
         raise ValueError("restored on the way out")
     assert torch.cuda.current_stream() == before
-
-
-def needs_cuda() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
 
 
 @pytest.mark.gpu

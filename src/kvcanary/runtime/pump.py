@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -40,8 +41,8 @@ NUM_BUFFERS = 3
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
 
 
-class StepEvent(Protocol):
-    """What the pump needs of an event (:class:`~kvcanary.runtime.cuda_calls.StepEvent` on CUDA)."""
+class CopyEvent(Protocol):
+    """What the pump needs of the event behind a copy (:class:`~kvcanary.runtime.cuda_calls.StepEvent` on CUDA)."""
 
     def record(self) -> None: ...
     def query(self) -> bool: ...
@@ -56,8 +57,8 @@ class HostBuffer:
     flat: npt.NDArray[np.int64]  # numpy view of ``tensor``: cheap scalar reads
     totals: npt.NDArray[np.int64]  # [G, NUM_COUNTERS]
     logs: list[ViolationLog]  # the snapshot's per-group logs (host views)
-    event: StepEvent | None
-    copy: Callable[[], None]  # the outbox into ``tensor``: asynchronous on CUDA
+    event: CopyEvent | None
+    copy: Callable[[], object]  # the outbox into ``tensor``: asynchronous on CUDA
     step: int = -1
     request_ids: tuple[object, ...] | None = None
 
@@ -83,8 +84,10 @@ class LaggedPump:
         t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
         flat = t.numpy()
         totals = flat[layout.totals_offset : layout.phase_offset].reshape(layout.num_groups, NUM_COUNTERS)
-        if self._calls is None:
-            event, copy = None, _copier(t, self._outbox)
+        event: CopyEvent | None
+        copy: Callable[[], object]
+        if self._calls is None:  # CPU: a plain copy, landed when taken
+            event, copy = None, functools.partial(t.copy_, self._outbox)
         else:
             event, copy = self._calls.event(), self._calls.copier(t, self._outbox)
         return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event, copy=copy)
@@ -121,10 +124,3 @@ class LaggedPump:
         out = list(self._pending)
         self._pending.clear()
         return out
-
-
-def _copier(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-    def copy() -> None:
-        dst.copy_(src)
-
-    return copy
