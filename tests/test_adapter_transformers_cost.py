@@ -89,6 +89,9 @@ def test_the_fused_translation_is_one_launch_a_group_and_two_torch_ops(
 # What CUDA runs at each step outside the canary's step graph: the truth's write (its size varies); the truth's gather
 # and the group's launch wait in the prelude, replayed inside the graph.
 GRAPHED_PATH_OPS = {"index_copy_": 1}
+# Every torch call of a steady step, views included (each costs host time): the two flattened token tensors,
+# the staging buffer's numpy view and the truth's write.  The slices of recurring shapes are handed out again.
+GRAPHED_PATH_CALLS = {"view": 2, "detach": 1, "index_copy_": 1}
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -101,12 +104,14 @@ def test_the_graphed_path_issues_one_op_a_step_and_defers_the_rest(
     cpu = torch.device("cpu")
     tr.kernel = tr.bucket = True  # what CUDA gives it: one launch a group, shape classes, static writes and truth
     tr._stable, tr._truth = StableWrites(cpu), TruthStore(4, 32, cpu, static_out=True)
-    for _ in range(3):  # the first step sends each request's whole history: the same ops, more tokens
+    for step in range(3):  # the first step sends each request's whole history: the same ops, more tokens
         kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
         with OpCounter() as counter:
             t = tr.translate(kwargs, growing(host), defer=True)  # each step's truth one token longer
         kernels = {op: n for op, n in counter.ops.items() if op not in NO_KERNEL | {"as_strided", "empty"}}
         assert kernels == GRAPHED_PATH_OPS, kernels
+        if step == 2:  # every shape recurs now (the second step sent fewer truth tokens than the first)
+            assert counter.ops == GRAPHED_PATH_CALLS, counter.ops
         assert not SYNCING & set(counter.ops), counter.ops
         assert not launches and t.prelude is not None and len(t.prelude.launches) == 2  # the gather, the group
         assert next(iter(t.batches.values())).batch_size == 4  # 3 rows padded to the class (capped by max_batch)

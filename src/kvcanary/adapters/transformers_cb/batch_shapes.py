@@ -13,7 +13,7 @@ writes stay out of the graph: see :meth:`~kvcanary.adapters.transformers_cb.trut
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,32 @@ def pad_rows(a: npt.NDArray[Any], n: int) -> npt.NDArray[Any]:
     out = np.zeros(n, dtype=a.dtype)
     out[: a.shape[0]] = a
     return out
+
+
+class RecurringViews:
+    """Views handed out again while their key recurs: a step's shapes come from a few classes, and slicing a
+    tensor is a torch call, microseconds of host time each step.  Bounded: cleared when ``limit`` are held."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._views: dict[Hashable, torch.Tensor] = {}
+        self._limit = limit
+
+    def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= self._limit:
+                self._views.clear()
+            view = self._views[key] = make()
+        return view
+
+    def clear(self) -> None:
+        self._views.clear()
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one dimension: itself when it is one already (the engine's index tensors), so the step pays no
+    view op for it (each torch call costs host time; see :mod:`kvcanary.runtime.cuda_calls`)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def widen(t: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -28,9 +28,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
+
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
-_MAX_VIEWS = 1024
 
 _TORCH_DTYPES: dict[np.dtype[Any], torch.dtype] = {
     np.dtype(np.int64): torch.int64,
@@ -53,7 +54,7 @@ class Staging:
         self._capacity = 0
         self._device_buf = torch.empty(0, dtype=torch.uint8, device=device)
         self._typed: dict[np.dtype[Any], torch.Tensor] = {}  # the device buffer as each dtype
-        self._views: dict[tuple[Any, ...], torch.Tensor] = {}  # by (dtype, offset, shape): most recur every step
+        self._views = RecurringViews()  # by (dtype, offset, shape): most recur every step
         self._grow(_INITIAL_BYTES)
 
     @property
@@ -65,7 +66,7 @@ class Staging:
         self._capacity = cap
         self._device_buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self._typed = {np_type: self._device_buf.view(t) for np_type, t in _TORCH_DTYPES.items()}
-        self._views = {}
+        self._views.clear()
 
     def send(self, arrays: Sequence[npt.NDArray[np.generic]]) -> list[torch.Tensor]:
         """Copy ``arrays`` (int64, int32 or bool; any shape) to the device; their device views, in order."""
@@ -91,13 +92,10 @@ class Staging:
 
     def _view(self, a: npt.NDArray[np.generic], off: int) -> torch.Tensor:
         """The device view that ``a`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
-        key = (a.dtype, off, a.shape)
-        view = self._views.get(key)
-        if view is None:
+
+        def make() -> torch.Tensor:
             size = a.dtype.itemsize
             view = self._typed[a.dtype][off // size : off // size + a.size]
-            view = view if a.ndim == 1 else view.view(a.shape)
-            if len(self._views) >= _MAX_VIEWS:
-                self._views.clear()
-            self._views[key] = view
-        return view
+            return view if a.ndim == 1 else view.view(a.shape)
+
+        return self._views.get((a.dtype, off, a.shape), make)

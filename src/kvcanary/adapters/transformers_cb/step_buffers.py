@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.transformers_cb.batch_shapes import pad_rows
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
@@ -71,6 +71,7 @@ class StableWrites:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views = RecurringViews()
 
     def view(self, name: str, n: int) -> torch.Tensor:
         """The group's buffer as ``n`` int64 writes (grown to the next power of two when short)."""
@@ -78,7 +79,8 @@ class StableWrites:
         if buf is None or buf.shape[0] < n:
             size = max(64, 1 << max(n - 1, 0).bit_length())
             buf = self._buffers[name] = torch.empty(size, dtype=torch.int64, device=self.device)
-        return buf[:n]
+            self._views.clear()
+        return self._views.get((name, n), lambda: buf[:n])
 
     def writes(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """``out`` copied into the group's buffer (when it is not there already)."""

@@ -22,11 +22,10 @@ slots it just wrote; a sliding group reads them through the sentinel, a reserved
 A read index that sends one of the new tokens elsewhere is therefore reported at its own step
 (``new_read_mismatch``).
 
-Cost: whatever follows from the scheduler's host-side lengths is computed with numpy
-(:mod:`.step_plan`) and sent in one asynchronous copy (:mod:`.staging`), with only the newest tokens of
-each request's ground truth (:mod:`.truth_store` keeps the rest on the device); the device work is a
-fixed number of vectorised ops per group (a gather from the read index, the slot mapping, one scatter
-into the table) plus two for the truth, whatever the batch, and nothing reads a device value back.
+Cost: whatever follows from the scheduler's host-side lengths is computed with numpy (:mod:`.step_plan`)
+and sent in one asynchronous copy (:mod:`.staging`), with only each request's newest truth tokens
+(:mod:`.truth_store`); the device work is a fixed number of ops per group whatever the batch, views that
+recur are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads a device value back.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
-from kvcanary.adapters.transformers_cb.batch_shapes import StepShape, forward_tokens
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, flat, forward_tokens
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
@@ -103,6 +102,7 @@ class StepTranslator:
         self.tables = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in self.geometries}
         self._cells = {name: t.view(-1) for name, t in self.tables.items()}  # the scatter target
         self._staging = Staging(self.device)
+        self._views = RecurringViews()
         # On CUDA every batch tensor keeps its address for a given batch shape, so the canary's own step graphs
         # (kvcanary.runtime.step_graphs) replay instead of launching each kernel: static outputs.
         static = self.device.type == "cuda"
@@ -140,7 +140,7 @@ class StepTranslator:
         for i, w in enumerate(work):
             if w.path == "kernel":
                 out_loc = self._kernel_writes(
-                    w, kwargs, dev, (lengths, dev[common["sizes"]][i]), shape.tokens, launches
+                    w, kwargs, dev, (lengths, self._group_sizes(dev[common["sizes"]], i)), shape.tokens, launches
                 )
                 if not defer:
                     launches.pop().run()
@@ -181,8 +181,12 @@ class StepTranslator:
         launches.append(truth_gather)
         return truth_gather.out
 
+    def _group_sizes(self, sizes: torch.Tensor, i: int) -> torch.Tensor:
+        """Row ``i`` of the staged sizes (the view recurs with the staging's)."""
+        return self._views.get((sizes.data_ptr(), i), lambda: sizes[i])
+
     def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
-        ids, pos = kwargs["input_ids"].reshape(-1), kwargs["position_ids"].reshape(-1)
+        ids, pos = flat(kwargs["input_ids"]), flat(kwargs["position_ids"])
         if not self.bucket:
             return StepShape(b, ids, pos)
         return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
@@ -264,11 +268,11 @@ class StepTranslator:
             out = torch.empty(n_tok, dtype=torch.int64, device=self.device)
         launch = translate_kernel.GroupLaunch.bind(
             g,
-            write=kwargs["write_index"][g.index].reshape(-1),
+            write=flat(kwargs["write_index"][g.index]),
             trash=dev[a["trash"]] if "trash" in a else None,
             out=out,
-            read=kwargs["read_index"][g.index].reshape(-1),
-            cu_k=kwargs["cu_seq_lens_k"][g.name].reshape(-1),
+            read=flat(kwargs["read_index"][g.index]),
+            cu_k=flat(kwargs["cu_seq_lens_k"][g.name]),
             lengths=lengths,
             sizes=sizes,
             cells=self._cells[g.name],
@@ -282,11 +286,11 @@ class StepTranslator:
     ) -> torch.Tensor:
         """Fill the table from the read index; return out_cache_loc from the write index."""
         g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
-        write = kwargs["write_index"][g.index].reshape(-1)[: w.n_write]
+        write = flat(kwargs["write_index"][g.index])[: w.n_write]
         gathered = None
         if _host_entries(w).count:
-            read = kwargs["read_index"][g.index].reshape(-1)
-            cu_k = kwargs["cu_seq_lens_k"][g.name].reshape(-1)
+            read = flat(kwargs["read_index"][g.index])
+            cu_k = flat(kwargs["cu_seq_lens_k"][g.name])
             n_read = int(read.shape[0])
             if int(cu_k.shape[0]) < b + 1 or n_read == 0:
                 cells.index_fill_(0, dev[a["cells"]], g.invalid_slot)

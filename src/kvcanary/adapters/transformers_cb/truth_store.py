@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvcanary.adapters.transformers_cb.batch_shapes import pad_rows
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
@@ -61,6 +61,7 @@ class TruthStore:
         self.width = width
         self.table = torch.full((rows + 1, width), UNKNOWN_TOKEN, dtype=torch.int32, device=device)
         self._out = torch.empty_like(self.table) if static_out else None
+        self._out_rows = RecurringViews()
         self._flat = self.table.view(-1)
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._free = list(range(rows, 0, -1))
@@ -137,7 +138,8 @@ class TruthStore:
         of it), and a key per write count left a tenth of the GPU demo's steps running eagerly."""
         if self._out is None:
             raise RuntimeError("a truth store without a static output cannot defer its gather")
-        return TruthGather(self.table, gather, self._out[: int(gather.shape[0])])
+        out, n = self._out, int(gather.shape[0])
+        return TruthGather(self.table, gather, self._out_rows.get(n, lambda: out[:n]))
 
     def _take_row(self, batch_ids: Sequence[str]) -> int:
         if self._free:
