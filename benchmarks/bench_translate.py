@@ -7,7 +7,13 @@ advances every request by one token (new histories, new write slots), so whateve
 between steps is exercised as in serving.  The time is the host's: ``translate`` issues its device work
 asynchronously (CUDA) and nothing waits for it.
 
+``--cold``: between two steps, other work evicts the CPU caches, as a serving engine's forward does between two
+taps.  That is the canary's real cost model: measured in a loop, a step's code stays cached and looks several
+times cheaper than in the engine (on the H200 host the graph workload's tap read 760 us at batch 1, this loop
+150 us).  Cold, each distinct numpy function or torch call a step touches costs tens of microseconds.
+
 Usage: PYTHONPATH=src python benchmarks/bench_translate.py [--device cuda] [--shapes 32x576,256x4096] [--kernel-path]
+       [--cold]
 """
 
 from __future__ import annotations
@@ -72,7 +78,27 @@ class Requests:
         return kwargs, host
 
 
-def measure(batch: int, past: int, steps: int, device: str, kernel_path: bool = False) -> dict[str, Any]:
+class CacheChurn:
+    """Work that evicts the CPU caches between two steps: small torch ops, a 64 MB numpy pass, dict lookups."""
+
+    def __init__(self) -> None:
+        self.layers = [torch.nn.Linear(64, 64) for _ in range(40)]
+        self.x = torch.randn(4, 64)
+        self.big = np.random.default_rng(0).random(8 << 20)
+        self.table = {i: str(i) for i in range(200_000)}
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            y = self.x
+            for layer in self.layers:
+                y = torch.nn.functional.gelu(layer(y)).softmax(-1).contiguous()
+        self.big.sum()
+        sum(len(self.table[k]) for k in range(0, 200_000, 7))
+
+
+def measure(
+    batch: int, past: int, steps: int, device: str, kernel_path: bool = False, cold: bool = False
+) -> dict[str, Any]:
     """Median host time of one step's translation.  ``kernel_path``: what the step tap does on the GPU path
     (the one-launch translation, its launches deferred to the canary's step graph).  On the CPU the device
     work is host work too (the truth gather copies every row), so only CUDA times the tap's host cost."""
@@ -81,8 +107,11 @@ def measure(batch: int, past: int, steps: int, device: str, kernel_path: bool = 
         [reqs.geometry], max_batch=batch, max_context=past + steps + 8, device=device, kernel=kernel_path or None
     )
     times = []
+    churn = CacheChurn() if cold else None
     for i in range(steps + 2):
         kwargs, host = reqs.step()
+        if churn is not None:
+            churn()
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
@@ -90,7 +119,8 @@ def measure(batch: int, past: int, steps: int, device: str, kernel_path: bool = 
         if i >= 2:
             times.append((time.perf_counter_ns() - t0) / 1000.0)
     median = round(statistics.median(times), 1)
-    return {"batch": batch, "past": past, "device": device, "kernel_path": kernel_path, "median_us": median}
+    shape = {"batch": batch, "past": past, "device": device}
+    return {**shape, "kernel_path": kernel_path, "cold": cold, "median_us": median}
 
 
 def main() -> int:
@@ -99,10 +129,11 @@ def main() -> int:
     p.add_argument("--shapes", default="1x512,32x576,64x2048,256x4096")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernel-path", action="store_true", help="the GPU path's host work (launches deferred, not run)")
+    p.add_argument("--cold", action="store_true", help="evict the CPU caches between steps (as a forward does)")
     args = p.parse_args()
     for shape in args.shapes.split(","):
         b, past = (int(x) for x in shape.split("x"))
-        print(json.dumps(measure(b, past, args.steps, args.device, args.kernel_path)), flush=True)
+        print(json.dumps(measure(b, past, args.steps, args.device, args.kernel_path, args.cold)), flush=True)
     return 0
 
 

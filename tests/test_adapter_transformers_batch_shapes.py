@@ -51,7 +51,7 @@ def test_padded_truth_rows_read_row_zero() -> None:
     eng = engine(0, 3)
     _, host = eng.step({"r0": 5, "r1": 2, "r2": 1})
     store = TruthStore(MAX_BATCH, 16, torch.device("cpu"))
-    update = store.plan(growing(host), np.ones(3, dtype=bool))
+    update = store.plan(growing(host), [True] * 3)
     wide = update.padded(5)
     assert wide.gather.tolist() == [*update.gather.tolist(), 0, 0] and wide.lens.tolist() == [
         *update.lens.tolist(),
@@ -59,7 +59,7 @@ def test_padded_truth_rows_read_row_zero() -> None:
         0,
     ]
     assert wide.cells is update.cells and wide.tokens is update.tokens  # the writes are not padded
-    got = store.apply(wide, *(torch.from_numpy(a) for a in (wide.cells, wide.tokens, wide.gather)))
+    got = store.apply(wide, *(torch.from_numpy(np.asarray(a)) for a in (wide.cells, wide.tokens, wide.gather)))
     assert torch.equal(got[4:], got[:1].expand(2, -1)) and (got[0] == UNKNOWN_TOKEN).all()
 
 

@@ -8,6 +8,7 @@ CPU with a dispatch-mode op counter; the ``gpu`` test checks the no-sync claim o
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import warnings
@@ -89,9 +90,9 @@ def test_the_fused_translation_is_one_launch_a_group_and_two_torch_ops(
 # What CUDA runs at each step outside the canary's step graph: the truth's write (its size varies); the truth's gather
 # and the group's launch wait in the prelude, replayed inside the graph.
 GRAPHED_PATH_OPS = {"index_copy_": 1}
-# Every torch call of a steady step, views included (each costs host time): the two flattened token tensors,
-# the staging buffer's numpy view and the truth's write.  The slices of recurring shapes are handed out again.
-GRAPHED_PATH_CALLS = {"view": 2, "detach": 1, "index_copy_": 1}
+# Every torch call of a steady step, views included (each costs host time): the two flattened token tensors and
+# the truth's write.  The slices of recurring shapes are handed out again; the staging's host bytes are its own.
+GRAPHED_PATH_CALLS = {"view": 2, "index_copy_": 1}
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -141,17 +142,22 @@ def test_staging_sends_typed_aligned_views_and_grows() -> None:
         np.array([True, False, True]),
         np.zeros(0, dtype=np.int64),
         np.array([-7], dtype=np.int64),
+        array.array("q", [5, -6]),  # plain arrays: how the one-launch path builds its per-row values
+        array.array("i", [2**31 - 1]),
+        np.arange(8, dtype=np.int64)[::2],  # not contiguous: copied in order
     ]
     views = st.send(arrays)
     for a, v in zip(arrays, views, strict=True):
-        assert v.tolist() == a.tolist() and tuple(v.shape) == a.shape and v.is_contiguous()
+        assert v.tolist() == a.tolist() and tuple(v.shape) == np.asarray(a).shape and v.is_contiguous()
         assert v.data_ptr() % ALIGN == 0 or v.numel() == 0
-    assert [v.dtype for v in views] == [torch.int64, torch.int32, torch.bool, torch.int64, torch.int64]
+    i64, i32 = torch.int64, torch.int32
+    assert [v.dtype for v in views] == [i64, i32, torch.bool, i64, i64, i64, i32, i64]
     big = np.arange(100_000, dtype=np.int64)
     (v,) = st.send([big])
     assert st.capacity >= big.nbytes and torch.equal(v, torch.from_numpy(big))
-    with pytest.raises(TypeError, match="int64, int32 or bool"):
-        st.send([np.zeros(2, dtype=np.float32)])
+    for bad in (np.zeros(2, dtype=np.float32), array.array("d", [1.0])):
+        with pytest.raises(TypeError, match="int64, int32 or bool"):
+            st.send([bad])
 
 
 @contextlib.contextmanager
@@ -191,6 +197,25 @@ def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> Non
             torch.equal(w, x.cpu()[:, : w.shape[1]] if x.dim() == 2 else x.cpu())
             for w, x in zip(want, got, strict=True)
         )
+
+
+@pytest.mark.gpu
+def test_staging_on_cuda_never_overwrites_a_copy_in_flight() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    st = Staging(torch.device("cuda"))
+    first = st.host_buffers
+    got = []
+    with sync_debug("error"):
+        torch.cuda._sleep(100_000_000)  # every copy below waits behind this: none of their buffers is free again
+        for k in range(first + 2):
+            (view,) = st.send([array.array("q", [k] * 5)])
+            got.append(view.clone())  # enqueued behind the step's copy
+    torch.cuda.synchronize()
+    assert [g.tolist() for g in got] == [[k] * 5 for k in range(first + 2)]
+    assert st.host_buffers == first + 2  # two more joined the ring instead of waiting or overwriting
+    (view,) = st.send([array.array("q", [9])])  # all landed: the ring is reused as it is
+    assert view.tolist() == [9] and st.host_buffers == first + 2
 
 
 def _fields(b: StepBatch) -> list[torch.Tensor]:

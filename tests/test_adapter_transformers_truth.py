@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
-from kvcanary.adapters.transformers_cb.truth_store import TruthStore
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.schema import UNKNOWN_TOKEN
 
 
@@ -37,6 +37,11 @@ def naive(histories: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarra
     for r, (h, n) in enumerate(zip(histories, lens, strict=True)):
         out[r + 1, :n] = h[:n]
     return out, lens
+
+
+def on_device(up: TruthUpdate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The update's cells, tokens and gather as tensors (what the staging copy hands the store)."""
+    return tuple(torch.from_numpy(np.asarray(a)) for a in (up.cells, up.tokens, up.gather))  # type: ignore[return-value]
 
 
 def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_are_sent() -> None:
@@ -63,12 +68,12 @@ def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_a
             query_lens=(1,) * len(ids),
             truth=tuple(History(*reqs[rid]) for rid in ids),
         )
-        live = np.array([True] * len(ids))
+        live = [True] * len(ids)
         up = store.plan(host, live)
-        sent_total += up.cells.shape[0]
-        got = store.apply(up, torch.from_numpy(up.cells), torch.from_numpy(up.tokens), torch.from_numpy(up.gather))
+        sent_total += len(up.cells)
+        got = store.apply(up, *on_device(up))
         want, lens = naive([reqs[rid][0] + reqs[rid][1] for rid in ids], width)
-        assert np.array_equal(up.lens, lens)
+        assert np.array_equal(np.asarray(up.lens), lens)
         for r in range(len(ids)):
             n = int(lens[r])
             assert got[r + 1, :n].tolist() == want[r + 1, :n].tolist(), (step, ids[r])
@@ -79,7 +84,7 @@ def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_a
 def test_rows_left_out_get_row_zero_and_no_truth() -> None:
     store = TruthStore(2, 8, torch.device("cpu"))
     host = HostBatch(("a", "b"), (0, 0), (1, 1), (History([1, 2, 3], []), History(list(range(20)), [])))
-    up = store.plan(host, np.array([True, False]))
+    up = store.plan(host, [True, False])
     assert up.gather.tolist()[2] == 0 and up.lens.tolist() == [3, 0] and up.width == 3
 
 
@@ -90,12 +95,12 @@ def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> Non
 
     def step() -> tuple[int, torch.Tensor]:
         host = HostBatch(("a", "b"), (0, 0), (1, 1), tuple(History(*reqs[r]) for r in ("a", "b")))
-        up = store.plan(host, np.array([True, True]))
-        got = store.apply(up, torch.from_numpy(up.cells), torch.from_numpy(up.tokens), torch.from_numpy(up.gather))
+        up = store.plan(host, [True, True])
+        got = store.apply(up, *on_device(up))
         want, lens = naive([reqs[r][0] + reqs[r][1] for r in ("a", "b")], width)
         for r, n in enumerate(lens.tolist()):
             assert got[r + 1, :n].tolist() == want[r + 1, :n].tolist()
-        return int(up.cells.shape[0]), got
+        return len(up.cells), got
 
     assert step()[0] == 100 + 61  # first sight: whole histories
     for k in range(5):

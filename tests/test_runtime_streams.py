@@ -63,3 +63,27 @@ def test_the_copier_refuses_what_it_cannot_copy() -> None:
         calls.copier(torch.zeros(8, dtype=torch.int64), src)  # not pinned
     with pytest.raises(ValueError, match="pinned host memory"):
         calls.copier(torch.zeros(4, dtype=torch.int64, pin_memory=True), src)  # too small
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bindings", [True, False])
+def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool) -> None:
+    needs_cuda()
+    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
+    if bindings and not calls.through_bindings:
+        pytest.skip("cuda.bindings is not installed")
+    dst = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    src = torch.arange(64, dtype=torch.uint8).pin_memory()
+    upload = calls.uploader(dst, src)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with streams.using(side):
+        torch.cuda._sleep(100_000_000)
+        dst.fill_(255)  # behind the sleep: the upload must land after it
+        upload(10)
+        got = dst.clone()
+    side.synchronize()  # type: ignore[no-untyped-call]
+    assert got[:10].tolist() == list(range(10)) and got[10:].tolist() == [255] * 54
+    with pytest.raises(ValueError, match="pinned host bytes"):
+        calls.uploader(dst, torch.zeros(64, dtype=torch.uint8))  # not pinned
+    with pytest.raises(ValueError, match="pinned host bytes"):
+        calls.uploader(dst.view(torch.int64), src.view(torch.int64))  # not bytes

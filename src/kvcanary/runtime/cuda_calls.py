@@ -39,6 +39,7 @@ class CudaCalls:
         if self._rt is not None:
             self._ok = self._rt.cudaError_t.cudaSuccess
             self._d2h = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+            self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
 
     @property
     def through_bindings(self) -> bool:
@@ -55,15 +56,28 @@ class CudaCalls:
                 dst.copy_(src, non_blocking=True)
 
             return torch_copy
-        rt, kind, ok, index, stream = self._rt, self._d2h, self._ok, self.device_index, self._raw_stream
-        args = (dst.data_ptr(), src.data_ptr(), src.nbytes)
+        args = (dst.data_ptr(), src.data_ptr(), src.nbytes, self._d2h)
+        return lambda: self._memcpy(*args)
 
-        def copy() -> None:
-            (err,) = rt.cudaMemcpyAsync(*args, kind, stream(index))
-            if err != ok:
-                raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
+    def uploader(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[int], None]:
+        """A call that copies the first ``n`` bytes of ``src`` (pinned host, bytes) into ``dst`` (a CUDA byte tensor
+        of the same size) asynchronously, on the current stream at the time of the call."""
+        if dst.nbytes != src.nbytes or not src.is_pinned() or dst.device.type != "cuda" or dst.element_size() != 1:
+            raise ValueError("uploader: src must be pinned host bytes of dst's size, dst a CUDA byte tensor")
+        if self._rt is None:
 
-        return copy
+            def torch_upload(n: int) -> None:
+                dst[:n].copy_(src[:n], non_blocking=True)
+
+            return torch_upload
+        d, s, kind = dst.data_ptr(), src.data_ptr(), self._h2d
+        return lambda n: self._memcpy(d, s, n, kind)
+
+    def _memcpy(self, dst: int, src: int, nbytes: int, kind: Any) -> None:
+        assert self._rt is not None
+        (err,) = self._rt.cudaMemcpyAsync(dst, src, nbytes, kind, self._raw_stream(self.device_index))
+        if err != self._ok:
+            raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
 
     def event(self) -> StepEvent:
         return StepEvent(self)

@@ -12,15 +12,16 @@ writes stay out of the graph: see :meth:`~kvcanary.adapters.transformers_cb.trut
 
 from __future__ import annotations
 
+import array
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+
+V = TypeVar("V")
 
 # The smallest class: every step of up to 16 rows or tokens shares one shape (the small decode batches of a
 # serving loop, one graph for all of them).
@@ -49,24 +50,25 @@ def bucket(n: int, cap: int) -> int:
     return min(max(1 << (n - 1).bit_length(), SMALLEST), cap)
 
 
-def pad_rows(a: npt.NDArray[Any], n: int) -> npt.NDArray[Any]:
-    """``a`` with zeros appended up to ``n`` entries."""
-    if a.shape[0] >= n:
-        return a
-    out = np.zeros(n, dtype=a.dtype)
-    out[: a.shape[0]] = a
+def pad_rows(values: Iterable[int], n: int) -> array.array[int]:
+    """``values`` as int64, with zeros appended up to ``n`` entries.  A step's per-row arrays are built this
+    way, in plain Python, not with numpy: the canary's step runs between two forwards of the model, with
+    every cache cold, and there each distinct numpy function costs tens of microseconds on first touch."""
+    out = array.array("q", values)
+    if len(out) < n:
+        out.frombytes(bytes(8 * (n - len(out))))
     return out
 
 
-class RecurringViews:
+class RecurringViews(Generic[V]):
     """Views handed out again while their key recurs: a step's shapes come from a few classes, and slicing a
     tensor is a torch call, microseconds of host time each step.  Bounded: cleared when ``limit`` are held."""
 
     def __init__(self, limit: int = 1024) -> None:
-        self._views: dict[Hashable, torch.Tensor] = {}
+        self._views: dict[Hashable, V] = {}
         self._limit = limit
 
-    def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def get(self, key: Hashable, make: Callable[[], V]) -> V:
         view = self._views.get(key)
         if view is None:
             if len(self._views) >= self._limit:

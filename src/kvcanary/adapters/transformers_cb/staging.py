@@ -7,13 +7,15 @@ are views of a persistent device buffer.  A small synchronous copy from ordinary
 wait for the stream -- the model's forward -- to drain, so on CUDA the host buffer is pinned and the
 copy asynchronous: nothing waits.
 
-Reuse: each step takes a fresh pinned buffer from PyTorch's caching host allocator, which keeps a
-buffer out of circulation until the copies issued from it have run, so the host never overwrites
-bytes still in flight.  The device buffer is rewritten by the next step's copy, ordered on the stream
-after this step's kernels, so a step's views are valid until the next :meth:`Staging.send`.  On CPU the
-views are the host buffer itself, with the same lifetime.  A view is kept and handed out again when an
-array recurs with the same dtype, offset and shape (the per-row arrays, every step): slicing a tensor
-costs microseconds of host time too.
+Reuse: the pinned buffers are the staging's own, taken in turn; each has an event recorded behind its last
+copy, and one whose copy has not run yet is never written: another buffer joins the ring instead (nothing
+waits).  The copy and the event go through :mod:`kvcanary.runtime.cuda_calls`, the calls the host step makes
+too: in a serving loop the canary's step runs with every cache cold, and each distinct path it touches
+(torch's pinned allocator, a tensor copy) costs tens of microseconds there.  The device buffer is rewritten
+by the next step's copy, ordered on the stream after this step's kernels, so a step's views are valid until
+the next :meth:`Staging.send`.  On CPU the views are the host buffer itself, with the same lifetime.  A view
+is kept and handed out again when an array recurs with the same dtype, offset and shape (the per-row arrays,
+every step): slicing a tensor costs microseconds of host time too.
 
 Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise pointer arguments on
 16-byte alignment, and a misaligned view would compile another variant of a kernel.
@@ -21,22 +23,29 @@ Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise poin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import array
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
+from kvcanary.runtime.cuda_calls import CudaCalls, StepEvent
 
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
+_RING = 3  # pinned buffers to start with: a step's copy has run long before the buffer comes round again
 
-_TORCH_DTYPES: dict[np.dtype[Any], torch.dtype] = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.bool_): torch.bool,
+HostArray: TypeAlias = "npt.NDArray[Any] | array.array[int]"
+
+# (buffer-protocol format, item size) -> torch dtype: numpy's int64 reads as "l" (C long), array's as "q"
+_TORCH_DTYPES: dict[tuple[str, int], torch.dtype] = {
+    ("q", 8): torch.int64,
+    ("l", 8): torch.int64,
+    ("i", 4): torch.int32,
+    ("?", 1): torch.bool,
 }
 
 
@@ -44,58 +53,113 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class _Upload:
+    """One pinned host buffer, its copy into the device buffer, and the event behind that copy."""
+
+    __slots__ = ("bytes", "copy", "event", "tensor")
+
+    def __init__(self, device_buf: torch.Tensor, calls: CudaCalls) -> None:
+        self.tensor = torch.empty(device_buf.shape[0], dtype=torch.uint8, pin_memory=True)
+        self.bytes = self.tensor.numpy().data
+        self.copy: Callable[[int], None] = calls.uploader(device_buf, self.tensor)
+        self.event: StepEvent | None = None  # until its first copy
+
+    def free(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 class Staging:
     """The packing buffer of one translator (one device, one stream at a time)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._on_host = device.type == "cpu"
-        self._pinned = device.type == "cuda"
+        self._calls: CudaCalls | None = None
+        if device.type == "cuda":
+            self._calls = CudaCalls(torch.cuda.current_device() if device.index is None else device.index)
         self._capacity = 0
         self._device_buf = torch.empty(0, dtype=torch.uint8, device=device)
-        self._typed: dict[np.dtype[Any], torch.Tensor] = {}  # the device buffer as each dtype
-        self._views = RecurringViews()  # by (dtype, offset, shape): most recur every step
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the device buffer as each dtype
+        self._views: RecurringViews[torch.Tensor] = RecurringViews()  # by (dtype, offset, shape): most recur every step
+        self._on_host = np.zeros(0, dtype=np.uint8).data  # CPU: the device buffer's bytes
+        self._ring: list[_Upload] = []  # CUDA: the pinned buffers, taken in turn
+        self._retired: list[_Upload] = []  # outgrown, kept until their copies have run
+        self._next = 0
         self._grow(_INITIAL_BYTES)
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
+    @property
+    def host_buffers(self) -> int:
+        """Pinned buffers in the ring (CUDA; 0 on CPU)."""
+        return len(self._ring)
+
     def _grow(self, need: int) -> None:
         cap = max(_INITIAL_BYTES, 1 << (need - 1).bit_length())
         self._capacity = cap
         self._device_buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
-        self._typed = {np_type: self._device_buf.view(t) for np_type, t in _TORCH_DTYPES.items()}
+        self._typed = {t: self._device_buf.view(t) for t in set(_TORCH_DTYPES.values())}
         self._views.clear()
+        if self._calls is None:
+            self._on_host = self._device_buf.numpy().data
+            return
+        self._retired = [u for u in self._retired + self._ring if not u.free()]
+        self._ring = [_Upload(self._device_buf, self._calls) for _ in range(_RING)]
+        self._next = 0
 
-    def send(self, arrays: Sequence[npt.NDArray[np.generic]]) -> list[torch.Tensor]:
+    def _take(self) -> _Upload:
+        """The next pinned buffer whose last copy has run; a new one joins the ring when it has not."""
+        up = self._ring[self._next]
+        if not up.free():
+            assert self._calls is not None
+            up = _Upload(self._device_buf, self._calls)
+            self._ring.insert(self._next, up)
+        self._next = (self._next + 1) % len(self._ring)
+        return up
+
+    def send(self, arrays: Sequence[HostArray]) -> list[torch.Tensor]:
         """Copy ``arrays`` (int64, int32 or bool; any shape) to the device; their device views, in order."""
+        mems = [_bytes_of(a) for a in arrays]
         offsets = []
         end = 0
-        for a in arrays:
-            if a.dtype not in _TORCH_DTYPES:
-                raise TypeError(f"arrays must be int64, int32 or bool, got {a.dtype}")
+        for m in mems:
             offsets.append(end)
-            end += _aligned(a.nbytes)
+            end += _aligned(m.nbytes)
         if end > self._capacity:
             self._grow(end)
-        if self._on_host:
-            host = self._device_buf
-        else:
-            host = torch.empty(self._capacity, dtype=torch.uint8, pin_memory=self._pinned)
-        flat = host.numpy()
-        for a, off in zip(arrays, offsets, strict=True):
-            flat[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        if not self._on_host and end:
-            self._device_buf[:end].copy_(host[:end], non_blocking=self._pinned)
-        return [self._view(a, off) for a, off in zip(arrays, offsets, strict=True)]
+        up = None if self._calls is None else self._take()
+        host = self._on_host if up is None else up.bytes
+        for m, off in zip(mems, offsets, strict=True):
+            host[off : off + m.nbytes] = m.cast("B")
+        if up is not None and end:
+            up.copy(end)
+            if up.event is None:
+                assert self._calls is not None
+                up.event = self._calls.event()  # recorded on creation
+            else:
+                up.event.record()
+        return [self._view(m, off) for m, off in zip(mems, offsets, strict=True)]
 
-    def _view(self, a: npt.NDArray[np.generic], off: int) -> torch.Tensor:
-        """The device view that ``a`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
+    def _view(self, m: memoryview, off: int) -> torch.Tensor:
+        """The device view that ``m`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
+        dtype = _TORCH_DTYPES[m.format, m.itemsize]
+        shape = m.shape or ()
 
         def make() -> torch.Tensor:
-            size = a.dtype.itemsize
-            view = self._typed[a.dtype][off // size : off // size + a.size]
-            return view if a.ndim == 1 else view.view(a.shape)
+            size = m.itemsize
+            n = m.nbytes // size
+            view = self._typed[dtype][off // size : off // size + n]
+            return view if len(shape) == 1 else view.view(shape)
 
-        return self._views.get((a.dtype, off, a.shape), make)
+        return self._views.get((dtype, off, shape), make)
+
+
+def _bytes_of(a: HostArray) -> memoryview:
+    """``a``'s memory, contiguous, after checking its type."""
+    m = a.data if isinstance(a, np.ndarray) else memoryview(a)
+    if (m.format, m.itemsize) not in _TORCH_DTYPES:
+        raise TypeError(f"arrays must be int64, int32 or bool, got {getattr(a, 'dtype', m.format)}")
+    if not m.c_contiguous:
+        m = np.ascontiguousarray(a).data
+    return m

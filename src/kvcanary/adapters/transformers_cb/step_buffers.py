@@ -3,15 +3,15 @@ shared ones), and the ``out_cache_loc`` buffers whose addresses stay put (what t
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.staging import HostArray
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
 from kvcanary.schema import NOT_STORED
@@ -21,38 +21,38 @@ class Pack:
     """Host arrays collected for one :meth:`Staging.send`; ``add`` returns the index of the device view."""
 
     def __init__(self) -> None:
-        self.arrays: list[npt.NDArray[Any]] = []
+        self.arrays: list[HostArray] = []
 
-    def add(self, a: npt.NDArray[Any]) -> int:
+    def add(self, a: HostArray) -> int:
         self.arrays.append(a)
         return len(self.arrays) - 1
 
 
-def pack_common(
-    pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: npt.NDArray[np.int64], n_rows: int
-) -> dict[str, int]:
+def pack_common(pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int], n_rows: int) -> dict[str, int]:
     """The arrays every group shares, by name (the truth's writes are packed after the groups' arrays), the
     per-row ones padded to ``n_rows`` rows (padding rows: table row 0, no lengths).  The per-row arrays and the
     sizes first: their device views then sit at offsets that depend on the batch size only, so a step's batch
     tensors and the translation's launch keep their addresses from step to step (what the step graphs key on)."""
     return {
         "rows": pack.add(pad_rows(rows.table_rows(), n_rows)),
-        "prefix": pack.add(pad_rows(rows.past, n_rows)),
-        "extend": pack.add(pad_rows(rows.query, n_rows)),
+        "prefix": pack.add(pad_rows(rows.past_lens, n_rows)),
+        "extend": pack.add(pad_rows(rows.query_lens, n_rows)),
         "truth_lens": pack.add(truth.lens),
         "truth_gather": pack.add(truth.gather),
         "sizes": pack.add(sizes),
     }
 
 
-def index_sizes(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry], n_tok: int) -> npt.NDArray[np.int64]:
-    """Per group: the write entries translated and the read index's length (the translation kernel reads them
-    on the device, so its launch does not change with them); zeros on the block-table path."""
+def index_sizes(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry], n_tok: int) -> array.array[int]:
+    """Per group, two entries: the write entries translated and the read index's length (the translation kernel
+    reads them on the device, so its launch does not change with them); zeros on the block-table path."""
     if kwargs.get("block_table") is not None:
-        return np.zeros((len(geometries), 2), dtype=np.int64)
+        return pad_rows((), 2 * len(geometries))
     write, read = kwargs["write_index"], kwargs["read_index"]
-    sizes = [(min(int(write[g.index].numel()), n_tok), int(read[g.index].numel())) for g in geometries]
-    return np.array(sizes, dtype=np.int64).reshape(-1, 2)
+    sizes: list[int] = []
+    for g in geometries:
+        sizes += (min(int(write[g.index].numel()), n_tok), int(read[g.index].numel()))
+    return array.array("q", sizes)
 
 
 def pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ class StableWrites:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
-        self._views = RecurringViews()
+        self._views: RecurringViews[torch.Tensor] = RecurringViews()
 
     def view(self, name: str, n: int) -> torch.Tensor:
         """The group's buffer as ``n`` int64 writes (grown to the next power of two when short)."""

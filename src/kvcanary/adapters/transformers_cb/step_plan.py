@@ -24,30 +24,49 @@ MAX_ENTRIES = 1 << 30  # per group and step; keeps a rejected segment's offsets 
 
 @dataclasses.dataclass(frozen=True)
 class RowPlan:
-    """Per batch row: past and query lengths, and whether the row fits the table (``live``)."""
+    """Per batch row: past and query lengths, and whether the row fits the table (``live``).
 
-    past: I64
-    query: I64
-    live: npt.NDArray[np.bool_]
+    Kept as the host's tuples; the numpy forms are made on first use, by the paths that compute per-cell arrays.
+    The one-launch path needs only per-row values, built in plain Python (see
+    :func:`~kvcanary.adapters.transformers_cb.batch_shapes.pad_rows`)."""
+
+    past_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    live_rows: tuple[bool, ...]
 
     @classmethod
     def of(cls, host: HostBatch, width: int) -> RowPlan:
-        past = np.array(host.past_lens, dtype=np.int64)
-        query = np.array(host.query_lens, dtype=np.int64)
-        return cls(past, query, past + query <= width)
+        past, query = host.past_lens, host.query_lens
+        return cls(past, query, tuple([p + q <= width for p, q in zip(past, query, strict=True)]))
+
+    @functools.cached_property
+    def past(self) -> I64:
+        return np.array(self.past_lens, dtype=np.int64)
+
+    @functools.cached_property
+    def query(self) -> I64:
+        return np.array(self.query_lens, dtype=np.int64)
+
+    @functools.cached_property
+    def live(self) -> npt.NDArray[np.bool_]:
+        return np.array(self.live_rows, dtype=np.bool_)
 
     @functools.cached_property
     def reads_or_writes(self) -> bool:
         """Whether any row in the table has a token: only then does any group fill a table cell."""
-        return bool(((self.past + self.query) * self.live).any())
+        return any(ok and p + q > 0 for p, q, ok in zip(self.past_lens, self.query_lens, self.live_rows, strict=True))
 
     @property
     def size(self) -> int:
-        return int(self.past.shape[0])
+        return len(self.past_lens)
 
-    def table_rows(self) -> I64:
+    @property
+    def rows_too_long(self) -> int:
+        return self.live_rows.count(False)
+
+    def table_rows(self) -> list[int]:
         """Row ``r + 1`` of the table for batch row r; the padding row 0 for rows left out."""
-        return np.where(self.live, np.arange(1, self.size + 1, dtype=np.int64), 0)
+        return [r + 1 if ok else 0 for r, ok in enumerate(self.live_rows)]
 
     def token_rows(self) -> I64:
         """The batch row of every query token, in batch order."""
@@ -122,7 +141,7 @@ def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
 def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool_] | None:
     """Mask over the first ``n`` write entries: the first ``query - W`` tokens of each row of a sliding
     group, which transformers sends to the write trash by design; None when there is none."""
-    if not g.is_sliding or not bool((rows.query > g.sliding_window).any()):
+    if not g.is_sliding or max(rows.query_lens, default=0) <= g.sliding_window:
         return None
     mask = rows.token_offsets() < (rows.query - g.sliding_window)[rows.token_rows()]
     out = np.zeros(n, dtype=np.bool_)
@@ -132,10 +151,14 @@ def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool
 
 
 def ring_wraps(window: int, rows: RowPlan) -> int:
-    """Stored writes at positions >= W: each overwrote the ring slot of position - W."""
-    end = rows.past + rows.query
-    stored_from = np.maximum(window, end - np.minimum(rows.query, window))
-    return int(np.where(rows.live, np.maximum(end - stored_from, 0), 0).sum())
+    """Stored writes at positions >= W: each overwrote the ring slot of position - W (plain Python: per row)."""
+    wraps = 0
+    for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
+        end = p + q
+        stored_from = max(window, end - min(q, window))
+        if ok and end > stored_from:
+            wraps += end - stored_from
+    return wraps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,7 @@ class StepTranslator:
         self.tables = {g.name: torch.zeros(shape, dtype=torch.int32, device=self.device) for g in self.geometries}
         self._cells = {name: t.view(-1) for name, t in self.tables.items()}  # the scatter target
         self._staging = Staging(self.device)
-        self._views = RecurringViews()
+        self._views: RecurringViews[torch.Tensor] = RecurringViews()
         # On CUDA every batch tensor keeps its address for a given batch shape, so the canary's own step graphs
         # (kvcanary.runtime.step_graphs) replay instead of launching each kernel: static outputs.
         static = self.device.type == "cuda"
@@ -122,12 +122,12 @@ class StepTranslator:
         shape = self._shape(b, kwargs)
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
-        truth = self._truth.plan(host, rows.live)
+        truth = self._truth.plan(host, rows.live_rows)
         truth = truth.padded(shape.rows) if self.bucket else truth
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         common = pack_common(pack, rows, truth, sizes, shape.rows)
         work = [
-            self._plan_group(g, rows, kwargs, pack, int(sizes[i, 0]), host.num_tokens)
+            self._plan_group(g, rows, kwargs, pack, (sizes[2 * i], sizes[2 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
         # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
@@ -161,7 +161,7 @@ class StepTranslator:
         return Translation(
             batches=batches,
             request_ids=host.request_ids,
-            rows_too_long=int((~rows.live).sum()),
+            rows_too_long=rows.rows_too_long,
             ring_wraps=wraps,
             padded=padded,
             block_table=kwargs.get("block_table") is not None,
@@ -182,8 +182,8 @@ class StepTranslator:
         return truth_gather.out
 
     def _group_sizes(self, sizes: torch.Tensor, i: int) -> torch.Tensor:
-        """Row ``i`` of the staged sizes (the view recurs with the staging's)."""
-        return self._views.get((sizes.data_ptr(), i), lambda: sizes[i])
+        """Group ``i``'s two staged sizes (the view recurs with the staging's)."""
+        return self._views.get((sizes.data_ptr(), i), lambda: sizes[2 * i : 2 * i + 2])
 
     def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
         ids, pos = flat(kwargs["input_ids"]), flat(kwargs["position_ids"])
@@ -199,10 +199,12 @@ class StepTranslator:
         rows: step_plan.RowPlan,
         kwargs: Mapping[str, Any],
         pack: Pack,
-        n_write: int,
+        index_sizes: tuple[int, int],
         num_tokens: int,
     ) -> _GroupWork:
-        if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs):
+        """``index_sizes``: the write entries translated and the read index's length."""
+        n_write, n_read = index_sizes
+        if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs, n_read):
             trash = step_plan.trash_writes(g, rows, n_write)
             arrays = {} if trash is None else {"trash": pack.add(trash)}
             return _GroupWork(g, "kernel", None, n_write, arrays)
@@ -227,7 +229,7 @@ class StepTranslator:
             arrays.update(
                 row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
             )
-            if int(kwargs["read_index"][g.index].numel()) == 0 and bool(entries.new.any()):
+            if n_read == 0 and bool(entries.new.any()):
                 # No row reads the cache (a batch of first chunks): attention takes the new tokens' K/V
                 # directly, so their cells hold the sentinel (reserved: nothing read from the pool to check).
                 arrays["new_cells"] = pack.add(entries.cells[entries.new])
@@ -336,12 +338,12 @@ class StepTranslator:
         return pad_writes(slots[: w.n_write], n_tok)
 
 
-def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any]) -> bool:
+def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any], n_read: int) -> bool:
     """The kernel's case: no verified entry, or read segments to gather them from (see :mod:`.translate_kernel`)."""
     if not rows.reads_or_writes:  # every group's span is empty (a window reads at least the query)
         return True
     cu_k = kwargs["cu_seq_lens_k"][g.name]
-    return int(cu_k.shape[-1]) >= rows.size + 1 and int(kwargs["read_index"][g.index].numel()) > 0
+    return n_read > 0 and int(cu_k.shape[-1]) >= rows.size + 1
 
 
 def _host_entries(w: _GroupWork) -> step_plan.GroupEntries:

@@ -18,31 +18,30 @@ padding row's and the rows-left-out truth.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
-I64 = npt.NDArray[np.int64]
 REFRESH = History.TAIL // 2  # positions before a request's newest sent token compared (and resent if changed)
 
 
 @dataclasses.dataclass(frozen=True)
 class TruthUpdate:
-    """One step's host side: where each batch row's truth lives, its valid length, and the cells to write."""
+    """One step's host side: where each batch row's truth lives, its valid length, and the cells to write (int64
+    arrays, the tokens int32: plain ``array.array``, built without numpy, see :func:`.batch_shapes.pad_rows`)."""
 
-    gather: I64  # store row of table row t (t = 0: row 0), shape (b + 1,)
-    lens: I64  # valid truth length per batch row (0 for rows left out)
+    gather: array.array[int]  # store row of table row t (t = 0: row 0), b + 1 entries
+    lens: array.array[int]  # valid truth length per batch row (0 for rows left out)
     width: int  # columns the step's truth needs (at least 1)
-    cells: I64  # flat cells of the store to write
-    tokens: npt.NDArray[np.int32]  # their tokens
+    cells: array.array[int]  # flat cells of the store to write
+    tokens: array.array[int]  # their tokens (int32)
 
     def padded(self, rows: int) -> TruthUpdate:
         """The update for a batch padded to ``rows`` rows (see
@@ -61,22 +60,23 @@ class TruthStore:
         self.width = width
         self.table = torch.full((rows + 1, width), UNKNOWN_TOKEN, dtype=torch.int32, device=device)
         self._out = torch.empty_like(self.table) if static_out else None
-        self._out_rows = RecurringViews()
+        self._out_rows: RecurringViews[torch.Tensor] = RecurringViews()
         self._flat = self.table.view(-1)
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._free = list(range(rows, 0, -1))
 
-    def plan(self, host: HostBatch, live: npt.NDArray[np.bool_]) -> TruthUpdate:
+    def plan(self, host: HostBatch, live: Sequence[bool]) -> TruthUpdate:
         """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
-        # One pass of plain Python over the rows (no numpy scalar access inside: it runs every step for every
-        # request), then a few vectorised numpy calls.
-        b, width, tail, sent_map = host.batch_size, self.width, REFRESH, self._sent
-        rows, lens = [0] * b, [0] * b  # per batch row: its store row (0: left out) and valid length
-        first_cells: list[int] = []  # per live row, in order: the store cell of its first token sent, and the count
-        counts: list[int] = []
+        # One pass of plain Python over the rows, no numpy: it runs every step for every request.
+        width, tail, sent_map = self.width, REFRESH, self._sent
+        gather = [0]  # table row 0, then per batch row its store row (0: left out)
+        lens: list[int] = []  # per batch row: its valid length
+        cells: list[int] = []
         tokens: list[int] = []
-        for r, rid, hist, ok in zip(range(b), host.request_ids, host.truth, live.tolist(), strict=True):
+        for rid, hist, ok in zip(host.request_ids, host.truth, live, strict=True):
             if not ok:
+                gather.append(0)
+                lens.append(0)
                 continue
             entry = sent_map.get(rid)
             if entry is None:
@@ -95,20 +95,16 @@ class TruthStore:
                 skip = entry.same_prefix(start, stop, new)
             tokens += new[skip:] if skip else new
             entry.n, entry.tail = n, new[-tail:]
-            rows[r] = entry.row
-            lens[r] = n
-            first_cells.append(entry.row * width + start + skip)
-            counts.append(n - start - skip)
-        count = np.array(counts, dtype=np.int64)
-        base = np.array(first_cells, dtype=np.int64) - (np.cumsum(count) - count)
-        lens_a = np.array(lens, dtype=np.int64)
+            gather.append(entry.row)
+            lens.append(n)
+            first = entry.row * width + start + skip
+            cells += range(first, entry.row * width + n)
         return TruthUpdate(
-            gather=np.array([0, *rows], dtype=np.int64),
-            lens=lens_a,
-            width=max(1, int(lens_a.max(initial=0))),
-            cells=np.repeat(base, count) + np.arange(len(tokens), dtype=np.int64),
-            # low 32 bits, as the records keep them; fromiter: a third faster than np.array on a list of ints
-            tokens=np.fromiter(tokens, dtype=np.int64, count=len(tokens)).astype(np.int32),
+            gather=array.array("q", gather),
+            lens=array.array("q", lens),
+            width=max(1, max(lens, default=0)),
+            cells=array.array("q", cells),
+            tokens=_int32(tokens),
         )
 
     def apply(
@@ -122,7 +118,7 @@ class TruthStore:
 
     def write(self, update: TruthUpdate, cells: torch.Tensor, tokens: torch.Tensor) -> None:
         """The update's new tokens into the store (enqueued now)."""
-        if update.cells.shape[0]:
+        if update.cells:
             self._flat.index_copy_(0, cells, tokens)
 
     @property
@@ -186,6 +182,14 @@ class _Sent:
         if tokens[:m] == self.tail[off : off + m]:
             return m
         return next(i for i in range(m) if tokens[i] != self.tail[off + i])
+
+
+def _int32(tokens: list[int]) -> array.array[int]:
+    """The tokens' low 32 bits, as the records keep them."""
+    try:
+        return array.array("i", tokens)
+    except OverflowError:  # an id outside int32 (never a real vocabulary's): wrapped, as a cast would
+        return array.array("i", [(t + (1 << 31)) % (1 << 32) - (1 << 31) for t in tokens])
 
 
 def _tokens(hist: Sequence[int], start: int, stop: int) -> list[int]:
