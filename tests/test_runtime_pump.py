@@ -30,6 +30,7 @@ class Device:
         self.delays = delays
         self.waits: list[int] = []  # steps whose event had to be waited on
         self.queries = 0
+        self.synchronizes = 0  # calls to synchronize, waiting or not
 
 
 class FakeEvent:
@@ -46,6 +47,7 @@ class FakeEvent:
         return self.device.now - self.at >= self.device.delays[self.step]
 
     def synchronize(self) -> None:
+        self.device.synchronizes += 1
         if not self.query():
             self.device.waits.append(self.step)
 
@@ -87,6 +89,7 @@ def test_a_copy_landed_by_the_next_host_step_is_decoded_then(delay: int) -> None
     hits = [(k, r.step) for k, r in enumerate(reports) if r is not None]
     assert hits[0] == (4, 3)
     assert decoded[:5] == [0, 1, 2, 3, 4] and device.waits == []
+    assert device.synchronizes == 0  # a copy seen landed by its query costs no second call to the device
 
 
 def test_a_device_one_step_behind_is_reported_two_steps_late_without_a_wait() -> None:

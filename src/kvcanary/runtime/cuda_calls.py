@@ -1,15 +1,17 @@
 """The host step's CUDA calls -- a device-to-host copy and an event record on the current stream -- at the cost
-of the CUDA call itself.
+of the CUDA call itself, and the staging's host-to-device upload.
 
 Every host step copies the outbox into pinned host memory and records an event behind it (see
 :mod:`~kvcanary.runtime.pump`).  Through torch each call costs host time beyond the CUDA call:
 ``copy_(non_blocking=True)`` dispatches, builds a tensor iterator and records an event for the caching host
 allocator; ``Event.record()`` builds the current stream's Python object.  Through cuda-python's runtime
 bindings (``cuda.bindings.runtime``) the copy takes 2.2-3.9 us against torch's 3.3-5.9, the record 1.0-1.8
-against 2.8-5.4 (``bench_host_step.py``'s breakdown on the H200 host, two runs of one call); a query costs
-the same either way and stays torch's.  The bindings are used where installed, with the stream handle from
-torch's C entry point (the stream torch would use); elsewhere torch's calls do the same thing.  The buffers
-are the pump's own (pinned, allocated once), so no allocator needs to know about a copy in flight.
+against 2.8-5.4 (``bench_host_step.py``'s breakdown on the H200 host, two runs of one call).  A query costs
+the same either way measured in a loop; it goes through the bindings too, since in a serving loop every path
+a step touches is cold and the step's uploads and records have just warmed this one.  The bindings are used
+where installed, with the stream handle from torch's C entry point (the stream torch would use); elsewhere
+torch's calls do the same thing.  The buffers are the callers' own (pinned, kept), so no allocator needs to
+know about a copy in flight.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class CudaCalls:
             self._ok = self._rt.cudaError_t.cudaSuccess
             self._d2h = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
             self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
+            self._not_ready = self._rt.cudaError_t.cudaErrorNotReady
 
     @property
     def through_bindings(self) -> bool:
@@ -105,8 +108,17 @@ class StepEvent:
             raise RuntimeError(f"cudaEventRecord failed: {err!r}")
 
     def query(self) -> bool:
-        """Whether the work before the last record has completed (torch's call: as cheap as the bindings')."""
-        return bool(self._event.query())
+        """Whether the work before the last record has completed.  Through the bindings where installed: in a
+        serving loop the step's copies and records have just run through them, so this call's path is warm."""
+        rt = self._calls._rt
+        if rt is None:
+            return bool(self._event.query())
+        (err,) = rt.cudaEventQuery(self._handle)
+        if err == self._calls._ok:
+            return True
+        if err == self._calls._not_ready:
+            return False
+        raise RuntimeError(f"cudaEventQuery failed: {err!r}")
 
     def synchronize(self) -> None:
         self._event.synchronize()

@@ -88,13 +88,13 @@ class StepDecoder:
     def decode(self, buf: HostBuffer, reported_at: int) -> Decoded | None:
         """Decode one step's host copy and run the checks; None when there is nothing to act on."""
         buf.wait()
-        flat, step = buf.flat, buf.step
+        words, step = buf.words, buf.step
         self.steps_decoded += 1
         problems: list[Problem] = []
-        phase_problem = self.phase.advance(flat.item(self._watch_before), flat.item(self._watch_after))
+        phase_problem = self.phase.advance(words[self._watch_before], words[self._watch_after])
         if phase_problem is not None:
             problems.append(("phase", None, phase_problem))
-        rows = [flat.item(i) for i in self._watch_rows]
+        rows = [words[i] for i in self._watch_rows]
         report = self._build_report(buf, reported_at) if rows != self._seen_rows else None
         self._seen_rows = rows
         previous, self.seen = self.seen, buf.totals  # the totals stay readable until the next decode

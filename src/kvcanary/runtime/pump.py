@@ -54,21 +54,26 @@ class HostBuffer:
     """One host copy of the outbox, with views for decoding it."""
 
     tensor: torch.Tensor
-    flat: npt.NDArray[np.int64]  # numpy view of ``tensor``: cheap scalar reads
+    flat: npt.NDArray[np.int64]  # numpy view of ``tensor``
+    words: memoryview  # the same memory as plain int64 words: the cheapest scalar reads (no numpy call)
     totals: npt.NDArray[np.int64]  # [G, NUM_COUNTERS]
     logs: list[ViolationLog]  # the snapshot's per-group logs (host views)
     event: CopyEvent | None
     copy: Callable[[], object]  # the outbox into ``tensor``: asynchronous on CUDA
     step: int = -1
     request_ids: tuple[object, ...] | None = None
+    known_landed: bool = False  # the copy was seen complete: no second call to the device for it
 
     def landed(self) -> bool:
         """Whether the copy has completed (never waits)."""
-        return self.event is None or self.event.query()
+        if not self.known_landed:
+            self.known_landed = self.event is None or self.event.query()
+        return self.known_landed
 
     def wait(self) -> None:
-        if self.event is not None:
+        if not self.known_landed and self.event is not None:
             self.event.synchronize()
+        self.known_landed = True
 
 
 class LaggedPump:
@@ -90,7 +95,8 @@ class LaggedPump:
             event, copy = None, functools.partial(t.copy_, self._outbox)
         else:
             event, copy = self._calls.event(), self._calls.copier(t, self._outbox)
-        return HostBuffer(tensor=t, flat=flat, totals=totals, logs=layout.logs(t), event=event, copy=copy)
+        logs = layout.logs(t)
+        return HostBuffer(tensor=t, flat=flat, words=flat.data, totals=totals, logs=logs, event=event, copy=copy)
 
     @property
     def pending_steps(self) -> tuple[int, ...]:
@@ -102,6 +108,7 @@ class LaggedPump:
         if self._pending and self._pending[0].step <= step - MAX_LAG:
             raise RuntimeError(f"step {self._pending[0].step} was not decoded before staging step {step}")
         buf = self.buffers[step % NUM_BUFFERS]
+        buf.known_landed = False
         buf.copy()
         if buf.event is not None:
             buf.event.record()
