@@ -199,11 +199,10 @@ class StepTranslator:
         rows: step_plan.RowPlan,
         kwargs: Mapping[str, Any],
         pack: Pack,
-        index_sizes: tuple[int, int],
+        sizes: tuple[int, int],
         num_tokens: int,
     ) -> _GroupWork:
-        """``index_sizes``: the write entries translated and the read index's length."""
-        n_write, n_read = index_sizes
+        n_write, n_read = sizes  # the write entries translated, the read index's length
         if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs, n_read):
             trash = step_plan.trash_writes(g, rows, n_write)
             arrays = {} if trash is None else {"trash": pack.add(trash)}
