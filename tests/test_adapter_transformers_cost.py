@@ -11,8 +11,9 @@ from __future__ import annotations
 import array
 import collections
 import contextlib
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -116,6 +117,49 @@ def test_the_graphed_path_issues_one_op_a_step_and_defers_the_rest(
         assert not SYNCING & set(counter.ops), counter.ops
         assert not launches and t.prelude is not None and len(t.prelude.launches) == 2  # the gather, the group
         assert next(iter(t.batches.values())).batch_size == 4  # 3 rows padded to the class (capped by max_batch)
+
+
+# The distinct torch callables a steady graphed step touches (getters included): the canary's tap runs with every CPU
+# cache cold, where each distinct call costs tens of microseconds on first touch (bench_translate.py --cold).  Lower
+# it, never raise it.
+GRAPHED_PATH_TORCH_CALLABLES = 5  # two getters, the flattening, data_ptr (the truth's view key) and the write
+
+
+def c_calls_by_module(work: Callable[[], object]) -> dict[str, set[str]]:
+    """The C functions ``work`` calls, by top-level module (a profiler hook: it sees every call, hot or cold)."""
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+
+    def hook(frame: object, event: str, arg: object) -> None:
+        if event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            module = getattr(arg, "__module__", None) or type(owner).__module__
+            seen[str(module).split(".")[0]].add(getattr(arg, "__qualname__", repr(arg)))
+
+    sys.setprofile(hook)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_steady_graphed_step_calls_no_numpy_and_few_distinct_torch_functions(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(translate_kernel.GroupLaunch, "run", lambda self: None)
+    eng, tr = decode_step(3, window)
+    cpu = torch.device("cpu")
+    tr.kernel = tr.bucket = True  # the CUDA configuration, as above
+    tr._stable, tr._truth = StableWrites(cpu), TruthStore(4, 32, cpu, static_out=True)
+    for _ in range(2):
+        kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+        tr.translate(kwargs, growing(host), defer=True)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+    host = growing(host)
+    calls = c_calls_by_module(lambda: tr.translate(kwargs, host, defer=True))
+    assert "numpy" not in calls, calls["numpy"]  # per-row values in plain Python (batch_shapes.pad_rows)
+    assert len(calls["torch"]) <= GRAPHED_PATH_TORCH_CALLABLES, sorted(calls["torch"])
 
 
 def test_geometry_to_slots_matches_its_definition_on_every_index() -> None:
