@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench_common import meta, save_records
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
@@ -130,11 +133,29 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--kernel-path", action="store_true", help="the GPU path's host work (launches deferred, not run)")
     p.add_argument("--cold", action="store_true", help="evict the CPU caches between steps (as a forward does)")
+    p.add_argument("--commit", default="unknown", help="the commit of the code measured (with --out)")
+    p.add_argument("--out", default=None, help="also store the records here, as <machine>-<commit>-translate.json")
     args = p.parse_args()
+    records = []
     for shape in args.shapes.split(","):
         b, past = (int(x) for x in shape.split("x"))
-        print(json.dumps(measure(b, past, args.steps, args.device, args.kernel_path, args.cold)), flush=True)
+        records.append(measure(b, past, args.steps, args.device, args.kernel_path, args.cold))
+        print(json.dumps(records[-1]), flush=True)
+    if args.out:
+        m = meta(args.commit, torch.device(args.device))
+        m |= {"numpy": np.__version__, "python": platform.python_version(), "cpu": _cpu_model()}
+        if args.device == "cpu":
+            m["gpu"] = "cpu"  # a host-time benchmark: the machine is the CPU
+        save_records(args.out, m, args.commit, "-translate.json", records)
     return 0
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":
