@@ -15,6 +15,15 @@ def needs_cuda() -> None:
         pytest.skip("needs a CUDA device")
 
 
+def cuda_calls(bindings: bool) -> CudaCalls:
+    """The calls of the current device, through the bindings or torch (skipped where the bindings are missing)."""
+    needs_cuda()
+    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
+    if bindings and not calls.through_bindings:
+        pytest.skip("cuda.bindings is not installed")
+    return calls
+
+
 @pytest.mark.gpu
 def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
     needs_cuda()
@@ -35,10 +44,7 @@ def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bindings", [True, False])
 def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(bindings: bool) -> None:
-    needs_cuda()
-    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
-    if bindings and not calls.through_bindings:
-        pytest.skip("cuda.bindings is not installed")
+    calls = cuda_calls(bindings)
     src = torch.arange(1000, dtype=torch.int64, device="cuda")
     dst = torch.zeros(1000, dtype=torch.int64, pin_memory=True)
     copy, event = calls.copier(dst, src), calls.event()
@@ -68,10 +74,7 @@ def test_the_copier_refuses_what_it_cannot_copy() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bindings", [True, False])
 def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool) -> None:
-    needs_cuda()
-    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
-    if bindings and not calls.through_bindings:
-        pytest.skip("cuda.bindings is not installed")
+    calls = cuda_calls(bindings)
     dst = torch.zeros(64, dtype=torch.uint8, device="cuda")
     src = torch.arange(64, dtype=torch.uint8).pin_memory()
     upload = calls.uploader(dst, src)

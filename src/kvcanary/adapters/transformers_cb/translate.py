@@ -22,11 +22,10 @@ slots it just wrote; a sliding group reads them through the sentinel, a reserved
 A read index that sends one of the new tokens elsewhere is therefore reported at its own step
 (``new_read_mismatch``).
 
-Cost: whatever follows from the scheduler's host-side lengths is computed with numpy (:mod:`.step_plan`)
-and sent in one asynchronous copy (:mod:`.staging`), with only each request's newest truth tokens
-(:mod:`.truth_store`); the device work is a fixed number of ops per group whatever the batch, views that
-recur are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads a device value back.
-"""
+Cost: whatever follows from the scheduler's host-side lengths is computed on the host (:mod:`.step_plan`: plain
+Python per row, numpy per cell) and sent in one asynchronous copy (:mod:`.staging`) with only each request's
+newest truth tokens (:mod:`.truth_store`); the device work is a fixed number of ops per group, recurring views
+are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads a device value back."""
 
 from __future__ import annotations
 
