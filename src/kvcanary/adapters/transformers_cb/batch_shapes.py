@@ -87,11 +87,12 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def widen(t: torch.Tensor, n: int) -> torch.Tensor | None:
-    """The 1-D contiguous ``t`` as a view of its first ``n`` storage elements from where it starts; None when
-    the storage is shorter (an engine's static input buffers hold the largest batch)."""
-    if int(t.shape[0]) == n:
-        return t
-    if t.dim() != 1 or t.stride(0) != 1 or t.storage_offset() + n > t.untyped_storage().nbytes() // t.element_size():
+    """The contiguous ``t`` (an engine's token tensor, ``(T,)`` or ``(1, T)``) as a 1-D view of its first ``n`` storage
+    elements from where it starts, in one view op (none when it is one dimension of ``n`` already); None when the storage is shorter
+    (an engine's static input buffers hold the largest batch) or ``t`` is not contiguous."""
+    if int(t.numel()) == n:
+        return flat(t)
+    if not t.is_contiguous() or t.storage_offset() + n > t.untyped_storage().nbytes() // t.element_size():
         return None
     return t.as_strided((n,), (1,))
 
@@ -112,10 +113,10 @@ class StepShape:
     def padded(
         cls, rows: int, input_ids: torch.Tensor, positions: torch.Tensor, max_batch: int, max_tokens: int
     ) -> StepShape:
-        """Rows and tokens rounded up (see :func:`bucket`); the tokens stay as they are when the engine's
-        buffers are too short to view more of."""
-        want = bucket(int(input_ids.shape[0]), max_tokens)
+        """Rows and tokens rounded up (see :func:`bucket`), the engine's token tensors viewed as one dimension; the
+        tokens stay as they are (flattened) when the engine's buffers are too short to view more of."""
+        want = bucket(int(input_ids.numel()), max_tokens)
         ids, pos = widen(input_ids, want), widen(positions, want)
         if ids is None or pos is None:
-            ids, pos = input_ids, positions
+            ids, pos = flat(input_ids), flat(positions)
         return cls(bucket(rows, max_batch), ids, pos)

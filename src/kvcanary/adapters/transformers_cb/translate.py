@@ -185,9 +185,9 @@ class StepTranslator:
         return self._views.get((sizes.data_ptr(), i), lambda: sizes[2 * i : 2 * i + 2])
 
     def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
-        ids, pos = flat(kwargs["input_ids"]), flat(kwargs["position_ids"])
+        ids, pos = kwargs["input_ids"], kwargs["position_ids"]
         if not self.bucket:
-            return StepShape(b, ids, pos)
+            return StepShape(b, flat(ids), flat(pos))
         return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
 
     # ------------------------------------------------------------------ host plan
