@@ -46,6 +46,8 @@ def same_translation(torch_tr: StepTranslator, kernel_tr: StepTranslator, kwargs
             assert (w is None) == (x is None), field
             if w is not None and x is not None:
                 x = x.cpu()[:, : w.shape[1]] if x.dim() == 2 else x.cpu()  # CUDA: the truth at full width
+                if field in ("input_ids", "positions"):  # the kernel copies them into int64 buffers of its own
+                    w = w.to(torch.int64)
                 assert w.dtype == x.dtype and torch.equal(w.cpu(), x), field
 
 

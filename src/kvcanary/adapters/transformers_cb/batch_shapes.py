@@ -87,9 +87,10 @@ def flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def widen(t: torch.Tensor, n: int) -> torch.Tensor | None:
-    """The contiguous ``t`` (an engine's token tensor, ``(T,)`` or ``(1, T)``) as a 1-D view of its first ``n`` storage
-    elements from where it starts, in one view op (none when it is one dimension of ``n`` already); None when the storage is shorter
-    (an engine's static input buffers hold the largest batch) or ``t`` is not contiguous."""
+    """The contiguous ``t`` (an engine's token tensor, ``(T,)`` or ``(1, T)``) as a 1-D view of its first ``n``
+    storage elements from where it starts, in one view op (none when it is one dimension of ``n`` already); None
+    when the storage is shorter (an engine's static input buffers hold the largest batch) or ``t`` is not
+    contiguous."""
     if int(t.numel()) == n:
         return flat(t)
     if not t.is_contiguous() or t.storage_offset() + n > t.untyped_storage().nbytes() // t.element_size():

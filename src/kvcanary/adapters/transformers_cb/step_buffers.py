@@ -44,14 +44,15 @@ def pack_common(pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: array.arra
 
 
 def index_sizes(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry], n_tok: int) -> array.array[int]:
-    """Per group, two entries: the write entries translated and the read index's length (the translation kernel
-    reads them on the device, so its launch does not change with them); zeros on the block-table path."""
+    """Per group, three entries: the write entries translated, the read index's length and the forward's token
+    count (the translation kernel reads them on the device, so its launch does not change with them); on the
+    block-table path only the token count."""
     if kwargs.get("block_table") is not None:
-        return pad_rows((), 2 * len(geometries))
+        return array.array("q", [0, 0, n_tok] * len(geometries))
     write, read = kwargs["write_index"], kwargs["read_index"]
     sizes: list[int] = []
     for g in geometries:
-        sizes += (min(int(write[g.index].numel()), n_tok), int(read[g.index].numel()))
+        sizes += (min(int(write[g.index].numel()), n_tok), int(read[g.index].numel()), n_tok)
     return array.array("q", sizes)
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
-from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, flat, forward_tokens
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, bucket, flat, forward_tokens
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
@@ -118,7 +118,7 @@ class StepTranslator:
         are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
-        shape = self._shape(b, kwargs)
+        shape = self._shape(b, kwargs, n_tok)
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
         truth = self._truth.plan(host, rows.live_rows)
@@ -126,7 +126,7 @@ class StepTranslator:
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         common = pack_common(pack, rows, truth, sizes, shape.rows)
         work = [
-            self._plan_group(g, rows, kwargs, pack, (sizes[2 * i], sizes[2 * i + 1]), host.num_tokens)
+            self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
         # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
@@ -136,11 +136,13 @@ class StepTranslator:
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
+        copy_tokens = self.kernel  # the tokens go to the translator's own buffers: the first launch copies them
         for i, w in enumerate(work):
             if w.path == "kernel":
-                out_loc = self._kernel_writes(
-                    w, kwargs, dev, (lengths, self._group_sizes(dev[common["sizes"]], i)), shape.tokens, launches
-                )
+                staged = (lengths, self._group_sizes(dev[common["sizes"]], i))
+                tokens = _token_copy(kwargs, shape) if copy_tokens else None
+                copy_tokens = False
+                out_loc = self._kernel_writes(w, kwargs, dev, staged, shape.tokens, launches, tokens)
                 if not defer:
                     launches.pop().run()
             else:
@@ -156,6 +158,9 @@ class StepTranslator:
                 truth=truth_table,
                 truth_lens=dev[common["truth_lens"]],
             )
+        if copy_tokens:  # no group launched the kernel this step
+            shape.input_ids[:n_tok].copy_(flat(kwargs["input_ids"]))
+            shape.positions[:n_tok].copy_(flat(kwargs["position_ids"]))
         wraps = sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
         return Translation(
             batches=batches,
@@ -181,14 +186,23 @@ class StepTranslator:
         return truth_gather.out
 
     def _group_sizes(self, sizes: torch.Tensor, i: int) -> torch.Tensor:
-        """Group ``i``'s two staged sizes (the view recurs with the staging's)."""
-        return self._views.get((sizes.data_ptr(), i), lambda: sizes[2 * i : 2 * i + 2])
+        """Group ``i``'s three staged sizes (the view recurs with the staging's)."""
+        return self._views.get((sizes.data_ptr(), i), lambda: sizes[3 * i : 3 * i + 3])
 
-    def _shape(self, b: int, kwargs: Mapping[str, Any]) -> StepShape:
+    def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
+        """The step's rows and token tensors: with the kernel, the translator's own buffers (the launch fills them),
+        so padding to a shape class views nothing of the engine's."""
         ids, pos = kwargs["input_ids"], kwargs["position_ids"]
-        if not self.bucket:
-            return StepShape(b, flat(ids), flat(pos))
-        return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
+        if not self.kernel:
+            if not self.bucket:
+                return StepShape(b, flat(ids), flat(pos))
+            return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
+        if self.bucket:
+            b, n_tok = bucket(b, self.max_batch), bucket(n_tok, max(self.max_tokens, n_tok))
+        if self._stable is None:
+            own = torch.empty(2, n_tok, dtype=torch.int64, device=self.device)
+            return StepShape(b, own[0], own[1])
+        return StepShape(b, self._stable.view("input_ids", n_tok), self._stable.view("positions", n_tok))
 
     # ------------------------------------------------------------------ host plan
 
@@ -257,6 +271,7 @@ class StepTranslator:
         staged: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
         n_tok: int,
         launches: list[translate_kernel.Launch],
+        tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), appended to ``launches``
         and not yet run; returns the out_cache_loc it writes.  ``staged``: the row lengths and the group's sizes."""
@@ -277,6 +292,7 @@ class StepTranslator:
             sizes=sizes,
             cells=self._cells[g.name],
             width=self.width,
+            tokens=tokens,
         )
         launches.append(launch)
         return out
@@ -334,6 +350,16 @@ class StepTranslator:
         if "edges" in a:
             cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
         return pad_writes(slots[: w.n_write], n_tok)
+
+
+def _token_copy(
+    kwargs: Mapping[str, Any], shape: StepShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's token tensors (contiguous: the launch reads them as flat memory) and the buffers they go to."""
+    ids, pos = kwargs["input_ids"], kwargs["position_ids"]
+    ids = ids if ids.is_contiguous() else flat(ids).contiguous()
+    pos = pos if pos.is_contiguous() else flat(pos).contiguous()
+    return ids, pos, shape.input_ids, shape.positions
 
 
 def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any], n_read: int) -> bool:

@@ -46,19 +46,23 @@ class GroupLaunch:
         sizes: torch.Tensor,
         cells: torch.Tensor,
         width: int,
+        tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> GroupLaunch:
         """``out`` (n_tok) and ``cells`` (the flat ``(rows, width)`` table) are written.  ``lengths``: the
         batch's table rows (0: left out), past and query lengths; ``sizes``: the write and read indices'
-        lengths (device int64); ``write``, ``read``, ``cu_k``: the engine's, as attention received them."""
+        lengths and the forward's token count (device int64); ``write``, ``read``, ``cu_k``: the engine's, as
+        attention received them.  ``tokens``: the engine's contiguous token ids and positions, and the int64
+        buffers (at least ``out``'s length) this launch copies them into."""
         rows = lengths[0]
         n_tok, n_rows = int(out.shape[0]), int(rows.shape[0])
         chunks = max(1, -(-width // BLOCK))
         args = (
             _ptr(write, out), _ptr(trash, out), out, _ptr(read, out), _ptr(cu_k, out), *lengths, sizes, cells,
-            n_tok, width, g.canary_window, *g.slot_map,
+            *(tokens or (out,) * 4), n_tok, width, g.canary_window, *g.slot_map,
         )  # fmt: skip
         grid = (-(-n_tok // BLOCK) + n_rows * chunks,)
-        consts = {"SLIDING": g.is_sliding, "HAS_TRASH": trash is not None, "CHUNKS": chunks, "BLOCK": BLOCK}
+        consts = {"SLIDING": g.is_sliding, "HAS_TRASH": trash is not None, "CHUNKS": chunks, "BLOCK": BLOCK,
+                  "COPY_TOKENS": tokens is not None}  # fmt: skip
         return cls(args, grid, consts)
 
     @property

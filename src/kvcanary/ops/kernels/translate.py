@@ -11,7 +11,10 @@ programs a row, each element written by one program:
   ``0 .. past + query - 1``; a sliding one: the last ``window`` past positions, then the query's): the
   canary slot of the read index entry ``cu_k[r] + offset`` when the row's read segment has the length
   the span has, else the invalid slot.  Rows whose ``rows[r]`` is 0 (left out) have no span;
-* the cell just before a sliding window: the read-trash slot.
+* the cell just before a sliding window: the read-trash slot;
+* with ``COPY_TOKENS`` (one group a step), the forward's first ``sizes[2]`` token ids and positions into the
+  translator's own buffers: padding a step's tokens to a shape class then needs no view of the engine's
+  tensors (each a few cold torch calls on the host).
 
 Everything that varies from step to step without changing the launch -- the lengths, and how many write
 and read indices the engine handed over -- is read from device arrays, so the launch can sit in a CUDA
@@ -48,9 +51,11 @@ def _to_slots(idx, stride, page, pool_end, sentinel_index, sentinel_slot, invali
 @triton.jit(do_not_specialize=["n_tok"])
 def translate_kernel(
     write_ptr, trash_ptr, out_ptr, read_ptr, cu_ptr, rows_ptr, past_ptr, query_ptr, sizes_ptr, cells_ptr,
+    ids_ptr, pos_ptr, ids_out_ptr, pos_out_ptr,
     n_tok, width, window, stride, page, pool_end, sentinel_index, sentinel_slot, invalid_slot, read_trash_slot,
     write_trash_index,
     SLIDING: tl.constexpr, HAS_TRASH: tl.constexpr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    COPY_TOKENS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     write_programs = tl.cdiv(n_tok, BLOCK)
@@ -67,6 +72,10 @@ def translate_kernel(
             s = tl.where(by_design, NOT_STORED_SLOT + zero, s)
         s = tl.where(m_w, s, NOT_STORED_SLOT + zero)
         tl.store(out_ptr + offs, s, mask=offs < n_tok + zero)
+        if COPY_TOKENS:  # the forward's tokens and positions into the translator's own buffers
+            m_t = offs < tl.load(sizes_ptr + 2) + zero
+            tl.store(ids_out_ptr + offs, tl.load(ids_ptr + offs, mask=m_t, other=0).to(tl.int64), mask=m_t)
+            tl.store(pos_out_ptr + offs, tl.load(pos_ptr + offs, mask=m_t, other=0).to(tl.int64), mask=m_t)
     else:  # one chunk of one row's verified span -> table cells
         item = pid - write_programs
         r = (item // CHUNKS).to(tl.int64)
