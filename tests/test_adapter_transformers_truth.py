@@ -7,12 +7,15 @@ coming back after their row was reused.  And a step must send only what changed.
 
 from __future__ import annotations
 
+import array
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
+from kvcanary.adapters.transformers_cb.staging import Staging
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.schema import UNKNOWN_TOKEN
 
@@ -113,3 +116,28 @@ def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> Non
     del reqs["b"][1][:]  # a rewind past the 32 tokens kept on the host: 'b' is sent from 32 before its end
     reqs["b"][1].append(77)
     assert step()[0] == 32
+
+
+def test_the_truth_scatter_bound_once_writes_every_later_step_like_the_store_write() -> None:
+    """What replaying the step graph does with the truth's write: one launch, bound at the first step, writes each
+    later step's tokens, however many, found through the offsets staged with them."""
+    pytest.importorskip("triton")
+    rng = random.Random(3)
+    staging = Staging(torch.device("cpu"))
+    scatter_store, write_store = (TruthStore(3, 16, torch.device("cpu"), static_out=True) for _ in range(2))
+    bound = None
+    for step in range(5):
+        n = [0, 7, 1, 30, 2][step]
+        cells = array.array("q", rng.sample(range(4 * 16), n))
+        tokens = array.array("i", [rng.randrange(1 << 31) for _ in range(n)])
+        head = array.array("q", rng.sample(range(100), step + 1))  # arrays before the truth's: offsets move
+        meta = array.array("q", [n, 0, 0])
+        arrays = [head, meta, cells, tokens]
+        offsets, _ = staging.layout(arrays)
+        meta[1], meta[2] = offsets[2] // 8, offsets[3] // 4
+        dev = staging.send(arrays)
+        bound = bound or scatter_store.scatter(staging.whole(torch.int64), staging.whole(torch.int32), dev[1])
+        bound.run()
+        update = TruthUpdate(array.array("q"), array.array("q"), 1, cells, tokens)
+        write_store.write(update, torch.tensor(cells, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int32))
+        assert torch.equal(scatter_store.table, write_store.table), step

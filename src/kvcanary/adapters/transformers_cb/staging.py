@@ -118,14 +118,24 @@ class Staging:
         self._next = (self._next + 1) % len(self._ring)
         return up
 
+    def layout(self, arrays: Sequence[HostArray | memoryview]) -> tuple[list[int], int]:
+        """Where :meth:`send` puts each of ``arrays`` (byte offsets into the device buffer), and the bytes it sends."""
+        offsets = []
+        end = 0
+        for a in arrays:
+            offsets.append(end)
+            end += _aligned(_bytes_of(a).nbytes)
+        return offsets, end
+
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole device buffer as ``dtype`` (the same tensor until the buffer grows): for device work that
+        finds its arrays through offsets staged with them (a launch that stays the same from step to step)."""
+        return self._typed[dtype]
+
     def send(self, arrays: Sequence[HostArray]) -> list[torch.Tensor]:
         """Copy ``arrays`` (int64, int32 or bool; any shape) to the device; their device views, in order."""
         mems = [_bytes_of(a) for a in arrays]
-        offsets = []
-        end = 0
-        for m in mems:
-            offsets.append(end)
-            end += _aligned(m.nbytes)
+        offsets, end = self.layout(mems)
         if end > self._capacity:
             self._grow(end)
         up = None if self._calls is None else self._take()
@@ -155,8 +165,10 @@ class Staging:
         return self._views.get((dtype, off, shape), make)
 
 
-def _bytes_of(a: HostArray) -> memoryview:
+def _bytes_of(a: HostArray | memoryview) -> memoryview:
     """``a``'s memory, contiguous, after checking its type."""
+    if isinstance(a, memoryview) and a.c_contiguous:
+        return a
     m = a.data if isinstance(a, np.ndarray) else memoryview(a)
     if (m.format, m.itemsize) not in _TORCH_DTYPES:
         raise TypeError(f"arrays must be int64, int32 or bool, got {getattr(a, 'dtype', m.format)}")

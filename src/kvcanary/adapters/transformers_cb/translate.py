@@ -29,6 +29,7 @@ are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads 
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -129,10 +130,20 @@ class StepTranslator:
             self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
+        scatter = defer and self._truth.static  # the truth's write joins the prelude, found through staged offsets
+        meta = array.array("q", [len(truth.cells), 0, 0])
+        if scatter:
+            common["truth_meta"] = pack.add(meta)
         # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
         common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
+        if scatter:
+            offsets, _ = self._staging.layout(pack.arrays)
+            meta[1], meta[2] = offsets[common["truth_cells"]] // 8, offsets[common["truth_tokens"]] // 4
         dev = self._staging.send(pack.arrays)
         launches: list[translate_kernel.Launch] = []
+        if scatter:
+            words, halves = self._staging.whole(torch.int64), self._staging.whole(torch.int32)
+            launches.append(self._truth.scatter(words, halves, dev[common["truth_meta"]]))
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
@@ -176,11 +187,10 @@ class StepTranslator:
         self, truth: TruthUpdate, arrays: list[torch.Tensor], defer: bool, launches: list[translate_kernel.Launch]
     ) -> torch.Tensor:
         """Write the step's truth and return its table; with ``defer`` (a static store) the gather is appended to
-        ``launches`` to run with them (and replay in the step graph), the write is enqueued now."""
+        ``launches`` to run with them (and replay in the step graph), after the write (the scatter, already there)."""
         cells, tokens, gather = arrays
         if not (defer and self._truth.static):
             return self._truth.apply(truth, cells, tokens, gather)
-        self._truth.write(truth, cells, tokens)
         truth_gather = self._truth.deferred(gather)
         launches.append(truth_gather)
         return truth_gather.out

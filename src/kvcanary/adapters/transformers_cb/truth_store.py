@@ -126,6 +126,10 @@ class TruthStore:
         """Whether each step's truth lands in one persistent buffer (then :meth:`deferred` applies)."""
         return self._out is not None
 
+    def scatter(self, words: torch.Tensor, halves: torch.Tensor, meta: torch.Tensor) -> TruthScatter:
+        """:meth:`write` as device work for the prelude (see :class:`TruthScatter`)."""
+        return TruthScatter(self._flat, words, halves, meta)
+
     def deferred(self, gather: torch.Tensor) -> TruthGather:
         """The step's truth gather as a unit to run later (and to replay), after :meth:`write`: a static store only.
 
@@ -163,6 +167,35 @@ class TruthGather:
 
     def run(self) -> None:
         torch.index_select(self.table, 0, self.gather, out=self.out)
+
+
+SCATTER_BLOCK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthScatter:
+    """One step's truth write as device work that stays the same from step to step (its count and where its
+    arrays sit are staged in ``meta``; see ``ops/kernels/truth_scatter.py``), so it joins the step graph: the
+    prelude runs it before the gather.  ``words``/``halves``: the whole staging buffer as int64 and int32."""
+
+    table: torch.Tensor  # the store, flat
+    words: torch.Tensor
+    halves: torch.Tensor
+    meta: torch.Tensor  # count, the cells' int64 offset, the tokens' int32 offset
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in (self.table, self.words, self.halves, self.meta))
+
+    def run(self) -> None:
+        from kvcanary.ops.kernels.truth_scatter import truth_scatter_kernel
+
+        n_words, n_halves = int(self.words.shape[0]), int(self.halves.shape[0])
+        grid = (-(-n_words // SCATTER_BLOCK),)  # one int64 cell an entry: never more entries than words
+        truth_scatter_kernel[grid](
+            self.table, self.words, self.halves, self.meta, int(self.table.shape[0]), n_words, n_halves,
+            BLOCK=SCATTER_BLOCK,
+        )  # fmt: skip
 
 
 class _Sent:
