@@ -131,3 +131,28 @@ def test_a_launch_bound_at_one_step_translates_every_later_step_with_its_key(win
         assert torch.equal(plain.tables[g.name].cpu(), fused.tables[g.name].cpu())
     kwargs, host = eng.step(dict.fromkeys(list(eng.tables)[:2], 1))  # another batch shape: another key
     assert fused.translate(static.put(kwargs), host, defer=True).prelude.key != captured.key  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_step_whose_prelude_never_ran_is_resent_once_the_truth_is_forgotten(forget: bool) -> None:
+    """The truth's write runs in the prelude: a step whose prelude did not run (the canary refused its batch) left
+    the store without its tokens.  Forgetting the truth resends them; without it the next step's truth is wrong."""
+    g = geometry(0)
+    eng, (plain, fused) = engine(0, 2), translators(0)
+    fused._stable = StableWrites(torch.device(DEVICE))
+    fused._truth = TruthStore(4, 64, torch.device(DEVICE), static_out=True)
+    static = StaticInputs(DEVICE)
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 5))
+    plain.translate(kwargs_to(kwargs, DEVICE), growing(host))
+    fused.translate(static.put(kwargs), growing(host), defer=True)  # its prelude never runs
+    if forget:
+        fused.forget_truth()
+    kwargs, host = eng.step(dict.fromkeys(eng.tables, 1))
+    want = plain.translate(kwargs_to(kwargs, DEVICE), growing(host)).batches[g.name]
+    got = fused.translate(static.put(kwargs), growing(host), defer=True)
+    assert got.prelude is not None
+    got.prelude.run()
+    truth = got.batches[g.name].truth
+    assert want.truth is not None and truth is not None
+    same = torch.equal(want.truth.cpu(), truth.cpu()[:, : want.truth.shape[1]])
+    assert same == forget

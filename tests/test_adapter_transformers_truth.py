@@ -141,3 +141,12 @@ def test_the_truth_scatter_bound_once_writes_every_later_step_like_the_store_wri
         update = TruthUpdate(array.array("q"), array.array("q"), 1, cells, tokens)
         write_store.write(update, torch.tensor(cells, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int32))
         assert torch.equal(scatter_store.table, write_store.table), step
+
+
+def test_a_forgetful_store_sends_every_request_whole_again() -> None:
+    store = TruthStore(2, 8, torch.device("cpu"))
+    host = HostBatch(("a",), (0,), (1,), (History([1, 2, 3], []),))
+    assert len(store.plan(host, [True]).cells) == 3
+    assert len(store.plan(host, [True]).cells) == 0  # sent already
+    store.forget()  # a step whose write may not have run
+    assert len(store.plan(host, [True]).cells) == 3

@@ -157,6 +157,7 @@ class StepTap:
             # On CUDA: one replay of the canary's own step graph, the translation's launches included.
             binding.manager.forward_step(tr.batches, tr.prelude)
         except Exception as exc:
+            binding.translator.forget_truth()  # the prelude, and the truth's write in it, may not have run
             self._adapter_error("the canary refused the step's batch", exc)
             return None
         self.timer.add("translate", translated - start)

@@ -183,6 +183,10 @@ class StepTranslator:
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
 
+    def forget_truth(self) -> None:
+        """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
+        self._truth.forget()
+
     def _truth_table(
         self, truth: TruthUpdate, arrays: list[torch.Tensor], defer: bool, launches: list[translate_kernel.Launch]
     ) -> torch.Tensor:

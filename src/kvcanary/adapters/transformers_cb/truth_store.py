@@ -62,8 +62,15 @@ class TruthStore:
         self._out = torch.empty_like(self.table) if static_out else None
         self._out_rows: RecurringViews[torch.Tensor] = RecurringViews()
         self._flat = self.table.view(-1)
+        self._rows = rows
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._free = list(range(rows, 0, -1))
+
+    def forget(self) -> None:
+        """Forget what was sent: every request is sent whole at its next step.  For a step whose deferred write
+        (:meth:`scatter`) may not have run."""
+        self._sent.clear()
+        self._free = list(range(self._rows, 0, -1))
 
     def plan(self, host: HostBatch, live: Sequence[bool]) -> TruthUpdate:
         """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
