@@ -36,17 +36,16 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
+from kvcanary.adapters.transformers_cb import step_plan, torch_path, translate_kernel
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, bucket, flat, forward_tokens
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
-from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common, pad_writes
+from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common
+from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.batch import StepBatch
-from kvcanary.schema import NOT_STORED
 
-_REJECTED_SEGMENT = -(1 << 30)  # start of a mis-delimited segment: every offset from it is out of range
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
 
 
@@ -62,17 +61,6 @@ class Translation:
     padded: bool  # the engine padded the batch (compile / CUDA graphs)
     block_table: bool  # decode fast path
     prelude: translate_kernel.Launches | None = None  # with ``defer``: the group launches still to run
-
-
-@dataclasses.dataclass(frozen=True)
-class _GroupWork:
-    """One group's host plan and where its arrays sit in the pack."""
-
-    geometry: GroupGeometry
-    path: str  # "kernel" (one launch), "torch" (the read-index ops) or "block_table" (decode fast path)
-    entries: step_plan.GroupEntries | None  # every cell on the host: the torch and block-table paths
-    n_write: int  # write entries translated (min(write index length, tokens))
-    arrays: dict[str, int]
 
 
 class StepTranslator:
@@ -130,20 +118,7 @@ class StepTranslator:
             self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
-        scatter = defer and self._truth.static  # the truth's write joins the prelude, found through staged offsets
-        meta = array.array("q", [len(truth.cells), 0, 0])
-        if scatter:
-            common["truth_meta"] = pack.add(meta)
-        # The truth writes last: their count varies most, and nothing a step graph keys on sits after them.
-        common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
-        if scatter:
-            offsets, _ = self._staging.layout(pack.arrays)
-            meta[1], meta[2] = offsets[common["truth_cells"]] // 8, offsets[common["truth_tokens"]] // 4
-        dev = self._staging.send(pack.arrays)
-        launches: list[translate_kernel.Launch] = []
-        if scatter:
-            words, halves = self._staging.whole(torch.int64), self._staging.whole(torch.int32)
-            launches.append(self._truth.scatter(words, halves, dev[common["truth_meta"]]))
+        dev, launches = self._send(pack, common, truth, scatter=defer and self._truth.static)
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
@@ -182,6 +157,24 @@ class StepTranslator:
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
+
+    def _send(
+        self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool
+    ) -> tuple[list[torch.Tensor], list[translate_kernel.Launch]]:
+        """Pack the truth's writes (last: their count varies most, and nothing a step graph keys on sits after
+        them) and send; with ``scatter`` their write is the first launch, finding them through staged offsets."""
+        meta = array.array("q", [len(truth.cells), 0, 0])
+        if scatter:
+            common["truth_meta"] = pack.add(meta)
+        common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
+        if scatter:
+            offsets, _ = self._staging.layout(pack.arrays)
+            meta[1], meta[2] = offsets[common["truth_cells"]] // 8, offsets[common["truth_tokens"]] // 4
+        dev = self._staging.send(pack.arrays)
+        if not scatter:
+            return dev, []
+        words, halves = self._staging.whole(torch.int64), self._staging.whole(torch.int32)
+        return dev, [self._truth.scatter(words, halves, dev[common["truth_meta"]])]
 
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
@@ -228,12 +221,12 @@ class StepTranslator:
         pack: Pack,
         sizes: tuple[int, int],
         num_tokens: int,
-    ) -> _GroupWork:
+    ) -> GroupWork:
         n_write, n_read = sizes  # the write entries translated, the read index's length
         if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs, n_read):
             trash = step_plan.trash_writes(g, rows, n_write)
             arrays = {} if trash is None else {"trash": pack.add(trash)}
-            return _GroupWork(g, "kernel", None, n_write, arrays)
+            return GroupWork(g, "kernel", None, n_write, arrays)
         entries = step_plan.group_entries(g, rows, self.width)
         arrays = {}
         if entries.count:
@@ -250,7 +243,7 @@ class StepTranslator:
                 page_offset=pack.add(lookups.page_offset),
                 in_table=pack.add(lookups.in_table),
             )
-            return _GroupWork(g, "block_table", entries, num_tokens, arrays)
+            return GroupWork(g, "block_table", entries, num_tokens, arrays)
         if entries.count:
             arrays.update(
                 row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
@@ -262,24 +255,24 @@ class StepTranslator:
         trash = step_plan.trash_writes(g, rows, n_write)
         if trash is not None:
             arrays["trash"] = pack.add(trash)
-        return _GroupWork(g, "torch", entries, n_write, arrays)
+        return GroupWork(g, "torch", entries, n_write, arrays)
 
     # ------------------------------------------------------------------ device work
 
     def _group_writes(
-        self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
+        self, w: GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
     ) -> torch.Tensor:
         """Fill the group's table cells for this step; return its out_cache_loc (in its own buffer on CUDA)."""
-        block_table = kwargs.get("block_table")
+        block_table, cells = kwargs.get("block_table"), self._cells[w.geometry.name]
         if block_table is not None:
-            out_loc = self._from_block_table(w, block_table[w.geometry.index], dev, n_tok)
+            out_loc = torch_path.from_block_table(w, block_table[w.geometry.index], dev, n_tok, cells)
         else:
-            out_loc = self._from_read_index(w, kwargs, b, dev, n_tok)
+            out_loc = torch_path.from_read_index(w, kwargs, b, dev, n_tok, cells)
         return out_loc if self._stable is None else self._stable.writes(w.geometry.name, out_loc)
 
     def _kernel_writes(
         self,
-        w: _GroupWork,
+        w: GroupWork,
         kwargs: Mapping[str, Any],
         dev: list[torch.Tensor],
         staged: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -311,60 +304,6 @@ class StepTranslator:
         launches.append(launch)
         return out
 
-    def _from_read_index(
-        self, w: _GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int
-    ) -> torch.Tensor:
-        """Fill the table from the read index; return out_cache_loc from the write index."""
-        g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
-        write = flat(kwargs["write_index"][g.index])[: w.n_write]
-        gathered = None
-        if _host_entries(w).count:
-            read = flat(kwargs["read_index"][g.index])
-            cu_k = flat(kwargs["cu_seq_lens_k"][g.name])
-            n_read = int(read.shape[0])
-            if int(cu_k.shape[0]) < b + 1 or n_read == 0:
-                cells.index_fill_(0, dev[a["cells"]], g.invalid_slot)
-                if "new_cells" in a:
-                    cells.index_fill_(0, dev[a["new_cells"]], g.sentinel_slot)
-            else:
-                cu = cu_k[: b + 1]
-                seg_ok = (cu[1:] - cu[:-1]) == dev[a["expected"]]
-                seg_start = torch.where(seg_ok, cu[:-1], _REJECTED_SEGMENT)
-                # index_select / index_copy_: the plain-tensor forms of these gathers, without the Python
-                # indexing machinery (each costs host time per step on a GPU).
-                src = torch.index_select(seg_start, 0, dev[a["row"]]) + dev[a["offset"]]
-                src_in = src.clamp(0, n_read - 1)
-                gathered = torch.where(src_in == src, torch.index_select(read, 0, src_in), -1)  # -1: the invalid slot
-        # Writes first: out_cache_loc is then the start of the mapped tensor (aligned for the kernels).
-        slots = g.to_slots(write if gathered is None else torch.cat([write, gathered]))
-        if gathered is not None:
-            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
-        if "edges" in a:
-            cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
-        out = slots[: w.n_write]
-        if "trash" in a:
-            by_design = dev[a["trash"]] & (write == g.write_trash_index)
-            out = torch.where(by_design, NOT_STORED, out)
-        return pad_writes(out, n_tok)
-
-    def _from_block_table(
-        self, w: _GroupWork, block_table: torch.Tensor, dev: list[torch.Tensor], n_tok: int
-    ) -> torch.Tensor:
-        """Decode fast path: entries are ``block * (stride // page)``; slot of pos = entry * page + pos % page."""
-        g, a, cells = w.geometry, w.arrays, self._cells[w.geometry.name]
-        ok = dev[a["in_table"]]
-        if block_table.numel():
-            entry = block_table[dev[a["bt_row"]], dev[a["bt_col"]]].long()
-            phys = torch.where(ok & (entry >= 0), torch.add(dev[a["page_offset"]], entry, alpha=g.page_size), -1)
-        else:
-            phys = torch.full(ok.shape, -1, dtype=torch.int64, device=self.device)
-        slots = g.to_slots(phys)
-        if _host_entries(w).count:
-            cells.index_copy_(0, dev[a["cells"]], slots[w.n_write :].to(torch.int32))
-        if "edges" in a:
-            cells.index_fill_(0, dev[a["edges"]], g.read_trash_slot)
-        return pad_writes(slots[: w.n_write], n_tok)
-
 
 def _token_copy(
     kwargs: Mapping[str, Any], shape: StepShape
@@ -382,9 +321,3 @@ def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[st
         return True
     cu_k = kwargs["cu_seq_lens_k"][g.name]
     return n_read > 0 and int(cu_k.shape[-1]) >= rows.size + 1
-
-
-def _host_entries(w: _GroupWork) -> step_plan.GroupEntries:
-    if w.entries is None:
-        raise AssertionError(f"group {w.geometry.name!r}: the {w.path} path has no host entries")
-    return w.entries
