@@ -150,3 +150,33 @@ def test_a_forgetful_store_sends_every_request_whole_again() -> None:
     assert len(store.plan(host, [True]).cells) == 0  # sent already
     store.forget()  # a step whose write may not have run
     assert len(store.plan(host, [True]).cells) == 3
+
+
+@pytest.mark.parametrize(
+    ("meta", "written"),
+    [
+        ([3, 8, 32], {0: 7, 5: 8}),  # as staged: the cells at word 8, the tokens at half 32; cell 99 is masked off
+        ([2, 8, 32], {0: 7, 5: 8}),
+        ([-1, 8, 32], {}),
+        ([3, -5, 32], {}),
+        ([3, 8, -(2**40)], {}),
+        ([3, 2**40, 32], {}),
+        ([2**62, 2**62, 2**62], {}),
+        ([2**40, 8, 32], None),  # a huge count: the buffer's other words are read as entries, none past its end
+    ],
+)
+def test_the_truth_scatter_stays_inside_the_store_and_the_buffer_whatever_its_meta(
+    meta: list[int], written: dict[int, int] | None
+) -> None:
+    """The canary never reads or writes out of bounds: a corrupt count or offset masks entries off."""
+    pytest.importorskip("triton")
+    staging = Staging(torch.device("cpu"))
+    store = TruthStore(2, 4, torch.device("cpu"), static_out=True)
+    cells, tokens = array.array("q", [0, 5, 99]), array.array("i", [7, 8, 9])  # 99: outside the 3 x 4 store
+    arrays = [array.array("q", meta), cells, tokens]
+    assert staging.layout(arrays)[0] == [0, 64, 128]  # word 8, half 32
+    dev = staging.send(arrays)
+    store.scatter(staging.whole(torch.int64), staging.whole(torch.int32), dev[0]).run()
+    flat = store.table.view(-1).tolist()
+    if written is not None:  # (in bounds either way; compute-sanitizer is what proves that on a GPU)
+        assert {c: v for c, v in enumerate(flat) if v != UNKNOWN_TOKEN} == written
