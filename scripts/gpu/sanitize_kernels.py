@@ -9,6 +9,7 @@ still fails.  Usage (repository root): compute-sanitizer --tool memcheck --error
 
 from __future__ import annotations
 
+import array
 import random
 import sys
 import time
@@ -75,7 +76,36 @@ def main() -> int:
         problems = compare_step(case, tuning=FUSING, index_dtype=torch.int64, use_oracle=i % 2 == 0, fused=i % 4 < 2)
         return [f"{case.describe()} {problems[:2]}"] if problems else []
 
-    return run_rounds(f"sanitize_kernels: {n} corrupt cases ({n // 2} smashed)", n, one)
+    status = run_rounds(f"sanitize_kernels: {n} corrupt cases ({n // 2} smashed)", n, one)
+    return status | run_rounds(f"truth scatter: {n} corrupt metas", n, lambda i: truth_scatter_case(rng))
+
+
+def truth_scatter_case(rng: random.Random) -> list[str]:
+    """The transformers adapter's truth scatter with its count and offsets smashed: it may write only cells of the
+    store, and with its meta as staged exactly the store write's cells."""
+    from kvcanary.adapters.transformers_cb.staging import Staging
+    from kvcanary.adapters.transformers_cb.truth_store import TruthStore
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    staging, store = Staging(dev), TruthStore(4, 32, dev, static_out=True)
+    n = rng.randrange(0, 60)
+    cells = array.array("q", rng.sample(range(-8, 5 * 32 + 8), n))  # distinct, as a step's are; some outside
+    tokens = array.array("i", [rng.randrange(1 << 31) for _ in range(n)])
+    meta = array.array("q", [n, 0, 0])
+    offsets, _ = staging.layout([meta, cells, tokens])
+    meta[1], meta[2] = offsets[1] // 8, offsets[2] // 4
+    exact = rng.random() < 0.5
+    if not exact:
+        meta[rng.randrange(3)] = rng.choice(NASTY)
+    staged = staging.send([meta, cells, tokens])
+    before = store.table.clone()
+    store.scatter(staging.whole(torch.int64), staging.whole(torch.int32), staged[0]).run()
+    changed = (store.table != before).view(-1).nonzero().view(-1).tolist()
+    if not exact:
+        return [] if all(0 <= c < store.table.numel() for c in changed) else [f"meta {list(meta)}: wrote {changed}"]
+    want = {c: t for c, t in zip(cells, tokens, strict=True) if 0 <= c < store.table.numel()}
+    got = dict(zip(changed, store.table.view(-1)[changed].tolist(), strict=True))
+    return [] if got == {c: t for c, t in want.items() if before.view(-1)[c] != t} else [f"wrote {got}, want {want}"]
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def translate_kernel(
         s = tl.where(m_w, s, NOT_STORED_SLOT + zero)
         tl.store(out_ptr + offs, s, mask=offs < n_tok + zero)
         if COPY_TOKENS:  # the forward's tokens and positions into the translator's own buffers
-            m_t = offs < tl.load(sizes_ptr + 2) + zero
+            m_t = (offs < tl.load(sizes_ptr + 2) + zero) & (offs < n_tok + zero)  # the buffers hold n_tok
             tl.store(ids_out_ptr + offs, tl.load(ids_ptr + offs, mask=m_t, other=0).to(tl.int64), mask=m_t)
             tl.store(pos_out_ptr + offs, tl.load(pos_ptr + offs, mask=m_t, other=0).to(tl.int64), mask=m_t)
     else:  # one chunk of one row's verified span -> table cells
