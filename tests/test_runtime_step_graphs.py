@@ -8,6 +8,7 @@ the ``gpu`` test compares real CUDA graphs with eager launches on the H200.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from kvcanary import CanaryGroup, Mode, StepBatch
 from kvcanary.config import CanaryConfig
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, StepReport
-from kvcanary.runtime.step_graphs import StepGraphs, batch_key
+from kvcanary.runtime.step_graphs import BatchKeys, StepGraphs, batch_key
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 
@@ -203,3 +204,16 @@ def run_cuda(mgr: CanaryManager, steps: int, fault_at: int) -> list[StepReport |
         out.append(mgr.host_step(["req-a", "req-b"]))
     out.append(mgr.flush())
     return out
+
+
+def test_remembered_keys_are_the_batch_keys_and_follow_new_tensors() -> None:
+    keys = BatchKeys(limit=2)
+    wl = Workload()
+    batch = wl.batch([(1, 4)], truth=True)
+    assert keys([batch]) == batch_key([batch])
+    assert keys([batch]) is keys([batch])  # the same tensors: remembered, no tensor call
+    moved = dataclasses.replace(batch, rows=batch.rows.clone())  # one new tensor (another address)
+    assert keys([moved]) == batch_key([moved]) != batch_key([batch])
+    other = wl.batch([(1, 1)], truth=True)
+    keys([other])  # the limit: the oldest entry goes
+    assert keys([batch]) == batch_key([batch])  # recomputed: still right

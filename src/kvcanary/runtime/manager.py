@@ -36,7 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
-from kvcanary.runtime.step_graphs import Prelude, StepGraphs, batch_key, cuda_step_graphs
+from kvcanary.runtime.step_graphs import BatchKeys, Prelude, StepGraphs, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -108,6 +108,7 @@ class CanaryManager:
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
         self._graphs: StepGraphs | None = None
+        self._batch_keys = BatchKeys()  # the step graphs' keys, remembered by the batch tensors' identity
         if self._cuda and self._kernels and not config.check_values:
             self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
@@ -223,7 +224,7 @@ class CanaryManager:
             self.after_forward()
             return
         ordered = ordered_batches(batches, self.canaries)
-        key = batch_key(ordered) if prelude is None else (prelude.key, *batch_key(ordered))
+        key = self._batch_keys(ordered) if prelude is None else (prelude.key, *self._batch_keys(ordered))
         if graphs.replay(key):
             self._eager_forwards += 1
             return

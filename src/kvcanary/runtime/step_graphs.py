@@ -56,10 +56,37 @@ def batch_key(batches: Sequence[StepBatch]) -> Key:
     """Every tensor of the step's batches, by (address, shape, stride, dtype); None where absent."""
     out: list[object] = []
     for b in batches:
-        for t in (b.rows, b.prefix_lens, b.extend_lens, b.table, b.input_ids, b.positions, b.out_cache_loc,
-                  b.truth, b.truth_lens, b.lookup):  # fmt: skip
+        for t in _fields(b):
             out.append(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype))
     return tuple(out)
+
+
+class BatchKeys:
+    """:func:`batch_key` remembered by the identity of the batches' tensors: an adapter whose batch tensors are the
+    same objects step after step (the transformers adapter's recurring views) then pays no tensor call for the key,
+    each a cold path in a serving loop.  Sound while a remembered tensor keeps its metadata: the tensors are held
+    (so no other object takes their ids), and adapters make new views rather than resize one in place."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._keys: collections.OrderedDict[tuple[int, ...], tuple[Key, tuple[object, ...]]] = collections.OrderedDict()
+        self._limit = limit
+
+    def __call__(self, batches: Sequence[StepBatch]) -> Key:
+        held = tuple(t for b in batches for t in _fields(b))
+        ids = tuple(map(id, held))
+        hit = self._keys.get(ids)
+        if hit is not None:
+            return hit[0]
+        key = batch_key(batches)
+        self._keys[ids] = (key, held)
+        if len(self._keys) > self._limit:
+            self._keys.popitem(last=False)
+        return key
+
+
+def _fields(b: StepBatch) -> tuple[torch.Tensor | None, ...]:
+    return (b.rows, b.prefix_lens, b.extend_lens, b.table, b.input_ids, b.positions, b.out_cache_loc, b.truth,
+            b.truth_lens, b.lookup)  # fmt: skip
 
 
 class StepGraphs:
