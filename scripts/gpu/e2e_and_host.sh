@@ -13,7 +13,7 @@
 #   keys      scripts/gpu/graph_keys.py on the dense and hybrid demo (which key parts vary among eager steps)
 #   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
-#             graphs against eager launches) and the translation kernel's suite compiled
+#             graphs against eager launches) and the translation kernel's suite compiled (gputests.log)
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
 # finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail
@@ -54,7 +54,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
     oldhost) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_HOST:-60}" python3 \
                "$(dirname "$OLD_SRC")/benchmarks/bench_host_step.py" --commit "${OLD_COMMIT:-old}" \
                --results-dir "$OUT/old" --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
-    kernels) timeout "${T_KERNELS:-150}" python3 -m pytest -q -x -p no:cacheprovider -W ignore::UserWarning \
+    kernels) timeout "${T_KERNELS:-330}" python3 -m pytest -q -x -p no:cacheprovider -W ignore::UserWarning \
                tests/test_kernels_cases.py tests/test_kernels_same_step.py tests/test_kernels_graph.py >"$OUT/kernels.log" 2>&1
              PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SANITIZE:-90}" compute-sanitizer --tool memcheck \
                --error-exitcode 99 --print-limit 20 python3 scripts/gpu/sanitize_kernels.py "${SANITIZE_CASES:-6}" \
@@ -66,9 +66,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
     opcosts) timeout 60 python3 scripts/gpu/op_costs.py >"$OUT/op_costs.txt" 2>&1 ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
-                >>"$OUT/kernels.log" 2>&1
+                >>"$OUT/gputests.log" 2>&1
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
-                tests/test_adapter_transformers_translate_kernel.py >>"$OUT/kernels.log" 2>&1 ;;
+                tests/test_adapter_transformers_translate_kernel.py >>"$OUT/gputests.log" 2>&1 ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
   esac
   echo "[$s exit $?]" | tee -a "$OUT/run.log" >&2
