@@ -68,7 +68,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
                 tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
                 >>"$OUT/gputests.log" 2>&1
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
-                tests/test_adapter_transformers_translate_kernel.py >>"$OUT/gputests.log" 2>&1 ;;
+                tests/test_adapter_transformers_translate_kernel.py tests/test_adapter_transformers_steady_step.py \
+                >>"$OUT/gputests.log" 2>&1 ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
   esac
   echo "[$s exit $?]" | tee -a "$OUT/run.log" >&2

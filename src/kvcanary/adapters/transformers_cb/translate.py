@@ -41,12 +41,15 @@ from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepS
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
+from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, bindable, engine_tensors
 from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.batch import StepBatch
 
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
+# The staged arrays whose device views a translation's batches and launches hold (a steady step's must be them).
+_STEADY_VIEWS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "sizes", "truth_meta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ class StepTranslator:
         self._stable = StableWrites(self.device) if static else None
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
+        self._steady: SteadyStep | None = None  # the last step, when the next may reuse its translation
         self.max_tokens = max_tokens or 0
 
     # ------------------------------------------------------------------ entry point
@@ -107,6 +111,13 @@ class StepTranslator:
         are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
+        steady, self._steady = self._steady, None
+        engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
+        if engine is not None and steady is not None and steady.matches(host, n_tok, padded, engine):
+            again = self._again(steady, kwargs, host, n_tok, engine)
+            if again is not None:
+                self._steady = steady
+                return again
         shape = self._shape(b, kwargs, n_tok)
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
@@ -118,7 +129,9 @@ class StepTranslator:
             self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
         ]
-        dev, launches = self._send(pack, common, truth, scatter=defer and self._truth.static)
+        scatter = defer and self._truth.static
+        dev = self._send(pack, common, truth, scatter=scatter)
+        launches = [self._scatter(dev[common["truth_meta"]])] if scatter else []
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
@@ -126,7 +139,7 @@ class StepTranslator:
         for i, w in enumerate(work):
             if w.path == "kernel":
                 staged = (lengths, self._group_sizes(dev[common["sizes"]], i))
-                tokens = _token_copy(kwargs, shape) if copy_tokens else None
+                tokens = translate_kernel.token_copy(kwargs, shape.input_ids, shape.positions) if copy_tokens else None
                 copy_tokens = False
                 out_loc = self._kernel_writes(w, kwargs, dev, staged, shape.tokens, launches, tokens)
                 if not defer:
@@ -147,22 +160,53 @@ class StepTranslator:
         if copy_tokens:  # no group launched the kernel this step
             shape.input_ids[:n_tok].copy_(flat(kwargs["input_ids"]))
             shape.positions[:n_tok].copy_(flat(kwargs["position_ids"]))
-        wraps = sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
-        return Translation(
+        tr = Translation(
             batches=batches,
             request_ids=host.request_ids,
             rows_too_long=rows.rows_too_long,
-            ring_wraps=wraps,
+            ring_wraps=self._ring_wraps(rows),
             padded=padded,
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
+        steady_path = all(w.path == "kernel" and "trash" not in w.arrays for w in work) and not rows.rows_too_long
+        if engine is not None and steady_path and bindable(engine):
+            views = tuple(dev[common[k]] for k in _STEADY_VIEWS)
+            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded))
+        return tr
 
-    def _send(
-        self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool
-    ) -> tuple[list[torch.Tensor], list[translate_kernel.Launch]]:
+    def _again(
+        self, steady: SteadyStep, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int, engine: tuple[Any, ...]
+    ) -> Translation | None:
+        """A steady step (see :mod:`.steady_step`): its values staged where the last step's were, the last
+        translation handed out again; None (nothing sent) when it cannot be."""
+        sizes = index_sizes(kwargs, self.geometries, n_tok)
+        if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
+            return None
+        rows = step_plan.RowPlan(host.past_lens, host.query_lens, steady.live)
+        n_rows = int(steady.views[0].shape[0])
+        truth = self._truth.plan(host, steady.live)
+        truth = truth.padded(n_rows) if self.bucket else truth
+        pack = Pack()
+        common = pack_common(pack, rows, truth, sizes, n_rows)
+        dev = self._send(pack, common, truth, scatter=True)
+        if any(dev[common[k]] is not v for k, v in zip(_STEADY_VIEWS, steady.views, strict=True)):
+            self._truth.forget()  # the staging grew (new views): the full path sends every request's truth again
+            return None
+        steady.engine = engine
+        steady.advance(host.past_lens, self.width)
+        wraps = self._ring_wraps(rows)
+        if wraps != steady.translation.ring_wraps:
+            steady.translation = dataclasses.replace(steady.translation, ring_wraps=wraps)
+        return steady.translation
+
+    def _ring_wraps(self, rows: step_plan.RowPlan) -> int:
+        return sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
+
+    def _send(self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool) -> list[torch.Tensor]:
         """Pack the truth's writes (last: their count varies most, and nothing a step graph keys on sits after
-        them) and send; with ``scatter`` their write is the first launch, finding them through staged offsets."""
+        them) and send; with ``scatter`` their write is a launch (:meth:`_scatter`) that finds them through the
+        offsets staged with them."""
         meta = array.array("q", [len(truth.cells), 0, 0])
         if scatter:
             common["truth_meta"] = pack.add(meta)
@@ -170,15 +214,16 @@ class StepTranslator:
         if scatter:
             offsets, _ = self._staging.layout(pack.arrays)
             meta[1], meta[2] = offsets[common["truth_cells"]] // 8, offsets[common["truth_tokens"]] // 4
-        dev = self._staging.send(pack.arrays)
-        if not scatter:
-            return dev, []
-        words, halves = self._staging.whole(torch.int64), self._staging.whole(torch.int32)
-        return dev, [self._truth.scatter(words, halves, dev[common["truth_meta"]])]
+        return self._staging.send(pack.arrays)
+
+    def _scatter(self, meta: torch.Tensor) -> translate_kernel.Launch:
+        """The truth's write as the prelude's first launch, through the staged ``meta``."""
+        return self._truth.scatter(self._staging.whole(torch.int64), self._staging.whole(torch.int32), meta)
 
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
         self._truth.forget()
+        self._steady = None
 
     def _truth_table(
         self, truth: TruthUpdate, arrays: list[torch.Tensor], defer: bool, launches: list[translate_kernel.Launch]
@@ -223,7 +268,7 @@ class StepTranslator:
         num_tokens: int,
     ) -> GroupWork:
         n_write, n_read = sizes  # the write entries translated, the read index's length
-        if kwargs.get("block_table") is None and self.kernel and _kernel_covers(g, rows, kwargs, n_read):
+        if kwargs.get("block_table") is None and self.kernel and translate_kernel.covers(g, rows, kwargs, n_read):
             trash = step_plan.trash_writes(g, rows, n_write)
             arrays = {} if trash is None else {"trash": pack.add(trash)}
             return GroupWork(g, "kernel", None, n_write, arrays)
@@ -303,21 +348,3 @@ class StepTranslator:
         )
         launches.append(launch)
         return out
-
-
-def _token_copy(
-    kwargs: Mapping[str, Any], shape: StepShape
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The engine's token tensors (contiguous: the launch reads them as flat memory) and the buffers they go to."""
-    ids, pos = kwargs["input_ids"], kwargs["position_ids"]
-    ids = ids if ids.is_contiguous() else flat(ids).contiguous()
-    pos = pos if pos.is_contiguous() else flat(pos).contiguous()
-    return ids, pos, shape.input_ids, shape.positions
-
-
-def _kernel_covers(g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any], n_read: int) -> bool:
-    """The kernel's case: no verified entry, or read segments to gather them from (see :mod:`.translate_kernel`)."""
-    if not rows.reads_or_writes:  # every group's span is empty (a window reads at least the query)
-        return True
-    cu_k = kwargs["cu_seq_lens_k"][g.name]
-    return n_read > 0 and int(cu_k.shape[-1]) >= rows.size + 1

@@ -15,11 +15,15 @@ is read back and nothing allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+from kvcanary.adapters.transformers_cb.batch_shapes import flat
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 
 BLOCK = 512
 
@@ -96,8 +100,9 @@ class Launches:
 
     launches: tuple[Launch, ...]
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[object, ...]:
+        """Computed once: each launch's arguments are bound for good (a steady step runs these launches again)."""
         return tuple(launch.key for launch in self.launches)
 
     def run(self) -> None:
@@ -108,3 +113,21 @@ class Launches:
 def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """The tensor, or a stand-in where it is absent or empty (its loads are all masked off then)."""
     return dummy if t is None or t.numel() == 0 else t
+
+
+def token_copy(
+    kwargs: Mapping[str, Any], input_ids: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's token tensors (contiguous: the launch reads them as flat memory) and the buffers they go to."""
+    ids, pos = kwargs["input_ids"], kwargs["position_ids"]
+    ids = ids if ids.is_contiguous() else flat(ids).contiguous()
+    pos = pos if pos.is_contiguous() else flat(pos).contiguous()
+    return ids, pos, input_ids, positions
+
+
+def covers(g: GroupGeometry, rows: RowPlan, kwargs: Mapping[str, Any], n_read: int) -> bool:
+    """The kernel's case: no verified entry, or read segments to gather them from."""
+    if not rows.reads_or_writes:  # every group's span is empty (a window reads at least the query)
+        return True
+    cu_k = kwargs["cu_seq_lens_k"][g.name]
+    return n_read > 0 and int(cu_k.shape[-1]) >= rows.size + 1

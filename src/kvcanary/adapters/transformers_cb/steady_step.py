@@ -1,0 +1,129 @@
+"""A steady step: the last step's batch again, every row advanced by its query (a decode step, most of them).
+
+Such a step stages the same arrays at the same offsets as the last one, so its batch tensors are the same views
+and its translation launches bind the same addresses: only the values change (the past lengths, the truth's
+lengths and newest tokens, the index sizes).  The translator then sends those values and hands out the last
+step's :class:`~.translate.Translation` again, with its launches, instead of planning the groups, binding the
+launches and keying them anew: in a serving loop each of those calls runs with every CPU cache cold.
+
+What makes a step steady is checked on every step, on the host's tuples and the engine's tensors: the same
+request ids in the same rows, each row's past equal to the last step's past plus its query, the same query
+lengths, token count and padding, every row inside the table, and each engine tensor the launches read at the
+same address with the same dtype, contiguous (the token and key-offset tensors with the same shape too: the
+index tensors grow, and the launch reads their lengths from the staged sizes).  The rest is as the full path
+computes it: the truth store plans the step as always (so a rewritten history is still resent), and the sizes
+come from the index tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+
+if TYPE_CHECKING:
+    from kvcanary.adapters.transformers_cb.translate import Translation
+
+
+def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry]) -> tuple[torch.Tensor, ...] | None:
+    """The engine's tensors a one-launch step binds: the tokens and positions, then per group the write index,
+    read index and key offsets; None for a step that has no such tensors (the full path says what is wrong)."""
+    if kwargs.get("block_table") is not None:
+        return None
+    try:
+        out = [kwargs["input_ids"], kwargs["position_ids"]]
+        for g in geometries:
+            out += (kwargs["write_index"][g.index], kwargs["read_index"][g.index], kwargs["cu_seq_lens_k"][g.name])
+    except (KeyError, IndexError, TypeError):
+        return None
+    return tuple(out)
+
+
+# Per engine tensor (in engine_tensors' order, the group's three repeating): whether its shape must recur too.
+# The index tensors grow from step to step; the launch reads their lengths from the staged sizes, not the shapes.
+_SHAPED = (True, True)
+_GROUP_SHAPED = (False, False, True)
+
+
+def _signature(t: torch.Tensor, shaped: bool) -> tuple[object, ...]:
+    """What a launch bound to ``t`` depends on: its address and dtype, and contiguity (else the full path binds a
+    copy); its shape where the launch bakes it in."""
+    return (t.data_ptr(), t.dtype, t.is_contiguous(), t.shape if shaped else None)
+
+
+def bindable(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the launches bind ``tensors`` themselves (contiguous, not empty): no copy or stand-in whose address
+    would change from step to step."""
+    return all(t.numel() > 0 and t.is_contiguous() for t in tensors)
+
+
+@dataclasses.dataclass
+class SteadyStep:
+    """The last full step's translation and what a steady step must match to reuse it."""
+
+    translation: Translation
+    request_ids: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    next_past: tuple[int, ...]  # each row's past at a steady next step
+    next_fits: bool  # every row of that step inside the table
+    n_tok: int
+    padded: bool
+    engine: tuple[torch.Tensor, ...]  # held: a tensor that is the same object needs no signature
+    signatures: tuple[tuple[object, ...], ...]
+    views: tuple[torch.Tensor, ...]  # the staged arrays' device views the batches and launches use
+    live: tuple[bool, ...]
+
+    @classmethod
+    def of(
+        cls,
+        translation: Translation,
+        host: HostBatch,
+        engine: tuple[torch.Tensor, ...],
+        views: tuple[torch.Tensor, ...],
+        width: int,
+        sizes: tuple[int, bool],
+    ) -> SteadyStep:
+        """``sizes``: the step's token count and whether the engine padded it."""
+        step = cls(
+            translation=translation,
+            request_ids=host.request_ids,
+            query_lens=host.query_lens,
+            next_past=(),
+            next_fits=False,
+            n_tok=sizes[0],
+            padded=sizes[1],
+            engine=engine,
+            signatures=_signatures(engine),
+            views=views,
+            live=(True,) * host.batch_size,
+        )
+        step.advance(host.past_lens, width)
+        return step
+
+    def advance(self, past: tuple[int, ...], width: int) -> None:
+        """After a step with these past lengths: what the next steady step's must be."""
+        query = self.query_lens
+        self.next_past = tuple([p + q for p, q in zip(past, query, strict=True)])
+        self.next_fits = all(p + q <= width for p, q in zip(self.next_past, query, strict=True))
+
+    def matches(self, host: HostBatch, n_tok: int, padded: bool, engine: tuple[torch.Tensor, ...]) -> bool:
+        """Whether this step is the last one advanced by its queries, on the same engine buffers."""
+        if not self.next_fits or n_tok != self.n_tok or padded != self.padded:
+            return False
+        if host.request_ids != self.request_ids or host.past_lens != self.next_past:
+            return False
+        if host.query_lens != self.query_lens:
+            return False
+        if all(t is held for t, held in zip(engine, self.engine, strict=True)):
+            return True
+        return _signatures(engine) == self.signatures
+
+
+def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[tuple[object, ...], ...]:
+    shaped = _SHAPED + _GROUP_SHAPED * ((len(engine) - 2) // 3)
+    return tuple(_signature(t, s) for t, s in zip(engine, shaped, strict=True))

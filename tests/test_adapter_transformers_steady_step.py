@@ -1,0 +1,161 @@
+"""A steady step (the last step's batch, every row one token further, the engine's buffers where they were) hands
+out the last translation again with new values staged; every other step takes the full path.  Either way the
+batches, the table and the truth equal the torch path's, step by step.  Under the interpreter on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
+from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore
+from test_adapter_transformers_cost import c_calls_by_module
+from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Pair:
+    """The torch path and the one-launch path with CUDA's static buffers, fed the same steps."""
+
+    def __init__(self, window: int, n: int = 3) -> None:
+        g = self.g = geometry(window)
+        rids = [f"r{i}" for i in range(n)]
+        tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
+        tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
+        self.eng = FakeEngine(g, tables, tokens)
+        self.plain, self.fused = (
+            StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, kernel=kernel, bucket=False)
+            for kernel in (False, True)
+        )
+        self.fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it: static writes and truth
+        self.fused._truth = TruthStore(4, 64, torch.device(DEVICE), static_out=True)
+        self.static = StaticInputs(DEVICE)
+        self.last: Translation | None = None
+
+    def step(self, queries: dict[str, int], *, fresh_buffers: bool = False) -> bool:
+        """One step on both, compared; whether the one-launch path handed out its last translation again."""
+        kwargs, host = self.eng.step(queries)
+        host = growing(host)
+        want = self.plain.translate(kwargs_to(kwargs, DEVICE), host)
+        got = self.fused.translate(
+            kwargs_to(kwargs, DEVICE) if fresh_buffers else self.static.put(kwargs), host, defer=True
+        )
+        assert got.prelude is not None
+        got.prelude.run()
+        same_batches(want, got)
+        assert torch.equal(self.plain.tables[self.g.name].cpu(), self.fused.tables[self.g.name].cpu())
+        assert got.ring_wraps == want.ring_wraps and got.request_ids == want.request_ids
+        reused, self.last = got is self.last, got
+        return reused
+
+
+def same_batches(want: Translation, got: Translation) -> None:
+    for name, wb in want.batches.items():
+        for field, w in wb.tensors().items():
+            x = got.batches[name].tensors()[field]
+            assert (w is None) == (x is None), field
+            if w is not None and x is not None:
+                x = x.cpu()[:, : w.shape[1]] if field == "truth" else x.cpu()  # the static truth is full width
+                assert torch.equal(w.cpu().to(x.dtype), x), field
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_steps_reuse_the_translation_and_translate_each_step_as_the_torch_path(window: int) -> None:
+    pair = Pair(window)
+    assert not pair.step(dict.fromkeys(pair.eng.tables, 6))  # a prefill: the full path
+    reused = [pair.step(dict.fromkeys(pair.eng.tables, 1)) for _ in range(8)]
+    assert reused == [False] + [True] * 7  # the first decode step is a new shape; the rest are steady
+
+
+def _leave(pair: Pair) -> bool:
+    return pair.step(dict.fromkeys(list(pair.eng.tables)[:2], 1))
+
+
+def _two_tokens(pair: Pair) -> bool:
+    return pair.step(dict.fromkeys(pair.eng.tables, 2))
+
+
+def _moved_buffers(pair: Pair) -> bool:
+    return pair.step(dict.fromkeys(pair.eng.tables, 1), fresh_buffers=True)
+
+
+def _staging_grew(pair: Pair) -> bool:
+    pair.fused._staging._grow(1 << 20)  # new device buffer: every staged view moves
+    return pair.step(dict.fromkeys(pair.eng.tables, 1))
+
+
+def _forgotten(pair: Pair) -> bool:
+    pair.fused.forget_truth()
+    return pair.step(dict.fromkeys(pair.eng.tables, 1))
+
+
+def _rewritten_history(pair: Pair) -> bool:
+    """A token the truth already holds changes (a rolled-back draft): still steady, and the truth is resent."""
+    rid = next(iter(pair.eng.tables))
+    pair.eng.tokens[rid][pair.eng.past[rid] - 2] += 1000
+    return pair.step(dict.fromkeys(pair.eng.tables, 1))
+
+
+@pytest.mark.parametrize(
+    ("change", "steady"),
+    [
+        (_leave, False),
+        (_two_tokens, False),
+        (_moved_buffers, False),
+        (_staging_grew, False),
+        (_forgotten, False),
+        (_rewritten_history, True),
+    ],
+)
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_step_that_breaks_the_pattern_takes_the_full_path_and_the_next_is_steady_again(
+    change: Any, steady: bool, window: int
+) -> None:
+    pair = Pair(window)
+    pair.step(dict.fromkeys(pair.eng.tables, 6))
+    for _ in range(3):
+        pair.step(dict.fromkeys(pair.eng.tables, 1))
+    assert change(pair) == steady
+    rows = dict.fromkeys(list(pair.eng.tables)[: 2 if change is _leave else 3], 1)
+    pair.step(rows)  # may set the pattern again (a new query length, buffers back where they were)
+    assert pair.step(rows)
+
+
+def test_a_row_that_would_outgrow_the_table_is_not_steady() -> None:
+    pair = Pair(0, n=1)
+    pair.fused._steady = None
+    pair.step({"r0": 6})
+    pair.step({"r0": 1})
+    steady = pair.fused._steady
+    assert steady is not None and steady.next_fits
+    steady_past = dataclasses.replace(steady)
+    steady_past.advance(tuple(64 - 1 for _ in steady.next_past), 64)  # the next step would end past the table
+    assert not steady_past.next_fits
+
+
+# The distinct torch callables a steady step touches: the engine tensors' addresses and contiguity, and the index
+# sizes.  Each costs tens of microseconds on first touch in a serving loop (see the cost tests); lower it, never
+# raise it.
+STEADY_PATH_TORCH_CALLABLES = 3
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_steady_step_calls_no_numpy_and_three_torch_functions(window: int) -> None:
+    pair = Pair(window)
+    pair.step(dict.fromkeys(pair.eng.tables, 6))
+    for _ in range(2):
+        pair.step(dict.fromkeys(pair.eng.tables, 1))
+    kwargs, host = pair.eng.step(dict.fromkeys(pair.eng.tables, 1))
+    inputs, host = pair.static.put(kwargs), growing(host)
+    got: list[Translation] = []
+    calls = c_calls_by_module(lambda: got.append(pair.fused.translate(inputs, host, defer=True)))
+    assert got[0] is pair.last  # steady
+    assert "numpy" not in calls, calls["numpy"]
+    assert len(calls["torch"]) <= STEADY_PATH_TORCH_CALLABLES, sorted(calls["torch"])
