@@ -76,6 +76,10 @@ class RecurringViews(Generic[V]):
             view = self._views[key] = make()
         return view
 
+    def find(self, key: Hashable) -> V | None:
+        """The view held for ``key``, if any (no factory to build: the hot path's lookup)."""
+        return self._views.get(key)
+
     def clear(self) -> None:
         self._views.clear()
 

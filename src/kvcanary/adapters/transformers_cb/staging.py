@@ -49,10 +49,6 @@ _TORCH_DTYPES: dict[tuple[str, int], torch.dtype] = {
 }
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 class _Upload:
     """One pinned host buffer, its copy into the device buffer, and the event behind that copy."""
 
@@ -120,28 +116,29 @@ class Staging:
 
     def layout(self, arrays: Sequence[HostArray | memoryview]) -> tuple[list[int], int]:
         """Where :meth:`send` puts each of ``arrays`` (byte offsets into the device buffer), and the bytes it sends."""
-        offsets = []
-        end = 0
-        for a in arrays:
-            offsets.append(end)
-            end += _aligned(_bytes_of(a).nbytes)
-        return offsets, end
+        pack = Pack(arrays)
+        return pack.offsets, pack.end
 
     def whole(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole device buffer as ``dtype`` (the same tensor until the buffer grows): for device work that
         finds its arrays through offsets staged with them (a launch that stays the same from step to step)."""
         return self._typed[dtype]
 
-    def send(self, arrays: Sequence[HostArray]) -> list[torch.Tensor]:
-        """Copy ``arrays`` (int64, int32 or bool; any shape) to the device; their device views, in order."""
-        mems = [_bytes_of(a) for a in arrays]
-        offsets, end = self.layout(mems)
+    def send(self, arrays: Pack | Sequence[HostArray]) -> list[torch.Tensor]:
+        """Copy ``arrays`` (int64, int32 or bool; any shape; or a :class:`Pack` of them) to the device; their device
+        views, in order."""
+        pack = arrays if isinstance(arrays, Pack) else Pack(arrays)
+        end = pack.end
         if end > self._capacity:
             self._grow(end)
         up = None if self._calls is None else self._take()
         host = self._on_host if up is None else up.bytes
-        for m, off in zip(mems, offsets, strict=True):
+        views = []
+        find = self._views.find
+        for m, off in zip(pack.mems, pack.offsets, strict=True):
             host[off : off + m.nbytes] = m.cast("B")
+            view = find((m.format, off, m.shape))
+            views.append(self._view(m, off) if view is None else view)
         if up is not None and end:
             up.copy(end)
             if up.event is None:
@@ -149,7 +146,7 @@ class Staging:
                 up.event = self._calls.event()  # recorded on creation
             else:
                 up.event.record()
-        return [self._view(m, off) for m, off in zip(mems, offsets, strict=True)]
+        return views
 
     def _view(self, m: memoryview, off: int) -> torch.Tensor:
         """The device view that ``m`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
@@ -162,7 +159,28 @@ class Staging:
             view = self._typed[dtype][off // size : off // size + n]
             return view if len(shape) == 1 else view.view(shape)
 
-        return self._views.get((dtype, off, shape), make)
+        return self._views.get((m.format, off, m.shape), make)
+
+
+class Pack:
+    """Host arrays laid out for one :meth:`Staging.send` as they are added (each checked once, at an
+    :data:`ALIGN`-byte offset); :meth:`add` returns the index of the array's device view."""
+
+    __slots__ = ("end", "mems", "offsets")
+
+    def __init__(self, arrays: Sequence[HostArray | memoryview] = ()) -> None:
+        self.mems: list[memoryview] = []
+        self.offsets: list[int] = []
+        self.end = 0
+        for a in arrays:
+            self.add(a)
+
+    def add(self, a: HostArray | memoryview) -> int:
+        m = _bytes_of(a)
+        self.mems.append(m)
+        self.offsets.append(self.end)
+        self.end += -(-m.nbytes // ALIGN) * ALIGN
+        return len(self.mems) - 1
 
 
 def _bytes_of(a: HostArray | memoryview) -> memoryview:

@@ -11,21 +11,10 @@ import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.adapters.transformers_cb.staging import HostArray
+from kvcanary.adapters.transformers_cb.staging import Pack
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
 from kvcanary.schema import NOT_STORED
-
-
-class Pack:
-    """Host arrays collected for one :meth:`Staging.send`; ``add`` returns the index of the device view."""
-
-    def __init__(self) -> None:
-        self.arrays: list[HostArray] = []
-
-    def add(self, a: HostArray) -> int:
-        self.arrays.append(a)
-        return len(self.arrays) - 1
 
 
 def pack_common(pack: Pack, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int], n_rows: int) -> dict[str, int]:

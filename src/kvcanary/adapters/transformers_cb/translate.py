@@ -40,9 +40,9 @@ from kvcanary.adapters.transformers_cb import step_plan, torch_path, translate_k
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, bucket, flat, forward_tokens
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.adapters.transformers_cb.staging import Staging
+from kvcanary.adapters.transformers_cb.staging import Pack, Staging
 from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, bindable, engine_tensors
-from kvcanary.adapters.transformers_cb.step_buffers import Pack, StableWrites, index_sizes, pack_common
+from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.batch import StepBatch
@@ -211,10 +211,9 @@ class StepTranslator:
         if scatter:
             common["truth_meta"] = pack.add(meta)
         common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
-        if scatter:
-            offsets, _ = self._staging.layout(pack.arrays)
-            meta[1], meta[2] = offsets[common["truth_cells"]] // 8, offsets[common["truth_tokens"]] // 4
-        return self._staging.send(pack.arrays)
+        if scatter:  # the meta's memory is packed already: set in place
+            meta[1], meta[2] = pack.offsets[common["truth_cells"]] // 8, pack.offsets[common["truth_tokens"]] // 4
+        return self._staging.send(pack)
 
     def _scatter(self, meta: torch.Tensor) -> translate_kernel.Launch:
         """The truth's write as the prelude's first launch, through the staged ``meta``."""
