@@ -19,7 +19,7 @@ from kvcanary import CanaryGroup, Mode, StepBatch
 from kvcanary.config import CanaryConfig
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, StepReport
-from kvcanary.runtime.step_graphs import BatchKeys, StepGraphs, batch_key
+from kvcanary.runtime.step_graphs import BatchKeys, HashedKey, StepGraphs, batch_key
 from runtime_helpers import CAPS, NUM_SLOTS, Workload, alias_first_slot
 
 
@@ -217,3 +217,31 @@ def test_remembered_keys_are_the_batch_keys_and_follow_new_tensors() -> None:
     other = wl.batch([(1, 1)], truth=True)
     keys([other])  # the limit: the oldest entry goes
     assert keys([batch]) == batch_key([batch])  # recomputed: still right
+
+
+def test_the_same_batches_and_prelude_handed_again_reuse_the_last_key_and_replay() -> None:
+    """An adapter's steady step hands the last step's mapping and prelude objects again: no key is recomputed."""
+    mgr = manager()
+    log = with_fake_graphs(mgr)
+    computed: list[int] = []
+    inner = mgr._batch_keys
+    mgr._batch_keys = lambda ordered: (computed.append(1), inner(ordered))[1]  # type: ignore[assignment]
+    keep, wl = StaticBatch(), Workload()
+    batches = {"full": keep(wl.batch([(1, 4)], truth=True))}
+    prelude = LoggedPrelude("a", log)
+    for _ in range(4):
+        mgr.forward_step(batches, prelude)
+        mgr.host_step(["a"])
+    assert len(computed) == 1 and log.count("replay") == 2  # seen, captured, replayed twice: one key
+    mgr.forward_step(dict(batches), prelude)  # equal contents, another mapping: its key is computed, and equal
+    mgr.host_step(["a"])
+    assert len(computed) == 2 and log.count("replay") == 3
+    mgr.forward_step(batches, LoggedPrelude("b", log))  # another prelude: another key, run eagerly
+    mgr.host_step(["a"])
+    assert len(computed) == 3 and log.count("replay") == 3
+
+
+def test_a_hashed_key_equals_only_an_equal_key() -> None:
+    a, b = HashedKey((1, (2, "x"))), HashedKey((1, (2, "x")))
+    assert a == b and hash(a) == hash(b) == hash((1, (2, "x"))) and a != HashedKey((1, (2, "y")))
+    assert a != (1, (2, "x"))  # the graphs hold one kind of key: a wrapped one never matches a bare tuple

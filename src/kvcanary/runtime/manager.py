@@ -36,7 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
-from kvcanary.runtime.step_graphs import BatchKeys, Prelude, StepGraphs, cuda_step_graphs
+from kvcanary.runtime.step_graphs import BatchKeys, HashedKey, Prelude, StepGraphs, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -109,6 +109,7 @@ class CanaryManager:
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
         self._graphs: StepGraphs | None = None
         self._batch_keys = BatchKeys()  # the step graphs' keys, remembered by the batch tensors' identity
+        self._last_key: tuple[object, object, list[StepBatch], HashedKey] | None = None  # the last step's, held
         if self._cuda and self._kernels and not config.check_values:
             self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
@@ -214,7 +215,9 @@ class CanaryManager:
         On CUDA, outside any capture, the pair's device work is replayed from the canary's own CUDA graph
         when this step's batch tensors sit where those of a captured step sat (same addresses, shapes,
         dtypes): one launch instead of several per group (see :mod:`~kvcanary.runtime.step_graphs`).
-        ``prelude``: the adapter's device work that fills ``batches``, run first (and in the graph).
+        ``prelude``: the adapter's device work that fills ``batches``, run first (and in the graph).  The same
+        ``batches`` mapping and ``prelude`` as the last step's (objects, not equal ones) reuse its key: an adapter
+        hands them again only when nothing in them changed (the transformers adapter's steady steps).
         """
         graphs = self._graphs
         if graphs is None or self._open or is_capturing(self.device):
@@ -223,8 +226,14 @@ class CanaryManager:
             self.before_forward(batches)
             self.after_forward()
             return
-        ordered = ordered_batches(batches, self.canaries)
-        key = self._batch_keys(ordered) if prelude is None else (prelude.key, *self._batch_keys(ordered))
+        last = self._last_key
+        if last is not None and last[0] is batches and last[1] is prelude:  # the adapter's last step, handed again
+            ordered, key = last[2], last[3]
+        else:
+            ordered = ordered_batches(batches, self.canaries)
+            raw = self._batch_keys(ordered)
+            key = HashedKey(raw if prelude is None else (prelude.key, *raw))
+            self._last_key = (batches, prelude, ordered, key)
         if graphs.replay(key):
             self._eager_forwards += 1
             return

@@ -22,7 +22,7 @@ transformers translation).  It runs first, joins the graph, and its key joins th
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -61,6 +61,23 @@ def batch_key(batches: Sequence[StepBatch]) -> Key:
     return tuple(out)
 
 
+class HashedKey:
+    """A step key with its hash computed once: the key (a few hundred nested items) is looked up every step, and a
+    tuple recomputes its hash on each lookup.  Wrappers of equal keys are equal (and never equal a bare tuple)."""
+
+    __slots__ = ("_hash", "key")
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self._hash = hash(key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, HashedKey) and self._hash == other._hash and self.key == other.key)
+
+
 class BatchKeys:
     """:func:`batch_key` remembered by the identity of the batches' tensors: an adapter whose batch tensors are the
     same objects step after step (the transformers adapter's recurring views) then pays no tensor call for the key,
@@ -95,12 +112,12 @@ class StepGraphs:
     def __init__(self, factory: GraphFactory, max_graphs: int = MAX_GRAPHS) -> None:
         self._factory = factory
         self._max = max_graphs
-        self._graphs: collections.OrderedDict[Key, Graph] = collections.OrderedDict()
-        self._seen: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self._graphs: collections.OrderedDict[Hashable, Graph] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self.replays = 0
         self.captures = 0
 
-    def replay(self, key: Key) -> bool:
+    def replay(self, key: Hashable) -> bool:
         """Replay the graph captured for ``key``; False (nothing run) when there is none."""
         graph = self._graphs.get(key)
         if graph is None:
@@ -110,7 +127,7 @@ class StepGraphs:
         self.replays += 1
         return True
 
-    def ran_eagerly(self, key: Key, work: Callable[[], None]) -> None:
+    def ran_eagerly(self, key: Hashable, work: Callable[[], None]) -> None:
         """``key``'s step just ran eagerly: capture ``work`` for it if it was seen before."""
         if key not in self._seen:
             self._seen[key] = None
