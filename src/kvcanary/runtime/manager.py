@@ -109,7 +109,8 @@ class CanaryManager:
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
         self._graphs: StepGraphs | None = None
         self._batch_keys = BatchKeys()  # the step graphs' keys, remembered by the batch tensors' identity
-        self._last_key: tuple[object, object, list[StepBatch], HashedKey] | None = None  # the last step's, held
+        # Keys of the mappings and preludes an adapter hands again (a few: one per engine buffer set), held.
+        self._step_keys: dict[tuple[int, int], tuple[object, object, list[StepBatch], HashedKey]] = {}
         if self._cuda and self._kernels and not config.check_values:
             self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
@@ -216,7 +217,7 @@ class CanaryManager:
         when this step's batch tensors sit where those of a captured step sat (same addresses, shapes,
         dtypes): one launch instead of several per group (see :mod:`~kvcanary.runtime.step_graphs`).
         ``prelude``: the adapter's device work that fills ``batches``, run first (and in the graph).  The same
-        ``batches`` mapping and ``prelude`` as the last step's (objects, not equal ones) reuse its key: an adapter
+        ``batches`` mapping and ``prelude`` as a recent step's (objects, not equal ones) reuse its key: an adapter
         hands them again only when nothing in them changed (the transformers adapter's steady steps).
         """
         graphs = self._graphs
@@ -226,14 +227,16 @@ class CanaryManager:
             self.before_forward(batches)
             self.after_forward()
             return
-        last = self._last_key
-        if last is not None and last[0] is batches and last[1] is prelude:  # the adapter's last step, handed again
-            ordered, key = last[2], last[3]
+        known = self._step_keys.get((id(batches), id(prelude)))
+        if known is not None:  # a step's mapping and prelude handed again (the objects are held: ids stay theirs)
+            ordered, key = known[2], known[3]
         else:
             ordered = ordered_batches(batches, self.canaries)
             raw = self._batch_keys(ordered)
             key = HashedKey(raw if prelude is None else (prelude.key, *raw))
-            self._last_key = (batches, prelude, ordered, key)
+            if len(self._step_keys) >= 8:
+                self._step_keys.clear()
+            self._step_keys[id(batches), id(prelude)] = (batches, prelude, ordered, key)
         if graphs.replay(key):
             self._eager_forwards += 1
             return

@@ -62,21 +62,24 @@ def bindable(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.numel() > 0 and t.is_contiguous() for t in tensors)
 
 
+MAX_BUFFER_SETS = 4  # translations kept per batch: one per set of engine buffers (async batching alternates two)
+
+
 @dataclasses.dataclass
 class SteadyStep:
-    """The last full step's translation and what a steady step must match to reuse it."""
+    """The last full step's batch, its translations by the engine buffers they bind, and what a steady step must
+    match to reuse one."""
 
-    translation: Translation
     request_ids: tuple[str, ...]
     query_lens: tuple[int, ...]
     next_past: tuple[int, ...]  # each row's past at a steady next step
     next_fits: bool  # every row of that step inside the table
     n_tok: int
     padded: bool
-    engine: tuple[torch.Tensor, ...]  # held: a tensor that is the same object needs no signature
-    signatures: tuple[tuple[object, ...], ...]
     views: tuple[torch.Tensor, ...]  # the staged arrays' device views the batches and launches use
     live: tuple[bool, ...]
+    translations: dict[tuple[tuple[object, ...], ...], Translation]  # by the engine tensors' signatures
+    last: tuple[tuple[torch.Tensor, ...], tuple[tuple[object, ...], ...]] = ((), ())  # held, and its signatures
 
     @classmethod
     def of(
@@ -87,23 +90,38 @@ class SteadyStep:
         views: tuple[torch.Tensor, ...],
         width: int,
         sizes: tuple[int, bool],
+        before: SteadyStep | None = None,
     ) -> SteadyStep:
-        """``sizes``: the step's token count and whether the engine padded it."""
+        """``sizes``: the step's token count and whether the engine padded it.  ``before``: the state this step
+        replaces; its translations carry over when this step is its batch on other engine buffers."""
+        signatures = _signatures(engine)
         step = cls(
-            translation=translation,
             request_ids=host.request_ids,
             query_lens=host.query_lens,
             next_past=(),
             next_fits=False,
             n_tok=sizes[0],
             padded=sizes[1],
-            engine=engine,
-            signatures=_signatures(engine),
             views=views,
             live=(True,) * host.batch_size,
+            translations={signatures: translation},
+            last=(engine, signatures),
         )
+        if before is not None and before.same_batch(step) and len(before.translations) < MAX_BUFFER_SETS:
+            step.translations.update(before.translations)
         step.advance(host.past_lens, width)
         return step
+
+    def same_batch(self, other: SteadyStep) -> bool:
+        """The same rows, lengths and staged views: translations of one serve the other."""
+        if (self.request_ids, self.query_lens, self.n_tok, self.padded) != (
+            other.request_ids,
+            other.query_lens,
+            other.n_tok,
+            other.padded,
+        ):
+            return False
+        return all(a is b for a, b in zip(self.views, other.views, strict=True))
 
     def advance(self, past: tuple[int, ...], width: int) -> None:
         """After a step with these past lengths: what the next steady step's must be."""
@@ -111,17 +129,24 @@ class SteadyStep:
         self.next_past = tuple([p + q for p, q in zip(past, query, strict=True)])
         self.next_fits = all(p + q <= width for p, q in zip(self.next_past, query, strict=True))
 
-    def matches(self, host: HostBatch, n_tok: int, padded: bool, engine: tuple[torch.Tensor, ...]) -> bool:
-        """Whether this step is the last one advanced by its queries, on the same engine buffers."""
+    def find(self, host: HostBatch, n_tok: int, padded: bool, engine: tuple[torch.Tensor, ...]) -> Translation | None:
+        """The translation to reuse when this step is the last one advanced by its queries, on engine buffers a
+        kept translation binds; else None."""
         if not self.next_fits or n_tok != self.n_tok or padded != self.padded:
-            return False
+            return None
         if host.request_ids != self.request_ids or host.past_lens != self.next_past:
-            return False
+            return None
         if host.query_lens != self.query_lens:
-            return False
-        if all(t is held for t, held in zip(engine, self.engine, strict=True)):
-            return True
-        return _signatures(engine) == self.signatures
+            return None
+        held, signatures = self.last
+        if len(held) != len(engine) or not all(t is h for t, h in zip(engine, held, strict=True)):
+            signatures = _signatures(engine)
+            self.last = (engine, signatures)
+        return self.translations.get(signatures)
+
+    def reused(self, translation: Translation) -> None:
+        """The translation handed out again, replaced (its ring wraps updated) where it changed."""
+        self.translations[self.last[1]] = translation
 
 
 def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[tuple[object, ...], ...]:

@@ -113,11 +113,14 @@ class StepTranslator:
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         steady, self._steady = self._steady, None
         engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
-        if engine is not None and steady is not None and steady.matches(host, n_tok, padded, engine):
-            again = self._again(steady, kwargs, host, n_tok, engine)
+        last = None if engine is None or steady is None else steady.find(host, n_tok, padded, engine)
+        if last is not None:
+            assert steady is not None
+            again = self._again(steady, last, kwargs, host, n_tok)
             if again is not None:
                 self._steady = steady
                 return again
+            steady = None  # the staging moved: nothing kept binds its views
         shape = self._shape(b, kwargs, n_tok)
         rows = step_plan.RowPlan.of(host, self.width)
         pack = Pack()
@@ -172,11 +175,11 @@ class StepTranslator:
         steady_path = all(w.path == "kernel" and "trash" not in w.arrays for w in work) and not rows.rows_too_long
         if engine is not None and steady_path and bindable(engine):
             views = tuple(dev[common[k]] for k in _STEADY_VIEWS)
-            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded))
+            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded), steady)
         return tr
 
     def _again(
-        self, steady: SteadyStep, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int, engine: tuple[Any, ...]
+        self, steady: SteadyStep, last: Translation, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int
     ) -> Translation | None:
         """A steady step (see :mod:`.steady_step`): its values staged where the last step's were, the last
         translation handed out again; None (nothing sent) when it cannot be."""
@@ -193,12 +196,12 @@ class StepTranslator:
         if any(dev[common[k]] is not v for k, v in zip(_STEADY_VIEWS, steady.views, strict=True)):
             self._truth.forget()  # the staging grew (new views): the full path sends every request's truth again
             return None
-        steady.engine = engine
         steady.advance(host.past_lens, self.width)
         wraps = self._ring_wraps(rows)
-        if wraps != steady.translation.ring_wraps:
-            steady.translation = dataclasses.replace(steady.translation, ring_wraps=wraps)
-        return steady.translation
+        if wraps != last.ring_wraps:
+            last = dataclasses.replace(last, ring_wraps=wraps)
+            steady.reused(last)
+        return last
 
     def _ring_wraps(self, rows: step_plan.RowPlan) -> int:
         return sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
