@@ -12,9 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
-from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from test_adapter_transformers_cost import c_calls_by_module
 from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
 
@@ -30,12 +28,9 @@ class Pair:
         tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
         tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
         self.eng = FakeEngine(g, tables, tokens)
-        self.plain, self.fused = (
-            StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, kernel=kernel, bucket=False)
-            for kernel in (False, True)
-        )
-        self.fused._stable = StableWrites(torch.device(DEVICE))  # what CUDA gives it: static writes and truth
-        self.fused._truth = TruthStore(4, 64, torch.device(DEVICE), static_out=True)
+        self.plain = StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, kernel=False, bucket=False)
+        # The fused one as CUDA lays it out (static writes and truth), on the CPU too.
+        self.fused = StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, bucket=False, static=True)
         self.static = StaticInputs(DEVICE)
         self.last: Translation | None = None
         self.seen: list[Translation] = []  # every translation handed out

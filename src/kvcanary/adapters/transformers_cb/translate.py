@@ -79,10 +79,13 @@ class StepTranslator:
         kernel: bool | None = None,
         max_tokens: int | None = None,
         bucket: bool | None = None,
+        static: bool | None = None,
     ) -> None:
         """``kernel``: translate the read-index path with one Triton launch a group (default: on CUDA).
         ``bucket``: pad each step's batch to a shape class (:mod:`.batch_shapes`; default: on CUDA, where the
-        step graphs key on shapes), its tokens too when ``max_tokens`` (the canary's capacity) is given."""
+        step graphs key on shapes), its tokens too when ``max_tokens`` (the canary's capacity) is given.
+        ``static``: outputs at fixed addresses, the truth's write and gather deferred to the prelude (default: on
+        CUDA; on the CPU for tests and the host-cost benchmark)."""
         if max_batch <= 0 or max_context <= 0:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
@@ -96,7 +99,7 @@ class StepTranslator:
         self._views: RecurringViews[torch.Tensor] = RecurringViews()
         # On CUDA every batch tensor keeps its address for a given batch shape, so the canary's own step graphs
         # (kvcanary.runtime.step_graphs) replay instead of launching each kernel: static outputs.
-        static = self.device.type == "cuda"
+        static = self.static = self.device.type == "cuda" if static is None else static
         self._truth = TruthStore(max_batch, max_context, self.device, static_out=static)  # kept between steps
         self._stable = StableWrites(self.device) if static else None
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
