@@ -129,6 +129,27 @@ DEMO_NOTES = (
     "and not side by side (a third call was refused); its pieces ran faster in the later call (the torch copy 3.6 "
     "against 6.5 us), so the host step's own Python in a loop may have grown with 59d8c4a's event query through the "
     "bindings: to be settled in one call.",
+    "",
+    "d0f14df -> c12100e (issue 14, part 2): steady steps. Most steps of a serving loop are the last step's batch "
+    "with every row one token further, on the same engine buffers (transformers' static tensors). Such a step now "
+    "stages its new values where the last step's were and hands out the last translation and its launches again "
+    "(`adapters/transformers_cb/steady_step.py`: no group planning, launch binding or keying; three distinct torch "
+    "calls), the staging lays its arrays out once as they are packed, and the manager reuses a handed-again step's "
+    "graph key with its hash. The demo in one call, c12100e then 2dcc5ae "
+    "(`results/gpu-demo/nvidia-h200-c12100e-run-with-2dcc5ae.txt`): dense 0.30 against 0.40 ms (median 0.25 "
+    "against 0.36), hybrid 0.46 against 0.65 ms; the share of step time 5.1 and 5.2 % against 16.9 and 20.3 %. "
+    "An earlier call, d0f14df (the token copy in the translation kernel, the truth's write as a prelude kernel, "
+    "batch keys by identity) then 2dcc5ae: dense 0.49 against 0.41 ms, hybrid 0.46 against 0.52 ms "
+    "(`results/gpu-demo/nvidia-h200-d0f14df-run-with-2dcc5ae.txt`); `bench_host_step.py` in that call 11.0 / 10.6 "
+    "us at d0f14df against 15.0 / 15.9 us at 2dcc5ae. Issue 14's graph workload at c12100e "
+    "(`results/cb-qwen3/nvidia-h200-c12100e-cb_qwen3.json`): the tap's median 474 us at batch 1 with graphs, 721 "
+    "at batch 32, 669 and 912 us eagerly, all clean with verified == read, and no better than before: the workload "
+    "runs transformers' async batching, which alternates two sets of input buffers, so no step was steady. c459c4e "
+    "keeps a translation per buffer set; on this sandbox's CPU (`bench_translate.py --cold --kernel-path "
+    "--buffer-sets`, `results/cpu-translate/cpu-733a9b4-*`, two rounds) a step at batch 1, 5 and 32 takes "
+    "366-393, 312-357 and 398-504 us on fresh tensors and 222-253, 218-307 and 280-440 us when steady, on one "
+    "buffer set or two. Not yet measured on the device (the stop's device time ran out). The goals (150 and 250 "
+    "us) are not met.",
 )
 
 
