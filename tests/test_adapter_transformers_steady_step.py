@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.adapters.transformers_cb.translation import Translation
 from test_adapter_transformers_cost import c_calls_by_module
 from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
 

@@ -21,7 +21,8 @@ from kvcanary.adapters.patching import AlreadyPatched, PatchSet
 from kvcanary.adapters.transformers_cb import cpu_offload, mirror, patches
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.adapters.transformers_cb.translate import StepTranslator, Translation
+from kvcanary.adapters.transformers_cb.translate import StepTranslator
+from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
 from kvcanary.layout import GroupKind, RecordStore
 from kvcanary.schema import NOT_STORED, Counter, Field, Phase

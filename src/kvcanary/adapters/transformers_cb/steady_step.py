@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-
-if TYPE_CHECKING:
-    from kvcanary.adapters.transformers_cb.translate import Translation
+from kvcanary.adapters.transformers_cb.translation import Translation
 
 
 def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry]) -> tuple[torch.Tensor, ...] | None:
@@ -91,9 +89,12 @@ class SteadyStep:
         width: int,
         sizes: tuple[int, bool],
         before: SteadyStep | None = None,
-    ) -> SteadyStep:
+    ) -> SteadyStep | None:
         """``sizes``: the step's token count and whether the engine padded it.  ``before``: the state this step
-        replaces; its translations carry over when this step is its batch on other engine buffers."""
+        replaces; its translations carry over when this step is its batch on other engine buffers.  None when the
+        launches could not bind the engine's tensors themselves (see :func:`bindable`)."""
+        if not bindable(engine):
+            return None
         signatures = _signatures(engine)
         step = cls(
             request_ids=host.request_ids,

@@ -26,7 +26,7 @@ from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import ModeActions
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
-from kvcanary.adapters.transformers_cb.translate import Translation
+from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.config import Mode
 from kvcanary.runtime import StepReport, streams
 

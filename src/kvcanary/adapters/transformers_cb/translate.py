@@ -41,29 +41,16 @@ from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepS
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging
-from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, bindable, engine_tensors
+from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, engine_tensors
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
+from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.batch import StepBatch
 
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
 # The staged arrays whose device views a translation's batches and launches hold (a steady step's must be them).
 _STEADY_VIEWS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "sizes", "truth_meta")
-
-
-@dataclasses.dataclass(frozen=True)
-class Translation:
-    """One step, translated.  The batches' tensors are views of the translator's buffers: valid until
-    its next :meth:`StepTranslator.translate` (clone what must outlive the step)."""
-
-    batches: dict[str, StepBatch]  # by group name
-    request_ids: tuple[str, ...]  # per batch row
-    rows_too_long: int  # rows left out: longer than the table (counted, never verified)
-    ring_wraps: int  # sliding-group writes that overwrote an older token of the ring
-    padded: bool  # the engine padded the batch (compile / CUDA graphs)
-    block_table: bool  # decode fast path
-    prelude: translate_kernel.Launches | None = None  # with ``defer``: the group launches still to run
 
 
 class StepTranslator:
@@ -117,8 +104,7 @@ class StepTranslator:
         steady, self._steady = self._steady, None
         engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
         last = None if engine is None or steady is None else steady.find(host, n_tok, padded, engine)
-        if last is not None:
-            assert steady is not None
+        if last is not None and steady is not None:
             again = self._again(steady, last, kwargs, host, n_tok)
             if again is not None:
                 self._steady = steady
@@ -139,6 +125,35 @@ class StepTranslator:
         dev = self._send(pack, common, truth, scatter=scatter)
         launches = [self._scatter(dev[common["truth_meta"]])] if scatter else []
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
+        batches = self._batches(work, kwargs, dev, common, (shape, truth_table, b, n_tok), launches, defer)
+        tr = Translation(
+            batches=batches,
+            request_ids=host.request_ids,
+            rows_too_long=rows.rows_too_long,
+            ring_wraps=self._ring_wraps(rows),
+            padded=padded,
+            block_table=kwargs.get("block_table") is not None,
+            prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
+        )
+        steady_path = not rows.rows_too_long and all(w.path == "kernel" and "trash" not in w.arrays for w in work)
+        if engine is not None and steady_path:
+            views = tuple(dev[common[k]] for k in _STEADY_VIEWS)
+            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded), steady)
+        return tr
+
+    def _batches(
+        self,
+        work: list[GroupWork],
+        kwargs: Mapping[str, Any],
+        dev: list[torch.Tensor],
+        common: dict[str, int],
+        step: tuple[StepShape, torch.Tensor, int, int],
+        launches: list[translate_kernel.Launch],
+        defer: bool,
+    ) -> dict[str, StepBatch]:
+        """Each group's batch: its table cells written (by a launch appended to ``launches``, run unless ``defer``)
+        and its tensors.  ``step``: the token buffers, the truth table, the batch size and the token count."""
+        shape, truth_table, b, n_tok = step
         batches: dict[str, StepBatch] = {}
         lengths = (dev[common["rows"]], dev[common["prefix"]], dev[common["extend"]])
         copy_tokens = self.kernel  # the tokens go to the translator's own buffers: the first launch copies them
@@ -166,20 +181,7 @@ class StepTranslator:
         if copy_tokens:  # no group launched the kernel this step
             shape.input_ids[:n_tok].copy_(flat(kwargs["input_ids"]))
             shape.positions[:n_tok].copy_(flat(kwargs["position_ids"]))
-        tr = Translation(
-            batches=batches,
-            request_ids=host.request_ids,
-            rows_too_long=rows.rows_too_long,
-            ring_wraps=self._ring_wraps(rows),
-            padded=padded,
-            block_table=kwargs.get("block_table") is not None,
-            prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
-        )
-        steady_path = all(w.path == "kernel" and "trash" not in w.arrays for w in work) and not rows.rows_too_long
-        if engine is not None and steady_path and bindable(engine):
-            views = tuple(dev[common[k]] for k in _STEADY_VIEWS)
-            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded), steady)
-        return tr
+        return batches
 
     def _again(
         self, steady: SteadyStep, last: Translation, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int
@@ -338,18 +340,11 @@ class StepTranslator:
             out = self._stable.view(g.name, n_tok)
         else:
             out = torch.empty(n_tok, dtype=torch.int64, device=self.device)
-        launch = translate_kernel.GroupLaunch.bind(
-            g,
-            write=flat(kwargs["write_index"][g.index]),
-            trash=dev[a["trash"]] if "trash" in a else None,
-            out=out,
-            read=flat(kwargs["read_index"][g.index]),
-            cu_k=flat(kwargs["cu_seq_lens_k"][g.name]),
-            lengths=lengths,
-            sizes=sizes,
-            cells=self._cells[g.name],
-            width=self.width,
-            tokens=tokens,
-        )
-        launches.append(launch)
+        trash = dev[a["trash"]] if "trash" in a else None
+        launches.append(
+            translate_kernel.GroupLaunch.bind(
+                g, kwargs, trash=trash, out=out, lengths=lengths, sizes=sizes, cells=self._cells[g.name],
+                width=self.width, tokens=tokens,
+            )
+        )  # fmt: skip
         return out

@@ -40,23 +40,23 @@ class GroupLaunch:
     def bind(
         cls,
         g: GroupGeometry,
+        kwargs: Mapping[str, Any],
         *,
-        write: torch.Tensor,
         trash: torch.Tensor | None,
         out: torch.Tensor,
-        read: torch.Tensor,
-        cu_k: torch.Tensor,
         lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         sizes: torch.Tensor,
         cells: torch.Tensor,
         width: int,
         tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> GroupLaunch:
-        """``out`` (n_tok) and ``cells`` (the flat ``(rows, width)`` table) are written.  ``lengths``: the
-        batch's table rows (0: left out), past and query lengths; ``sizes``: the write and read indices'
-        lengths and the forward's token count (device int64); ``write``, ``read``, ``cu_k``: the engine's, as
-        attention received them.  ``tokens``: the engine's contiguous token ids and positions, and the int64
-        buffers (at least ``out``'s length) this launch copies them into."""
+        """``out`` (n_tok) and ``cells`` (the flat ``(rows, width)`` table) are written.  ``kwargs``: the forward's,
+        whose write index, read index and key offsets of the group the launch reads as attention received them.
+        ``lengths``: the batch's table rows (0: left out), past and query lengths; ``sizes``: the write and read
+        indices' lengths and the forward's token count (device int64).  ``tokens``: the engine's contiguous token
+        ids and positions, and the int64 buffers (at least ``out``'s length) this launch copies them into."""
+        write, read = flat(kwargs["write_index"][g.index]), flat(kwargs["read_index"][g.index])
+        cu_k = flat(kwargs["cu_seq_lens_k"][g.name])
         rows = lengths[0]
         n_tok, n_rows = int(out.shape[0]), int(rows.shape[0])
         chunks = max(1, -(-width // BLOCK))
