@@ -2,17 +2,18 @@
 
 Such a step stages the same arrays at the same offsets as the last one, so its batch tensors are the same views
 and its translation launches bind the same addresses: only the values change (the past lengths, the truth's
-lengths and newest tokens, the index sizes).  The translator then sends those values and hands out the last
-step's :class:`~.translate.Translation` again, with its launches, instead of planning the groups, binding the
-launches and keying them anew: in a serving loop each of those calls runs with every CPU cache cold.
+lengths and newest tokens, the index sizes).  The translator then sends those values and hands out a
+:class:`~.translation.Translation` it made before, with its launches, instead of planning the groups, binding the
+launches and keying them anew: in a serving loop each of those calls runs with every CPU cache cold.  One is kept
+per set of engine buffers the batch has run on (transformers' async batching alternates two).
 
 What makes a step steady is checked on every step, on the host's tuples and the engine's tensors: the same
 request ids in the same rows, each row's past equal to the last step's past plus its query, the same query
-lengths, token count and padding, every row inside the table, and each engine tensor the launches read at the
-same address with the same dtype, contiguous (the token and key-offset tensors with the same shape too: the
-index tensors grow, and the launch reads their lengths from the staged sizes).  The rest is as the full path
-computes it: the truth store plans the step as always (so a rewritten history is still resent), and the sizes
-come from the index tensors.
+lengths, token count and padding, every row inside the table, and each engine tensor the launches read at an
+address a kept translation binds, with the same dtype, contiguous (the token and key-offset tensors with the
+same shape too: the index tensors grow, and the launch reads their lengths from the staged sizes).  The rest is
+as the full path computes it: the truth store plans the step as always (so a rewritten history is still
+resent), and the sizes come from the index tensors.
 """
 
 from __future__ import annotations

@@ -186,8 +186,8 @@ class StepTranslator:
     def _again(
         self, steady: SteadyStep, last: Translation, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int
     ) -> Translation | None:
-        """A steady step (see :mod:`.steady_step`): its values staged where the last step's were, the last
-        translation handed out again; None (nothing sent) when it cannot be."""
+        """A steady step (see :mod:`.steady_step`): its values staged where the last step's were, ``last`` (the
+        kept translation of its engine buffers) handed out again; None when it cannot be (the full path runs)."""
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
