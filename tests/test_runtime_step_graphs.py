@@ -224,8 +224,8 @@ def test_the_same_batches_and_prelude_handed_again_reuse_the_last_key_and_replay
     mgr = manager()
     log = with_fake_graphs(mgr)
     computed: list[int] = []
-    inner = mgr._batch_keys
-    mgr._batch_keys = lambda ordered: (computed.append(1), inner(ordered))[1]  # type: ignore[assignment]
+    inner = mgr._step_keys._batch_keys
+    mgr._step_keys._batch_keys = lambda ordered: (computed.append(1), inner(ordered))[1]  # type: ignore[assignment]
     keep, wl = StaticBatch(), Workload()
     batches = {"full": keep(wl.batch([(1, 4)], truth=True))}
     prelude = LoggedPrelude("a", log)

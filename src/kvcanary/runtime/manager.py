@@ -36,7 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
-from kvcanary.runtime.step_graphs import BatchKeys, HashedKey, Prelude, StepGraphs, cuda_step_graphs
+from kvcanary.runtime.step_graphs import Prelude, StepGraphs, StepKeys, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -108,9 +108,7 @@ class CanaryManager:
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
         self._graphs: StepGraphs | None = None
-        self._batch_keys = BatchKeys()  # the step graphs' keys, remembered by the batch tensors' identity
-        # Keys of the mappings and preludes an adapter hands again (a few: one per engine buffer set), held.
-        self._step_keys: dict[tuple[int, int], tuple[object, object, list[StepBatch], HashedKey]] = {}
+        self._step_keys = StepKeys(lambda batches: ordered_batches(batches, self.canaries))  # the graphs' keys
         if self._cuda and self._kernels and not config.check_values:
             self._graphs = cuda_step_graphs()
         self.metrics_registry = make_registry(self._decoder.metrics_view)
@@ -227,16 +225,7 @@ class CanaryManager:
             self.before_forward(batches)
             self.after_forward()
             return
-        known = self._step_keys.get((id(batches), id(prelude)))
-        if known is not None:  # a step's mapping and prelude handed again (the objects are held: ids stay theirs)
-            ordered, key = known[2], known[3]
-        else:
-            ordered = ordered_batches(batches, self.canaries)
-            raw = self._batch_keys(ordered)
-            key = HashedKey(raw if prelude is None else (prelude.key, *raw))
-            if len(self._step_keys) >= 8:
-                self._step_keys.clear()
-            self._step_keys[id(batches), id(prelude)] = (batches, prelude, ordered, key)
+        ordered, key = self._step_keys(batches, prelude)
         if graphs.replay(key):
             self._eager_forwards += 1
             return

@@ -22,7 +22,7 @@ transformers translation).  It runs first, joins the graph, and its key joins th
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -99,6 +99,31 @@ class BatchKeys:
         if len(self._keys) > self._limit:
             self._keys.popitem(last=False)
         return key
+
+
+class StepKeys:
+    """A step's batches in group order and its graph key (with the prelude's), remembered twice over: by the
+    identity of the batch tensors (:class:`BatchKeys`), and by the identity of the ``batches`` mapping and prelude
+    that an adapter hands again unchanged (the transformers adapter's steady steps; a few, one per engine buffer
+    set).  The mappings and preludes are held, so their ids stay theirs."""
+
+    def __init__(self, order: Callable[[Mapping[str, StepBatch]], list[StepBatch]], limit: int = 8) -> None:
+        self._order = order
+        self._batch_keys = BatchKeys()
+        self._known: dict[tuple[int, int], tuple[object, object, list[StepBatch], HashedKey]] = {}
+        self._limit = limit
+
+    def __call__(self, batches: Mapping[str, StepBatch], prelude: Prelude | None) -> tuple[list[StepBatch], HashedKey]:
+        known = self._known.get((id(batches), id(prelude)))
+        if known is not None:
+            return known[2], known[3]
+        ordered = self._order(batches)
+        raw = self._batch_keys(ordered)
+        key = HashedKey(raw if prelude is None else (prelude.key, *raw))
+        if len(self._known) >= self._limit:
+            self._known.clear()
+        self._known[id(batches), id(prelude)] = (batches, prelude, ordered, key)
+        return ordered, key
 
 
 def _fields(b: StepBatch) -> tuple[torch.Tensor | None, ...]:

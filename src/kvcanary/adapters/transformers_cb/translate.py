@@ -112,11 +112,8 @@ class StepTranslator:
             steady = None  # the staging moved: nothing kept binds its views
         shape = self._shape(b, kwargs, n_tok)
         rows = step_plan.RowPlan.of(host, self.width)
-        pack = Pack()
-        truth = self._truth.plan(host, rows.live_rows)
-        truth = truth.padded(shape.rows) if self.bucket else truth
         sizes = index_sizes(kwargs, self.geometries, n_tok)
-        common = pack_common(pack, rows, truth, sizes, shape.rows)
+        pack, truth, common = self._pack_rows(host, rows, sizes, shape.rows)
         work = [
             self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
@@ -192,11 +189,7 @@ class StepTranslator:
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
         rows = step_plan.RowPlan(host.past_lens, host.query_lens, steady.live)
-        n_rows = int(steady.views[0].shape[0])
-        truth = self._truth.plan(host, steady.live)
-        truth = truth.padded(n_rows) if self.bucket else truth
-        pack = Pack()
-        common = pack_common(pack, rows, truth, sizes, n_rows)
+        pack, truth, common = self._pack_rows(host, rows, sizes, int(steady.views[0].shape[0]))
         dev = self._send(pack, common, truth, scatter=True)
         if any(dev[common[k]] is not v for k, v in zip(_STEADY_VIEWS, steady.views, strict=True)):
             self._truth.forget()  # the staging grew (new views): the full path sends every request's truth again
@@ -207,6 +200,16 @@ class StepTranslator:
             last = dataclasses.replace(last, ring_wraps=wraps)
             steady.reused(last)
         return last
+
+    def _pack_rows(
+        self, host: HostBatch, rows: step_plan.RowPlan, sizes: array.array[int], n_rows: int
+    ) -> tuple[Pack, TruthUpdate, dict[str, int]]:
+        """The step's truth planned (the store's state moves on) and the arrays every group shares packed, for
+        ``n_rows`` rows (the batch's shape class)."""
+        truth = self._truth.plan(host, rows.live_rows)
+        truth = truth.padded(n_rows) if self.bucket else truth
+        pack = Pack()
+        return pack, truth, pack_common(pack, rows, truth, sizes, n_rows)
 
     def _ring_wraps(self, rows: step_plan.RowPlan) -> int:
         return sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
@@ -332,8 +335,9 @@ class StepTranslator:
         launches: list[translate_kernel.Launch],
         tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """:meth:`_from_read_index` as one kernel launch (see :mod:`.translate_kernel`), appended to ``launches``
-        and not yet run; returns the out_cache_loc it writes.  ``staged``: the row lengths and the group's sizes."""
+        """:func:`.torch_path.from_read_index` as one kernel launch (see :mod:`.translate_kernel`), appended to
+        ``launches`` and not yet run; returns the out_cache_loc it writes.  ``staged``: the row lengths and the
+        group's sizes."""
         lengths, sizes = staged
         g, a = w.geometry, w.arrays
         if self._stable is not None:
