@@ -39,7 +39,7 @@ def forward_tokens(kwargs: Mapping[str, Any], host: HostBatch, max_batch: int) -
             "the host batch and the forward kwargs are out of step"
         )
     cu_q = kwargs.get("cu_seq_lens_q")
-    return n_tok, n_tok > host.num_tokens or (cu_q is not None and int(cu_q.shape[0]) > b + 1)
+    return n_tok, n_tok > host.num_tokens or (cu_q is not None and cu_q.numel() > b + 1)
 
 
 def bucket(n: int, cap: int) -> int:

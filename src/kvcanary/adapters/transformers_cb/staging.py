@@ -80,6 +80,7 @@ class Staging:
         self._ring: list[_Upload] = []  # CUDA: the pinned buffers, taken in turn
         self._retired: list[_Upload] = []  # outgrown, kept until their copies have run
         self._next = 0
+        self.generation = -1  # bumped each time the device buffer is replaced (every view of the last one moves)
         self._grow(_INITIAL_BYTES)
 
     @property
@@ -94,6 +95,7 @@ class Staging:
     def _grow(self, need: int) -> None:
         cap = max(_INITIAL_BYTES, 1 << (need - 1).bit_length())
         self._capacity = cap
+        self.generation += 1
         self._device_buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self._typed = {t: self._device_buf.view(t) for t in set(_TORCH_DTYPES.values())}
         self._views.clear()
@@ -140,13 +142,32 @@ class Staging:
             view = find((m.format, off, m.shape))
             views.append(self._view(m, off) if view is None else view)
         if up is not None and end:
-            up.copy(end)
-            if up.event is None:
-                assert self._calls is not None
-                up.event = self._calls.event()  # recorded on creation
-            else:
-                up.event.record()
+            self._copied(up, end)
         return views
+
+    def send_at(self, head: memoryview, tail: Sequence[tuple[int, array.array[int]]], end: int) -> None:
+        """Copy ``head`` (bytes, at offset 0) and each ``(offset, array)`` of ``tail`` to the device, as one send of
+        ``end`` bytes, laid out by the caller within :attr:`capacity` (views of them: from an earlier :meth:`send`
+        of the same layout, while :attr:`generation` has not moved)."""
+        if end > self._capacity:
+            raise ValueError(f"send_at: {end} bytes do not fit the staging's {self._capacity}")
+        up = None if self._calls is None else self._take()
+        host = self._on_host if up is None else up.bytes
+        host[: len(head)] = head
+        for off, a in tail:
+            m = memoryview(a).cast("B")
+            host[off : off + len(m)] = m
+        if up is not None:
+            self._copied(up, end)
+
+    def _copied(self, up: _Upload, end: int) -> None:
+        """Copy the first ``end`` bytes of ``up`` to the device and record its event behind the copy."""
+        up.copy(end)
+        if up.event is None:
+            assert self._calls is not None
+            up.event = self._calls.event()  # recorded on creation
+        else:
+            up.event.record()
 
     def _view(self, m: memoryview, off: int) -> torch.Tensor:
         """The device view that ``m`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""

@@ -10,10 +10,12 @@ per set of engine buffers the batch has run on (transformers' async batching alt
 What makes a step steady is checked on every step, on the host's tuples and the engine's tensors: the same
 request ids in the same rows, each row's past equal to the last step's past plus its query, the same query
 lengths, token count and padding, every row inside the table, and each engine tensor the launches read at an
-address a kept translation binds, with the same dtype, contiguous (the token and key-offset tensors with the
-same shape too: the index tensors grow, and the launch reads their lengths from the staged sizes).  The rest is
-as the full path computes it: the truth store plans the step as always (so a rewritten history is still
-resent), and the sizes come from the index tensors.
+address a kept translation binds, with the same dtype (the key offsets with the same length too: the index tensors
+grow, and the launch reads their lengths from the staged sizes).  Contiguity is checked when a translation is kept:
+a kept launch holds the tensors it was bound to, so their memory stays allocated and a tensor at the same address
+is a view into that same memory (and reading as many elements as it has, contiguously, stays inside it).  The rest
+is as the full path computes it: the truth store plans the step as always (so a rewritten history is still resent),
+and the sizes come from the index tensors.  The values are set and sent by :class:`.steady_region.StagedRegion`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.steady_region import StagedRegion
 from kvcanary.adapters.transformers_cb.translation import Translation
 
 
@@ -43,16 +46,10 @@ def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry
     return tuple(out)
 
 
-# Per engine tensor (in engine_tensors' order, the group's three repeating): whether its shape must recur too.
-# The index tensors grow from step to step; the launch reads their lengths from the staged sizes, not the shapes.
-_SHAPED = (True, True)
-_GROUP_SHAPED = (False, False, True)
-
-
-def _signature(t: torch.Tensor, shaped: bool) -> tuple[object, ...]:
-    """What a launch bound to ``t`` depends on: its address and dtype, and contiguity (else the full path binds a
-    copy); its shape where the launch bakes it in."""
-    return (t.data_ptr(), t.dtype, t.is_contiguous(), t.shape if shaped else None)
+def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
+    """What a launch bound to ``engine`` depends on (see the module docstring): each tensor's address and dtype,
+    and each group's key offsets' length (the tokens' follows from the token count, checked apart)."""
+    return (*[(t.data_ptr(), t.dtype) for t in engine], *[t.numel() for t in engine[4::3]])
 
 
 def bindable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -76,9 +73,10 @@ class SteadyStep:
     n_tok: int
     padded: bool
     views: tuple[torch.Tensor, ...]  # the staged arrays' device views the batches and launches use
+    region: StagedRegion  # where a steady step sets and sends its values
     live: tuple[bool, ...]
-    translations: dict[tuple[tuple[object, ...], ...], Translation]  # by the engine tensors' signatures
-    last: tuple[tuple[torch.Tensor, ...], tuple[tuple[object, ...], ...]] = ((), ())  # held, and its signatures
+    translations: dict[tuple[object, ...], Translation]  # by the engine tensors' signatures
+    last: tuple[tuple[torch.Tensor, ...], tuple[object, ...]] = ((), ())  # held, and its signatures
 
     @classmethod
     def of(
@@ -87,6 +85,7 @@ class SteadyStep:
         host: HostBatch,
         engine: tuple[torch.Tensor, ...],
         views: tuple[torch.Tensor, ...],
+        region: StagedRegion,
         width: int,
         sizes: tuple[int, bool],
         before: SteadyStep | None = None,
@@ -105,6 +104,7 @@ class SteadyStep:
             n_tok=sizes[0],
             padded=sizes[1],
             views=views,
+            region=region,
             live=(True,) * host.batch_size,
             translations={signatures: translation},
             last=(engine, signatures),
@@ -149,8 +149,3 @@ class SteadyStep:
     def reused(self, translation: Translation) -> None:
         """The translation handed out again, replaced (its ring wraps updated) where it changed."""
         self.translations[self.last[1]] = translation
-
-
-def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[tuple[object, ...], ...]:
-    shaped = _SHAPED + _GROUP_SHAPED * ((len(engine) - 2) // 3)
-    return tuple(_signature(t, s) for t, s in zip(engine, shaped, strict=True))

@@ -41,6 +41,7 @@ from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepS
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging
+from kvcanary.adapters.transformers_cb.steady_region import REGION_ARRAYS, StagedRegion
 from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, engine_tensors
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
@@ -49,8 +50,6 @@ from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdat
 from kvcanary.batch import StepBatch
 
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
-# The staged arrays whose device views a translation's batches and launches hold (a steady step's must be them).
-_STEADY_VIEWS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "sizes", "truth_meta")
 
 
 class StepTranslator:
@@ -76,6 +75,7 @@ class StepTranslator:
         if max_batch <= 0 or max_context <= 0:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
+        self._sliding = any(g.is_sliding for g in self.geometries)
         self.max_batch = max_batch
         self.width = max_context
         self.device = torch.device(device)
@@ -134,8 +134,9 @@ class StepTranslator:
         )
         steady_path = not rows.rows_too_long and all(w.path == "kernel" and "trash" not in w.arrays for w in work)
         if engine is not None and steady_path:
-            views = tuple(dev[common[k]] for k in _STEADY_VIEWS)
-            self._steady = SteadyStep.of(tr, host, engine, views, self.width, (n_tok, padded), steady)
+            views = tuple(dev[common[k]] for k in REGION_ARRAYS)
+            region = StagedRegion(pack, common, self._staging.generation)
+            self._steady = SteadyStep.of(tr, host, engine, views, region, self.width, (n_tok, padded), steady)
         return tr
 
     def _batches(
@@ -188,17 +189,16 @@ class StepTranslator:
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
-        rows = step_plan.RowPlan(host.past_lens, host.query_lens, steady.live)
-        pack, truth, common = self._pack_rows(host, rows, sizes, int(steady.views[0].shape[0]))
-        dev = self._send(pack, common, truth, scatter=True)
-        if any(dev[common[k]] is not v for k, v in zip(_STEADY_VIEWS, steady.views, strict=True)):
-            self._truth.forget()  # the staging grew (new views): the full path sends every request's truth again
+        truth = self._truth.plan(host, steady.live)
+        if not steady.region.send(self._staging, host.past_lens, truth, sizes):
+            self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             return None
         steady.advance(host.past_lens, self.width)
-        wraps = self._ring_wraps(rows)
-        if wraps != last.ring_wraps:
-            last = dataclasses.replace(last, ring_wraps=wraps)
-            steady.reused(last)
+        if self._sliding:
+            wraps = self._ring_wraps(step_plan.RowPlan(host.past_lens, host.query_lens, steady.live))
+            if wraps != last.ring_wraps:
+                last = dataclasses.replace(last, ring_wraps=wraps)
+                steady.reused(last)
         return last
 
     def _pack_rows(

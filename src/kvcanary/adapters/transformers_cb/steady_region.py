@@ -1,0 +1,63 @@
+"""What a steady step stages (see :mod:`.steady_step`), written where the last full step packed it.
+
+A steady step's staged arrays sit at the offsets the full step gave them: first the arrays every group shares (the
+per-row ones, the index sizes; see :func:`.step_buffers.pack_common`), then the truth's meta, then the truth's
+writes, whose count varies.  All but the writes are int64 and change only in a few values (the past lengths, the
+truth's lengths and rows, the sizes, the meta), so they are kept as one int64 array laid out as the staging buffer's
+first bytes: a step sets those values in place and sends that array and the writes behind it in one copy.  That
+skips building and checking each array every step, which in a serving loop runs with every CPU cache cold (each
+distinct call costs microseconds there; see :mod:`.staging`).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+from kvcanary.adapters.transformers_cb.staging import ALIGN, Pack, Staging
+from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
+
+# The staged arrays a steady step rewrites, in the order the full step packs them (they lead the pack).
+REGION_ARRAYS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "sizes", "truth_meta")
+
+
+class StagedRegion:
+    """The leading int64 arrays of a full step's pack, kept to be set and sent again by the steady steps after it."""
+
+    __slots__ = ("_bytes", "_gather", "_generation", "_lens", "_meta", "_prefix", "_sizes", "_words")
+
+    def __init__(self, pack: Pack, common: dict[str, int], generation: int) -> None:
+        """``common``: each array's index in ``pack`` by name; ``generation``: the staging's (see
+        :attr:`.staging.Staging.generation`) when the pack was sent."""
+        order = [common[name] for name in REGION_ARRAYS]
+        if order != list(range(len(REGION_ARRAYS))):
+            raise ValueError(f"the steady arrays must lead the pack in the order {REGION_ARRAYS}, got {order}")
+        if any(pack.mems[i].itemsize != 8 for i in order):
+            raise ValueError("the steady arrays must be int64")
+        at = [pack.offsets[i] // 8 for i in order]
+        meta = pack.offsets[order[-1]]
+        self._words = array.array("q", bytes(meta + ALIGN))
+        self._bytes = memoryview(self._words).cast("B")
+        for i in order:
+            off, m = pack.offsets[i], pack.mems[i]
+            self._bytes[off : off + m.nbytes] = m.cast("B")
+        self._prefix, self._lens, self._gather, self._sizes, self._meta = at[1], at[3], at[4], at[5], at[6]
+        self._generation = generation
+
+    def send(self, staging: Staging, past: Sequence[int], truth: TruthUpdate, sizes: array.array[int]) -> bool:
+        """Set the step's values (its rows' past lengths, the truth's lengths, store rows and writes, the index
+        sizes) and send them with the truth's writes; False, sending nothing, when the staging moved since the full
+        step (its views are not the ones kept) or the writes do not fit it."""
+        words, n = self._words, len(past)
+        cells_at = len(self._bytes)
+        tokens_at = cells_at + -(-8 * len(truth.cells) // ALIGN) * ALIGN
+        end = tokens_at + 4 * len(truth.tokens)
+        if staging.generation != self._generation or end > staging.capacity:
+            return False
+        words[self._prefix : self._prefix + n] = array.array("q", past)
+        words[self._lens : self._lens + n] = truth.lens
+        words[self._gather : self._gather + n + 1] = truth.gather
+        words[self._sizes : self._sizes + len(sizes)] = sizes
+        words[self._meta : self._meta + 3] = array.array("q", (len(truth.cells), cells_at // 8, tokens_at // 4))
+        staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)
+        return True

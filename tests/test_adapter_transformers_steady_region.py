@@ -1,0 +1,86 @@
+"""The steady step's staged region: what it sends equals what the full path's pack sends for the same values, byte
+for byte; it refuses, sending nothing, when the staging moved or the truth's writes do not fit."""
+
+from __future__ import annotations
+
+import array
+import random
+
+import pytest
+import torch
+
+from kvcanary.adapters.transformers_cb.staging import Pack, Staging
+from kvcanary.adapters.transformers_cb.steady_region import StagedRegion
+from kvcanary.adapters.transformers_cb.step_buffers import pack_common
+from kvcanary.adapters.transformers_cb.step_plan import RowPlan
+from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
+
+
+def _truth(rng: random.Random, b: int, writes: int) -> TruthUpdate:
+    return TruthUpdate(
+        gather=array.array("q", [0] + [rng.randrange(1, 40) for _ in range(b)]),
+        lens=array.array("q", [rng.randrange(1, 500) for _ in range(b)]),
+        width=500,
+        cells=array.array("q", [rng.randrange(0, 1 << 20) for _ in range(writes)]),
+        tokens=array.array("i", [rng.randrange(-(1 << 31), 1 << 31) for _ in range(writes)]),
+    )
+
+
+def _full_send(staging: Staging, past: tuple[int, ...], truth: TruthUpdate, sizes: array.array[int], n_rows: int):
+    """The full path's layout (step_buffers.pack_common, then the meta and the truth's writes), sent."""
+    rows = RowPlan(past, (1,) * len(past), (True,) * len(past))
+    pack = Pack()
+    common = pack_common(pack, rows, truth.padded(n_rows), sizes, n_rows)
+    meta = array.array("q", [len(truth.cells), 0, 0])
+    common["truth_meta"] = pack.add(meta)
+    cells, tokens = pack.add(truth.cells), pack.add(truth.tokens)
+    meta[1], meta[2] = pack.offsets[cells] // 8, pack.offsets[tokens] // 4
+    staging.send(pack)
+    return pack, common, pack.offsets[tokens] + 4 * len(truth.tokens)  # the bytes that mean something
+
+
+@pytest.mark.parametrize(("b", "n_rows", "groups"), [(1, 1, 1), (3, 16, 2), (7, 7, 1), (13, 16, 3)])
+def test_the_region_sends_what_the_full_path_packs(b: int, n_rows: int, groups: int) -> None:
+    rng = random.Random(b * 100 + n_rows)
+    past = tuple(rng.randrange(0, 400) for _ in range(b))
+    sizes = array.array("q", [rng.randrange(1, 1000) for _ in range(3 * groups)])
+    full, steady = Staging(torch.device("cpu")), Staging(torch.device("cpu"))
+    pack, common, _ = _full_send(steady, past, _truth(rng, b, 5), sizes, n_rows)
+    region = StagedRegion(pack, common, steady.generation)
+    for writes in (0, 1, 37, 5):
+        past = tuple(p + 1 for p in past)
+        truth = _truth(rng, b, writes)
+        sizes = array.array("q", [rng.randrange(1, 1000) for _ in range(3 * groups)])
+        laid_out, *_ = _full_send(full, past, truth, sizes, n_rows)
+        assert region.send(steady, past, truth, sizes)
+        want, got = full.whole(torch.int32), steady.whole(torch.int32)
+        for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):  # every array (the gaps between: padding)
+            at = slice(off // 4, (off + m.nbytes) // 4)
+            assert torch.equal(want[at], got[at])
+
+
+def test_the_region_refuses_when_the_staging_moved_or_the_writes_do_not_fit() -> None:
+    rng = random.Random(5)
+    staging = Staging(torch.device("cpu"))
+    past, sizes = (10, 20), array.array("q", [3, 30, 2])
+    pack, common, _ = _full_send(staging, past, _truth(rng, 2, 3), sizes, 2)
+    region = StagedRegion(pack, common, staging.generation)
+    before = staging.whole(torch.int32).clone()
+    too_many = staging.capacity // 8
+    assert not region.send(staging, (11, 21), _truth(rng, 2, too_many), sizes)
+    assert torch.equal(staging.whole(torch.int32), before)  # nothing sent
+    assert region.send(staging, (11, 21), _truth(rng, 2, 4), sizes)
+    staging.send(Pack([array.array("q", range(staging.capacity // 4))]))  # outgrows it: a new device buffer
+    assert not region.send(staging, (12, 22), _truth(rng, 2, 4), sizes)
+
+
+def test_a_pack_not_laid_out_as_the_full_path_is_refused() -> None:
+    rng = random.Random(6)
+    sizes = array.array("q", [1, 2, 3])
+    pack, common, _ = _full_send(Staging(torch.device("cpu")), (1, 2), _truth(rng, 2, 1), sizes, 2)
+    swapped = dict(common, rows=common["prefix"], prefix=common["rows"])
+    with pytest.raises(ValueError, match="must lead the pack"):
+        StagedRegion(pack, swapped, 0)
+    narrow = Pack([array.array("i", [1]), *pack.mems[1:]])
+    with pytest.raises(ValueError, match="int64"):
+        StagedRegion(narrow, common, 0)
