@@ -73,6 +73,7 @@ def test_decode_steps_reuse_the_translation_and_translate_each_step_as_the_torch
     assert not pair.step(dict.fromkeys(pair.eng.tables, 6))  # a prefill: the full path
     reused = [pair.step(dict.fromkeys(pair.eng.tables, 1)) for _ in range(8)]
     assert reused == [False] + [True] * 7  # the first decode step is a new shape; the rest are steady
+    assert pair.fused.steady_steps == 7
 
 
 @pytest.mark.parametrize("window", [0, 5])

@@ -146,6 +146,7 @@ class StepTap:
                 self._features.warmup_steps += 1
                 return None
             binding = self._bind(runner)
+            steady = binding.translator.steady_steps
             start = time.perf_counter_ns()
             self.timer.start_cpu()
             tr = binding.translator.translate(batch_data, host, defer=True)
@@ -162,6 +163,7 @@ class StepTap:
             return None
         self.timer.add("translate", translated - start)
         self.timer.add("launch", time.perf_counter_ns() - translated)
+        self._features.steady_steps += binding.translator.steady_steps - steady
         self._count(tr)
         return tr
 

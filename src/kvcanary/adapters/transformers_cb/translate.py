@@ -92,6 +92,7 @@ class StepTranslator:
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
         self._steady: SteadyStep | None = None  # the last step, when the next may reuse its translation
+        self.steady_steps = 0  # steps that did
         self.max_tokens = max_tokens or 0
 
     # ------------------------------------------------------------------ entry point
@@ -108,6 +109,7 @@ class StepTranslator:
             again = self._again(steady, last, kwargs, host, n_tok)
             if again is not None:
                 self._steady = steady
+                self.steady_steps += 1
                 return again
             steady = None  # the staging moved: nothing kept binds its views
         shape = self._shape(b, kwargs, n_tok)
