@@ -3,7 +3,8 @@
 # forks, CPU offload) on the lent H200, with the canary's GPU path (Backend.AUTO -> Triton kernels), for
 # the three model kinds, plus runs with the engine's asynchronous batching and its CUDA graphs (padded
 # batches, warm-up forwards, graph replays the canary reads after).  The three main runs also time the
-# same workload with the canary off (--baseline) and prints the canary's share of step time.
+# same workload with the canary off (--baseline: three alternating pairs of timed runs) and print the canary's
+# share of step time (the median of the pairs').
 #
 # Not run by CI.  The transformers 5.24.0 wheel travels in .whl (scripts/gpu/transformers_wheel.sh says how);
 #   device call: carry [".whl"], command: bash scripts/gpu/demo_gpu.sh

@@ -35,6 +35,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
+from kvcanary.demo_share import ShareTiming, time_share
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -121,11 +122,13 @@ class DemoResult:
     engine: str
     clean: RunResult
     faulted: RunResult
-    baseline_seconds: float | None = None
+    timing: ShareTiming | None = None  # --baseline: the runs timed with and without the canary
+    timed_violations: int = 0  # raised by the timed canary runs after the first (each a clean run too)
 
     @property
     def passed(self) -> bool:
-        return self.clean.stats["violations"] == 0 and self.clean.stats["steps"] > 0 and self.faulted.detected
+        clean = self.clean.stats["violations"] == 0 and self.timed_violations == 0
+        return clean and self.clean.stats["steps"] > 0 and self.faulted.detected
 
     def as_json(self) -> dict[str, Any]:
         inj = self.faulted.injected
@@ -238,16 +241,24 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
     model = build_model(options.model, options.seed, options.device)
     prompts = build_prompts(options.requests + options.follow_up, options.seed)
     with quiet_engine_logs():
-        baseline = None
-        if options.baseline:
-            time_baseline(model, prompts, options)  # warm-up (kernels, allocator)
-            baseline = time_baseline(model, prompts, options)
-            # The canary's warm-up too (its kernels compile on first use), so both sides are timed warm.
-            warm = dataclasses.replace(options, requests=min(WARM_UP, options.requests), follow_up=0)
-            run_workload(model, prompts[: warm.requests], warm, label="warm-up")
-        clean = run_workload(model, prompts, options, label="clean", progress=progress)
+        if not options.baseline:
+            clean = run_workload(model, prompts, options, label="clean", progress=progress)
+            faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
+            return DemoResult(options, engine, clean, faulted)
+        time_baseline(model, prompts, options)  # warm-up (kernels, allocator)
+        # The canary's warm-up too (its kernels compile on first use), so both sides are timed warm.
+        warm = dataclasses.replace(options, requests=min(WARM_UP, options.requests), follow_up=0)
+        run_workload(model, prompts[: warm.requests], warm, label="warm-up")
+        runs: list[RunResult] = []
+
+        def timed(i: int) -> tuple[float, int]:
+            label, shown = ("clean", progress) if i == 0 else (f"timed {i + 1}", None)
+            runs.append(run_workload(model, prompts, options, label=label, progress=shown))
+            return runs[-1].seconds, runs[-1].stats["violations"]
+
+        timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options))
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
-    return DemoResult(options, engine, clean, faulted, baseline)
+    return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]))
 
 
 # ---------------------------------------------------------------------------- the summary
@@ -286,12 +297,8 @@ def summary(result: DemoResult) -> str:
     ]
     if c.stats["steps"]:
         lines.append("  host time in the canary: " + _host_time(c.stats))
-    if result.baseline_seconds is not None:
-        share = max(c.seconds - result.baseline_seconds, 0.0) / c.seconds if c.seconds else 0.0
-        lines.append(
-            f"  without the canary: {result.baseline_seconds:.2f} s; the canary's share of step time: {share:.1%} "
-            "(both timed after a warm-up run)"
-        )
+    if result.timing is not None:
+        lines.append("  " + result.timing.line())
     lines.append("")
     inj = x.injected
     if inj is None:
@@ -315,6 +322,8 @@ def summary(result: DemoResult) -> str:
         why = []
         if c.stats["violations"]:
             why.append(f"the clean run raised {c.stats['violations']} violations")
+        if result.timed_violations:
+            why.append(f"the timed clean runs raised {result.timed_violations} violations")
         if not x.detected:
             why.append("the injected fault was not caught")
         if not c.stats["steps"]:

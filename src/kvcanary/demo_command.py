@@ -34,7 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_options(p)
     p.add_argument("--async-batching", action="store_true", help="the engine's asynchronous batching (CUDA)")
     p.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs (CUDA)")
-    p.add_argument("--baseline", action="store_true", help="also time the workload without the canary")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also time the workload with the canary off: alternating pairs of timed runs, the share their median",
+    )
     p.add_argument(
         "--digest", type=float, default=None, metavar="BUDGET",
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",

@@ -1,0 +1,69 @@
+"""The canary's share of the demo's step time (``kvcanary demo --baseline``): the workload timed with and without
+the canary, in alternating pairs.
+
+One timed run of each side moved the share by tens of points from one device call to the next (0.0 % and 36.5 %
+for the same host time per step): the engine's run time drifts and jitters far more than the canary costs.  So
+the two sides run in turn, ROUNDS pairs, the order flipping each pair (a drift then favours neither side), and
+the share reported is the median of the pairs' shares.  Every canary run is a full clean run: one with a
+violation fails the demo like the clean run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+ROUNDS = 3  # pairs of timed runs
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareTiming:
+    """The seconds of each pair's runs, without and with the canary."""
+
+    without: tuple[float, ...]
+    with_canary: tuple[float, ...]
+
+    @property
+    def shares(self) -> list[float]:
+        """Per pair: the time the canary added, as a share of the run with it (0 where it added none)."""
+        return [max(w - b, 0.0) / w if w else 0.0 for b, w in zip(self.without, self.with_canary, strict=True)]
+
+    @property
+    def share(self) -> float:
+        return statistics.median(self.shares)
+
+    def line(self) -> str:
+        pairs = ", ".join(f"{s:.1%}" for s in self.shares)
+        return (
+            f"without the canary: {statistics.median(self.without):.2f} s, with it: "
+            f"{statistics.median(self.with_canary):.2f} s (medians of {len(self.without)} alternating runs each); "
+            f"the canary's share of step time: {self.share:.1%} (median of the pairs: {pairs})"
+        )
+
+
+def time_share(
+    run_with: Callable[[int], tuple[float, int]], run_without: Callable[[], float], rounds: int = ROUNDS
+) -> tuple[ShareTiming, list[int]]:
+    """``rounds`` pairs of runs, the canary's run first in odd pairs.  ``run_with(i)``: the ``i``-th canary run's
+    seconds and violations; ``run_without()``: a run's seconds without it.  Returns the timing and each canary
+    run's violations."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    without: list[float] = []
+    with_canary: list[float] = []
+    violations: list[int] = []
+
+    def canary_run() -> None:
+        seconds, found = run_with(len(with_canary))
+        with_canary.append(seconds)
+        violations.append(found)
+
+    for r in range(rounds):
+        if r % 2:
+            canary_run()
+            without.append(run_without())
+        else:
+            without.append(run_without())
+            canary_run()
+    return ShareTiming(tuple(without), tuple(with_canary)), violations

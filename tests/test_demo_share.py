@@ -1,0 +1,50 @@
+"""The demo's share of step time: alternating pairs, the median of their shares, every timed canary run a clean run
+(a violation in any of them fails the demo)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvcanary.demo_share import ShareTiming, time_share
+
+
+def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
+    order: list[str] = []
+    with_seconds, without_seconds = iter([10.0, 12.0, 10.5]), iter([9.0, 9.0, 10.5])
+
+    def run_with(i: int) -> tuple[float, int]:
+        order.append(f"with{i}")
+        return next(with_seconds), 0
+
+    def run_without() -> float:
+        order.append("without")
+        return next(without_seconds)
+
+    timing, violations = time_share(run_with, run_without, rounds=3)
+    assert order == ["without", "with0", "with1", "without", "without", "with2"]  # the order flips each pair
+    assert violations == [0, 0, 0]
+    assert timing.shares == pytest.approx([0.1, 0.25, 0.0])  # a pair where the canary added nothing: 0
+    assert timing.share == pytest.approx(0.1)
+    line = timing.line()
+    assert "the canary's share of step time: 10.0%" in line and "0.0%, " not in line.split("pairs:")[0]
+    assert "without the canary: 9.00 s, with it: 10.50 s" in line
+
+
+def test_rounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        time_share(lambda i: (1.0, 0), lambda: 1.0, rounds=0)
+
+
+def test_a_violation_in_a_timed_clean_run_fails_the_demo() -> None:
+    pytest.importorskip("transformers")
+    from kvcanary import demo
+    from test_cli_demo import fake_result
+
+    good = fake_result(0, True)
+    timed = dataclasses.replace(good, timing=ShareTiming((1.0,), (1.25,)))
+    assert timed.passed and "share of step time: 20.0%" in demo.summary(timed)
+    bad = dataclasses.replace(timed, timed_violations=3)
+    assert not bad.passed
+    assert "the timed clean runs raised 3 violations" in demo.summary(bad)
