@@ -35,7 +35,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.demo_share import ShareTiming, time_share
+from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -296,7 +296,7 @@ def summary(result: DemoResult) -> str:
         f"  engine features exercised: {_features_line(o.model, c.features)}",
     ]
     if c.stats["steps"]:
-        lines.append("  host time in the canary: " + _host_time(c.stats))
+        lines.extend(host_time_lines(c.stats, c.features))
     if result.timing is not None:
         lines.append("  " + result.timing.line())
     lines.append("")
@@ -330,24 +330,6 @@ def summary(result: DemoResult) -> str:
             why.append("the canary verified no step")
         lines.append("result: FAIL (" + "; ".join(why) + ")")
     return "\n".join(lines)
-
-
-_PHASE_NAMES = (
-    ("capture", "batch capture"),
-    ("translate", "translation"),
-    ("launch", "plan/verify/stamp"),
-    ("host_step", "host step"),
-)
-
-
-def _host_time(stats: dict[str, int]) -> str:
-    """Mean host time per verified step, its median, and the mean of each phase (see the adapter's TapTimer)."""
-    steps = stats["steps"]
-    text = f"{stats['tap_us'] / steps / 1000:.2f} ms per step"
-    if "tap_median_us" not in stats:
-        return text
-    phases = ", ".join(f"{name} {stats[f'tap_{key}_us'] / steps / 1000:.3f}" for key, name in _PHASE_NAMES)
-    return f"{text} (median {stats['tap_median_us'] / 1000:.2f} ms; mean by phase, ms: {phases})"
 
 
 def _model_desc(kind: str) -> str:

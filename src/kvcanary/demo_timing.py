@@ -1,5 +1,5 @@
-"""The canary's share of the demo's step time (``kvcanary demo --baseline``): the workload timed with and without
-the canary, in alternating pairs.
+"""The demo's timing lines: the canary's host time per step, and its share of the step time (``kvcanary demo
+--baseline``: the workload timed with and without the canary, in alternating pairs).
 
 One timed run of each side moved the share by tens of points from one device call to the next (0.0 % and 36.5 %
 for the same host time per step): the engine's run time drifts and jitters far more than the canary costs.  So
@@ -15,6 +15,30 @@ import statistics
 from collections.abc import Callable
 
 ROUNDS = 3  # pairs of timed runs
+
+
+_PHASE_NAMES = (
+    ("capture", "batch capture"),
+    ("translate", "translation"),
+    ("launch", "plan/verify/stamp"),
+    ("host_step", "host step"),
+)
+
+
+def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str]:
+    """Mean host time per verified step, its median, and the mean of each phase (see the adapter's TapTimer); and
+    how many steps reused the last translation of their batch (the GPU path's steady steps), where any did."""
+    steps = stats["steps"]
+    text = f"{stats['tap_us'] / steps / 1000:.2f} ms per step"
+    if "tap_median_us" in stats:
+        phases = ", ".join(f"{name} {stats[f'tap_{key}_us'] / steps / 1000:.3f}" for key, name in _PHASE_NAMES)
+        text += f" (median {stats['tap_median_us'] / 1000:.2f} ms; mean by phase, ms: {phases})"
+    lines = [f"  host time in the canary: {text}"]
+    if features.get("steady_steps"):
+        lines.append(
+            f"  steady steps (the last translation of their batch reused): {features['steady_steps']:,} of {steps:,}"
+        )
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)

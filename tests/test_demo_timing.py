@@ -1,5 +1,5 @@
-"""The demo's share of step time: alternating pairs, the median of their shares, every timed canary run a clean run
-(a violation in any of them fails the demo)."""
+"""The demo's timing lines.  The share of step time: alternating pairs, the median of their shares, every timed
+canary run a clean run (a violation in any of them fails the demo); the steady steps where there were any."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvcanary.demo_share import ShareTiming, time_share
+from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share
 
 
 def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
@@ -48,3 +48,10 @@ def test_a_violation_in_a_timed_clean_run_fails_the_demo() -> None:
     bad = dataclasses.replace(timed, timed_violations=3)
     assert not bad.passed
     assert "the timed clean runs raised 3 violations" in demo.summary(bad)
+
+
+def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> None:
+    stats = {"steps": 720, "tap_us": 720 * 300}
+    assert host_time_lines(stats, {"steady_steps": 0}) == ["  host time in the canary: 0.30 ms per step"]
+    lines = host_time_lines(stats, {"steady_steps": 448})
+    assert lines[1] == "  steady steps (the last translation of their batch reused): 448 of 720"
