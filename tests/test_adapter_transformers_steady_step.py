@@ -20,18 +20,38 @@ from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growi
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class Groups:
+    """Fake engines of several groups (one per window, 0: full attention) over the same requests, their index
+    tensors handed as one forward's (each group's at its own index)."""
+
+    def __init__(self, windows: tuple[int, ...], tables: dict[str, list[int]], tokens: dict[str, list[int]]) -> None:
+        self.geometries = [dataclasses.replace(geometry(w), index=i) for i, w in enumerate(windows)]
+        self.engines = [FakeEngine(g, tables, tokens) for g in self.geometries]
+        self.tables, self.tokens, self.past = tables, tokens, self.engines[0].past
+
+    def step(self, queries: dict[str, int]) -> tuple[dict[str, Any], HostBatch]:
+        steps = [e.step(queries) for e in self.engines]
+        kwargs, host = steps[0]
+        for (more, _), g in zip(steps[1:], self.geometries[1:], strict=True):
+            kwargs["read_index"] += more["read_index"]
+            kwargs["write_index"] += more["write_index"]
+            kwargs["cu_seq_lens_k"] |= more["cu_seq_lens_k"]
+        return kwargs, host
+
+
 class Pair:
     """The torch path and the one-launch path with CUDA's static buffers, fed the same steps."""
 
-    def __init__(self, window: int, n: int = 3) -> None:
-        g = self.g = geometry(window)
+    def __init__(self, window: int, n: int = 3, *, windows: tuple[int, ...] | None = None) -> None:
+        """``windows``: a group per window (0: full attention) instead of the one group of ``window``."""
         rids = [f"r{i}" for i in range(n)]
         tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
         tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
-        self.eng = FakeEngine(g, tables, tokens)
-        self.plain = StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, kernel=False, bucket=False)
+        self.eng = Groups(windows or (window,), tables, tokens)
+        gs = self.eng.geometries
+        self.plain = StepTranslator(gs, max_batch=4, max_context=64, device=DEVICE, kernel=False, bucket=False)
         # The fused one as CUDA lays it out (static writes and truth), on the CPU too.
-        self.fused = StepTranslator([g], max_batch=4, max_context=64, device=DEVICE, bucket=False, static=True)
+        self.fused = StepTranslator(gs, max_batch=4, max_context=64, device=DEVICE, bucket=False, static=True)
         self.static = StaticInputs(DEVICE)
         self.last: Translation | None = None
         self.seen: list[Translation] = []  # every translation handed out
@@ -49,7 +69,8 @@ class Pair:
         assert got.prelude is not None
         got.prelude.run()
         same_batches(want, got)
-        assert torch.equal(self.plain.tables[self.g.name].cpu(), self.fused.tables[self.g.name].cpu())
+        for g in self.eng.geometries:
+            assert torch.equal(self.plain.tables[g.name].cpu(), self.fused.tables[g.name].cpu()), g.name
         assert got.ring_wraps == want.ring_wraps and got.request_ids == want.request_ids
         reused = any(got is t for t in self.seen)
         self.last = got
@@ -73,6 +94,18 @@ def test_decode_steps_reuse_the_translation_and_translate_each_step_as_the_torch
     assert not pair.step(dict.fromkeys(pair.eng.tables, 6))  # a prefill: the full path
     reused = [pair.step(dict.fromkeys(pair.eng.tables, 1)) for _ in range(8)]
     assert reused == [False] + [True] * 7  # the first decode step is a new shape; the rest are steady
+    assert pair.fused.steady_steps == 7
+
+
+@pytest.mark.parametrize("windows", [(5, 0), (0, 3, 7)])
+def test_steady_steps_of_several_groups_translate_each_step_as_the_torch_path(windows: tuple[int, ...]) -> None:
+    """A hybrid model's groups (sliding and full) share the staged arrays; each keeps its own launch and table."""
+    pair = Pair(0, windows=windows)
+    assert not pair.step(dict.fromkeys(pair.eng.tables, 6))  # a prefill: the full path
+    for _ in range(8):
+        pair.step(dict.fromkeys(pair.eng.tables, 1))  # compared with the torch path, step by step
+    # The first decode step is a new shape; the rest are steady (one whose ring wraps start anew hands out the
+    # kept translation with its count replaced, a new object).
     assert pair.fused.steady_steps == 7
 
 
