@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
 from test_adapter_transformers_cost import c_calls_by_module
@@ -32,7 +33,7 @@ class Groups:
     def step(self, queries: dict[str, int]) -> tuple[dict[str, Any], HostBatch]:
         steps = [e.step(queries) for e in self.engines]
         kwargs, host = steps[0]
-        for (more, _), g in zip(steps[1:], self.geometries[1:], strict=True):
+        for more, _ in steps[1:]:
             kwargs["read_index"] += more["read_index"]
             kwargs["write_index"] += more["write_index"]
             kwargs["cu_seq_lens_k"] |= more["cu_seq_lens_k"]

@@ -21,7 +21,7 @@ and the sizes come from the index tensors.  The values are set and sent by :clas
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +64,8 @@ MAX_BUFFER_SETS = 4  # translations kept per batch: one per set of engine buffer
 @dataclasses.dataclass
 class SteadyStep:
     """The last full step's batch, its translations by the engine buffers they bind, and what a steady step must
-    match to reuse one."""
+    match to reuse one.  The full step's own translation is keyed (and its staged region laid out) only when a
+    step first matches the batch: most full steps in a serving loop are followed by another batch."""
 
     request_ids: tuple[str, ...]
     query_lens: tuple[int, ...]
@@ -73,9 +74,10 @@ class SteadyStep:
     n_tok: int
     padded: bool
     views: tuple[torch.Tensor, ...]  # the staged arrays' device views the batches and launches use
-    region: StagedRegion  # where a steady step sets and sends its values
     live: tuple[bool, ...]
     translations: dict[tuple[object, ...], Translation]  # by the engine tensors' signatures
+    pending: tuple[Translation, tuple[torch.Tensor, ...], Callable[[], StagedRegion]] | None  # not yet keyed
+    region: StagedRegion | None = None  # where a steady step sets and sends its values (once keyed)
     last: tuple[tuple[torch.Tensor, ...], tuple[object, ...]] = ((), ())  # held, and its signatures
 
     @classmethod
@@ -85,17 +87,14 @@ class SteadyStep:
         host: HostBatch,
         engine: tuple[torch.Tensor, ...],
         views: tuple[torch.Tensor, ...],
-        region: StagedRegion,
+        region: Callable[[], StagedRegion],
         width: int,
         sizes: tuple[int, bool],
         before: SteadyStep | None = None,
-    ) -> SteadyStep | None:
-        """``sizes``: the step's token count and whether the engine padded it.  ``before``: the state this step
-        replaces; its translations carry over when this step is its batch on other engine buffers.  None when the
-        launches could not bind the engine's tensors themselves (see :func:`bindable`)."""
-        if not bindable(engine):
-            return None
-        signatures = _signatures(engine)
+    ) -> SteadyStep:
+        """``region``: lays out the full step's staged region (called once a step matches).  ``sizes``: the step's
+        token count and whether the engine padded it.  ``before``: the state this step replaces; its translations
+        carry over when this step is its batch on other engine buffers."""
         step = cls(
             request_ids=host.request_ids,
             query_lens=host.query_lens,
@@ -104,15 +103,30 @@ class SteadyStep:
             n_tok=sizes[0],
             padded=sizes[1],
             views=views,
-            region=region,
             live=(True,) * host.batch_size,
-            translations={signatures: translation},
-            last=(engine, signatures),
+            translations={},
+            pending=(translation, engine, region),
         )
-        if before is not None and before.same_batch(step) and len(before.translations) < MAX_BUFFER_SETS:
+        carried = before is not None and before.same_batch(step) and before.settled()
+        if carried and before is not None and len(before.translations) < MAX_BUFFER_SETS:
             step.translations.update(before.translations)
         step.advance(host.past_lens, width)
         return step
+
+    def settled(self) -> bool:
+        """Key the full step's translation by its engine tensors and lay out its region, once; False when its
+        launches could not bind the engine's tensors themselves (see :func:`bindable`: then no step is steady).
+        The tensors are held, so what they are now is what they were at that step."""
+        if self.pending is not None:
+            translation, engine, region = self.pending
+            self.pending = None
+            if not bindable(engine):
+                self.next_fits = False
+                return False
+            self.last = (engine, _signatures(engine))
+            self.translations[self.last[1]] = translation
+            self.region = region()
+        return self.region is not None
 
     def same_batch(self, other: SteadyStep) -> bool:
         """The same rows, lengths and staged views: translations of one serve the other."""
@@ -138,7 +152,7 @@ class SteadyStep:
             return None
         if host.request_ids != self.request_ids or host.past_lens != self.next_past:
             return None
-        if host.query_lens != self.query_lens:
+        if host.query_lens != self.query_lens or not self.settled():
             return None
         held, signatures = self.last
         if len(held) != len(engine) or not all(t is h for t, h in zip(engine, held, strict=True)):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -115,7 +116,10 @@ class StepTranslator:
         shape = self._shape(b, kwargs, n_tok)
         rows = step_plan.RowPlan.of(host, self.width)
         sizes = index_sizes(kwargs, self.geometries, n_tok)
-        pack, truth, common = self._pack_rows(host, rows, sizes, shape.rows)
+        truth = self._truth.plan(host, rows.live_rows)  # the store's state moves on
+        truth = truth.padded(shape.rows) if self.bucket else truth
+        pack = Pack()
+        common = pack_common(pack, rows, truth, sizes, shape.rows)  # the arrays every group shares
         work = [
             self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
             for i, g in enumerate(self.geometries)
@@ -137,7 +141,7 @@ class StepTranslator:
         steady_path = not rows.rows_too_long and all(w.path == "kernel" and "trash" not in w.arrays for w in work)
         if engine is not None and steady_path:
             views = tuple(dev[common[k]] for k in REGION_ARRAYS)
-            region = StagedRegion(pack, common, self._staging.generation)
+            region = functools.partial(StagedRegion, pack, common, self._staging.generation)
             self._steady = SteadyStep.of(tr, host, engine, views, region, self.width, (n_tok, padded), steady)
         return tr
 
@@ -192,6 +196,7 @@ class StepTranslator:
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
         truth = self._truth.plan(host, steady.live)
+        assert steady.region is not None  # find() settled it
         if not steady.region.send(self._staging, host.past_lens, truth, sizes):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             return None
@@ -202,16 +207,6 @@ class StepTranslator:
                 last = dataclasses.replace(last, ring_wraps=wraps)
                 steady.reused(last)
         return last
-
-    def _pack_rows(
-        self, host: HostBatch, rows: step_plan.RowPlan, sizes: array.array[int], n_rows: int
-    ) -> tuple[Pack, TruthUpdate, dict[str, int]]:
-        """The step's truth planned (the store's state moves on) and the arrays every group shares packed, for
-        ``n_rows`` rows (the batch's shape class)."""
-        truth = self._truth.plan(host, rows.live_rows)
-        truth = truth.padded(n_rows) if self.bucket else truth
-        pack = Pack()
-        return pack, truth, pack_common(pack, rows, truth, sizes, n_rows)
 
     def _ring_wraps(self, rows: step_plan.RowPlan) -> int:
         return sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
