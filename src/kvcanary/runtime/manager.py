@@ -219,7 +219,7 @@ class CanaryManager:
         hands them again only when nothing in them changed (the transformers adapter's steady steps).
         """
         graphs = self._graphs
-        if graphs is None or self._open or self._stream_capturing():  # graphs: CUDA only
+        if graphs is None or self._open or (self._cuda and self._stream_capturing()):
             if prelude is not None:
                 prelude.run()
             self.before_forward(batches)
