@@ -150,6 +150,32 @@ DEMO_NOTES = (
     "366-393, 312-357 and 398-504 us on fresh tensors and 222-253, 218-307 and 280-440 us when steady, on one "
     "buffer set or two. Not yet measured on the device (the stop's device time ran out). The goals (150 and 250 "
     "us) are not met.",
+    "",
+    "c459c4e (a translation kept per engine buffer set) measured at 2378bf7 against c12100e in one call "
+    "(`results/cb-qwen3/nvidia-h200-2378bf7-cb_qwen3*.json`): the graph workload's tap median 358 against 627 us "
+    "at batch 1 with graphs, 676 against 904 at batch 32, 790 against 1,180 eagerly at batch 32.",
+    "",
+    "2378bf7 -> d655836 (issue 14, part 2): a steady step sets its values in place "
+    "(`adapters/transformers_cb/steady_region.py`: the staged arrays the full step packed, kept as one int64 array "
+    "laid out as the staging buffer's first bytes, set and sent with the truth's writes), its engine tensors are "
+    "checked by address and dtype (contiguity when the translation is kept), and a full step's translation is keyed "
+    "only when a later step matches its batch. On this sandbox's CPU (`results/cpu-translate/cpu-{2378bf7,36ebf22}-"
+    "cold-steady*`, cold, two rounds, one and two buffer sets) a steady step at batch 1, 5 and 32 takes 155-199, "
+    "181-202 and 304-322 us against 221-265, 293-307 and 304-451. On the device, each call runs both commits: "
+    "issue 14's graph workload at c44dc46 against 2378bf7 (`results/cb-qwen3/nvidia-h200-c44dc46-cb_qwen3*.json`), "
+    "the tap's median 277 against 425 us at batch 1 with graphs (translation 165 against 281), 658-676 at batch "
+    "32 both, 600 against 702 eagerly; 62 of 65 steps steady at batch 1 and 54 of 73 at batch 32; all runs clean, "
+    "verified == read. At d655836 (`results/cb-qwen3/nvidia-h200-d655836-cb_qwen3*.json`, a slower machine: "
+    "every phase of both commits ran longer) 537 against 565, 771 against 829 and 742 against 843 us. The demo "
+    "(`results/gpu-demo/nvidia-h200-d655836-run-with-2378bf7.txt`): dense 0.36 against 0.42 ms, hybrid 0.49 "
+    "against 0.62, sliding 0.32 (against 0.47 at 2378bf7 in the first call, "
+    "`results/gpu-demo/nvidia-h200-2378bf7-run-with-c12100e.txt`); steady steps 448 of 720, 179 of 352 and 462 "
+    "of 560, so the full steps (a batch that changed) now cost most of the translation. The share of step time "
+    "is now the median of three alternating pairs of timed runs (`demo_timing.py`): one pair had moved it by "
+    "tens of points between calls. It still swings within a call (dense 0.0, 1.7 and 23.2 % over its three "
+    "pairs; sliding's canary-off runs took longer than its canary runs): the engine's run time varies more "
+    "than the canary costs. Medians at d655836: 1.7 % dense, 11.6 % hybrid, 6.4 % sliding. The goals (150 and "
+    "250 us, at most 5 %) are not met.",
 )
 
 
