@@ -200,8 +200,13 @@ class Pack:
         m = _bytes_of(a)
         self.mems.append(m)
         self.offsets.append(self.end)
-        self.end += -(-m.nbytes // ALIGN) * ALIGN
+        self.end += aligned(m.nbytes)
         return len(self.mems) - 1
+
+
+def aligned(nbytes: int) -> int:
+    """The bytes an array of ``nbytes`` takes in a pack: rounded up to :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _bytes_of(a: HostArray | memoryview) -> memoryview:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 
-from kvcanary.adapters.transformers_cb.staging import ALIGN, Pack, Staging
-from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate
+from kvcanary.adapters.transformers_cb.staging import Pack, Staging, aligned
+from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate, scatter_meta
 
 # The staged arrays a steady step rewrites, in the order the full step packs them (they lead the pack).
 REGION_ARRAYS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "sizes", "truth_meta")
@@ -35,8 +35,8 @@ class StagedRegion:
         if any(pack.mems[i].itemsize != 8 for i in order):
             raise ValueError("the steady arrays must be int64")
         at = [pack.offsets[i] // 8 for i in order]
-        meta = pack.offsets[order[-1]]
-        self._words = array.array("q", bytes(meta + ALIGN))
+        meta = order[-1]  # the last: the truth's writes follow it
+        self._words = array.array("q", bytes(pack.offsets[meta] + aligned(pack.mems[meta].nbytes)))
         self._bytes = memoryview(self._words).cast("B")
         for i in order:
             off, m = pack.offsets[i], pack.mems[i]
@@ -50,7 +50,7 @@ class StagedRegion:
         step (its views are not the ones kept) or the writes do not fit it."""
         words, n = self._words, len(past)
         cells_at = len(self._bytes)
-        tokens_at = cells_at + -(-8 * len(truth.cells) // ALIGN) * ALIGN
+        tokens_at = cells_at + aligned(8 * len(truth.cells))
         end = tokens_at + 4 * len(truth.tokens)
         if staging.generation != self._generation or end > staging.capacity:
             return False
@@ -58,6 +58,6 @@ class StagedRegion:
         words[self._lens : self._lens + n] = truth.lens
         words[self._gather : self._gather + n + 1] = truth.gather
         words[self._sizes : self._sizes + len(sizes)] = sizes
-        words[self._meta : self._meta + 3] = array.array("q", (len(truth.cells), cells_at // 8, tokens_at // 4))
+        words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
         staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)
         return True

@@ -107,8 +107,12 @@ class SteadyStep:
             translations={},
             pending=(translation, engine, region),
         )
-        carried = before is not None and before.same_batch(step) and before.settled()
-        if carried and before is not None and len(before.translations) < MAX_BUFFER_SETS:
+        if (
+            before is not None
+            and before.same_batch(step)
+            and before.settled()
+            and len(before.translations) < MAX_BUFFER_SETS
+        ):
             step.translations.update(before.translations)
         step.advance(host.past_lens, width)
         return step

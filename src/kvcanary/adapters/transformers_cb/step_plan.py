@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -150,14 +151,16 @@ def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool
     return out
 
 
-def ring_wraps(window: int, rows: RowPlan) -> int:
-    """Stored writes at positions >= W: each overwrote the ring slot of position - W (plain Python: per row)."""
+def ring_wraps(geometries: Sequence[GroupGeometry], rows: RowPlan) -> int:
+    """Over the sliding groups of window W, the stored writes at positions >= W: each overwrote the ring slot of
+    position - W (plain Python: per row)."""
     wraps = 0
-    for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
-        end = p + q
-        stored_from = max(window, end - min(q, window))
-        if ok and end > stored_from:
-            wraps += end - stored_from
+    for window in [g.sliding_window for g in geometries if g.is_sliding]:
+        for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
+            end = p + q
+            stored_from = max(window, end - min(q, window))
+            if ok and end > stored_from:
+                wraps += end - stored_from
     return wraps
 
 

@@ -29,7 +29,6 @@ are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads 
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -47,7 +46,7 @@ from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, engine_ten
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.translation import Translation
-from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
+from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate, scatter_meta
 from kvcanary.batch import StepBatch
 
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
@@ -133,7 +132,7 @@ class StepTranslator:
             batches=batches,
             request_ids=host.request_ids,
             rows_too_long=rows.rows_too_long,
-            ring_wraps=self._ring_wraps(rows),
+            ring_wraps=step_plan.ring_wraps(self.geometries, rows),
             padded=padded,
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
@@ -202,25 +201,25 @@ class StepTranslator:
             return None
         steady.advance(host.past_lens, self.width)
         if self._sliding:
-            wraps = self._ring_wraps(step_plan.RowPlan(host.past_lens, host.query_lens, steady.live))
+            wraps = step_plan.ring_wraps(
+                self.geometries, step_plan.RowPlan(host.past_lens, host.query_lens, steady.live)
+            )
             if wraps != last.ring_wraps:
                 last = dataclasses.replace(last, ring_wraps=wraps)
                 steady.reused(last)
         return last
 
-    def _ring_wraps(self, rows: step_plan.RowPlan) -> int:
-        return sum(step_plan.ring_wraps(g.sliding_window, rows) for g in self.geometries if g.is_sliding)
-
     def _send(self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool) -> list[torch.Tensor]:
         """Pack the truth's writes (last: their count varies most, and nothing a step graph keys on sits after
         them) and send; with ``scatter`` their write is a launch (:meth:`_scatter`) that finds them through the
         offsets staged with them."""
-        meta = array.array("q", [len(truth.cells), 0, 0])
+        meta = scatter_meta(0, 0, 0)
         if scatter:
             common["truth_meta"] = pack.add(meta)
         common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
         if scatter:  # the meta's memory is packed already: set in place
-            meta[1], meta[2] = pack.offsets[common["truth_cells"]] // 8, pack.offsets[common["truth_tokens"]] // 4
+            cells, tokens = pack.offsets[common["truth_cells"]], pack.offsets[common["truth_tokens"]]
+            meta[:] = scatter_meta(len(truth.cells), cells, tokens)
         return self._staging.send(pack)
 
     def _scatter(self, meta: torch.Tensor) -> translate_kernel.Launch:

@@ -179,6 +179,12 @@ class TruthGather:
 SCATTER_BLOCK = 1024
 
 
+def scatter_meta(count: int, cells_at: int, tokens_at: int) -> array.array[int]:
+    """What :class:`TruthScatter` stages beside the writes: their count and where their cells (int64) and tokens
+    (int32) start, from the byte offsets ``cells_at`` and ``tokens_at`` into the staging buffer."""
+    return array.array("q", (count, cells_at // 8, tokens_at // 4))
+
+
 @dataclasses.dataclass(frozen=True)
 class TruthScatter:
     """One step's truth write as device work that stays the same from step to step (its count and where its
