@@ -239,7 +239,7 @@ def _verify_args(
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
         group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
     ]  # fmt: skip
-    meta: dict[str, object] = {
+    meta = {
         "PAGED": group.page_size > 1, "HAS_LOOKUP": has_lookup, "HAS_TRUTH": has_truth,
         "BLOCK": verify_block(group, tuning), "BLOCK_B": row_block(ws, tuning), "STAMP_BLOCK": tuning.stamp_block,
     }  # fmt: skip
