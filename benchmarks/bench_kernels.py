@@ -14,7 +14,7 @@ batch row its three lengths read and the plan's row outputs written.
 
 Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``kernel_sweep.py`` times the
 goal scenarios under several tunings.
-``--breakdown`` times plan + verify alone, the step in two launches, in one and in three side by side;
+``--breakdown`` times plan + verify alone, the step and the three-launch form side by side;
 ``--eager-steps N`` only runs N eager steps per scenario (the program to profile with ncu).
 Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--breakdown]
 """
@@ -176,12 +176,9 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
 
 
 def kernel_step(w: World, batch: StepBatch, tuning: launchers.KernelTuning, parts: str = "step") -> None:
-    """GroupCanary.step's launches (``step``: one launch where fuses_step); for the breakdown also ``two``
-    (plan + verify in one launch, then stamp), ``plan_verify`` alone and ``unfused`` (three launches)."""
+    """GroupCanary.step's launches (``step``: plan + verify in one launch, then stamp); for the breakdown
+    also ``plan_verify`` alone and ``unfused`` (plan, verify, stamp as three launches)."""
     state = GroupState(w.group, w.records, w.ws, w.log)
-    if parts == "step":
-        launchers.step(state, batch, w.caps.verify_entries, tuning=tuning)
-        return
     if parts == "unfused":
         launchers.plan(state, batch, tuning=tuning)
         launchers.verify(state, batch, w.caps.verify_entries, tuning=tuning)
@@ -287,12 +284,11 @@ def goal_scenarios() -> list[Scenario]:
 
 
 def run_breakdown(args: argparse.Namespace, dev: torch.device) -> None:
-    """Per-step time of the launches apart: plan + verify alone, the step in two launches, the step (one launch
-    where fuses_step), and the three-launch form."""
+    """Per-step time of the launches apart: plan + verify alone, the step, and the three-launch form."""
     gen = torch.Generator().manual_seed(2)
     names = args.scenarios.split(",") if args.scenarios else BREAKDOWN
     picks = [s for s in scenarios(False, tiny=args.dry_run) if s.name in names or args.dry_run]
-    parts = ("plan_verify", "two", "step", "unfused")
+    parts = ("plan_verify", "step", "unfused")
     print(f"{'scenario':24} " + " ".join(f"{p:>12}" for p in parts), flush=True)
     for s in picks:
         w = build(s, args.rotations, dev, gen)

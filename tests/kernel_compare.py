@@ -22,8 +22,7 @@ from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 # with CUDA they run compiled.  The reference always runs on the CPU.
 DEVICE = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 PHASES = ("plan", "verify", "stamp")
-FUSED_PHASES = ("plan_verify", "stamp")  # plan and verify in one launch
-STEP_PHASES = ("step",)  # what GroupCanary.step runs on the kernels: one launch where fuses_step
+FUSED_PHASES = ("plan_verify", "stamp")  # what GroupCanary.step runs on the kernels
 
 
 def to_device(case: gen.Case, dev: torch.device, *, index_dtype: torch.dtype | None = None) -> gen.Case:
@@ -43,15 +42,12 @@ def to_device(case: gen.Case, dev: torch.device, *, index_dtype: torch.dtype | N
 
 
 def run_phase(impl: str, case: gen.Case, phase: str, tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING) -> None:
-    """``plan_verify``: the reference's plan then verify, the kernels' one fused launch; ``step``: the reference's
-    three phases, the kernels' one launch (or plan_verify and stamp where the workspace is too large)."""
-    args = (case.caps.verify_entries,) if phase in ("verify", "plan_verify", "step") else ()
+    """``plan_verify``: the reference's plan then verify, the kernels' one fused launch."""
+    args = (case.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
     state = GroupState(case.group, case.records, case.ws, case.log)
-    if impl == "ref" and phase in ("plan_verify", "step"):
+    if impl == "ref" and phase == "plan_verify":
         ref.plan(state, case.batch)
         ref.verify(state, case.batch, *args)
-        if phase == "step":
-            ref.stamp(state, case.batch)
     elif impl == "ref":
         getattr(ref, phase)(state, case.batch, *args)
     else:
@@ -83,22 +79,22 @@ def compare_step(
     tuning: launchers.KernelTuning = launchers.DEFAULT_TUNING,
     index_dtype: torch.dtype | None = None,
     use_oracle: bool = True,
-    phases: tuple[str, ...] = PHASES,
+    fused: bool = False,
 ) -> list[str]:
     """Run plan, verify, stamp with the reference (CPU) and the kernels (DEVICE); every difference, by phase
-    (``phases``: PHASES, FUSED_PHASES or STEP_PHASES, how the kernels' launches group them)."""
+    (``fused``: the kernels' plan and verify in one launch)."""
     want = case.clone()
     got = to_device(case, DEVICE, index_dtype=index_dtype)
     twice = rewritten_slots(case, use_oracle=use_oracle)
     problems: list[str] = []
-    for phase in phases:
+    for phase in FUSED_PHASES if fused else PHASES:
         run_phase("ref", want, phase)
         run_phase("kernels", got, phase, tuning)
         seen = to_device(got, torch.device("cpu"))
-        diffs = gen.diff_outputs(want, seen, skip_slots=twice if phase in ("stamp", "step") else ())
+        diffs = gen.diff_outputs(want, seen, skip_slots=twice if phase == "stamp" else ())
         if torch.count_nonzero(seen.ws.sync[launchers.SYNC_CLEAR]):
             diffs.append(f"workspace.sync not back to zero: {seen.ws.sync.tolist()}")
-        if phase in ("stamp", "step"):
+        if phase == "stamp":
             diffs += _check_rewrites(seen.records, twice)
         problems += [f"{phase}: {d}" for d in diffs]
         if diffs:

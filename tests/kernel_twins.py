@@ -20,8 +20,6 @@ from kvcanary.workspace import GroupState, PlanWorkspace, ViolationLog
 # plan_verify fuses workspaces of up to fuse_max_batch rows (8 by default): the twins ask for 32, so that every
 # other step runs the fused launch and the rest the two-launch path.
 FUSING = launchers.KernelTuning(fuse_max_batch=32)
-STEP_FORMS = (("step",), ("plan_verify", "stamp"), ("plan", "verify", "stamp"))
-REFERENCE_PHASES = {"plan_verify": ("plan", "verify"), "step": ("plan", "verify", "stamp")}
 SMALL = launchers.KernelTuning(
     verify_block=128, stamp_block=128, carry_block=128, interpreter_programs=3, fuse_max_batch=32
 )
@@ -113,12 +111,11 @@ class Twin:
         """One step; returns the log of the step's violations (reference side)."""
         before = self.ref.log.total()
         dev_batch = batch.to(DEVICE)
-        # Steps cycle through one launch (GroupCanary.step's path), plan + verify in one launch and stamp, and
-        # three launches.
+        # Every other step runs plan and verify in one launch (GroupCanary.step's path), the others as two.
         self.steps += 1
-        for phase in STEP_FORMS[self.steps % len(STEP_FORMS)]:
-            args = (self.caps.verify_entries,) if phase in ("verify", "plan_verify", "step") else ()
-            ref_phases = REFERENCE_PHASES.get(phase, (phase,))
+        for phase in ("plan_verify", "stamp") if self.steps % 2 else ("plan", "verify", "stamp"):
+            args = (self.caps.verify_entries,) if phase in ("verify", "plan_verify") else ()
+            ref_phases = ("plan", "verify") if phase == "plan_verify" else (phase,)
             for p in ref_phases:
                 p_args = (self.caps.verify_entries,) if p == "verify" else ()
                 getattr(ref, p)(self.ref.of(self.group), batch, *p_args)

@@ -61,7 +61,7 @@ def count_step_work(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]
     for module in (canary_module, launchers):
         monkeypatch.setattr(module, "validate_batch", validate)
     monkeypatch.setattr(launchers, "_check_state", check_state)
-    for name in ("plan_kernel", "verify_kernel", "stamp_kernel", "step_kernel"):
+    for name in ("plan_kernel", "verify_kernel", "stamp_kernel"):
         monkeypatch.setattr(launchers, name, CountingKernel(name, counts))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors on the kernel path (the stand-ins run nothing)
     return counts

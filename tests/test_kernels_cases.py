@@ -285,8 +285,6 @@ def test_launchers_refuse_bad_metadata_before_running() -> None:
         launchers.verify(st.of(world.group), batch, 0)
     with pytest.raises(ValueError, match="capacity"):
         launchers.plan_verify(st.of(world.group), batch, 10**9)
-    with pytest.raises(ValueError, match="capacity"):
-        launchers.step(st.of(world.group), batch, 10**9)
     short = dataclasses.replace(batch, positions=batch.positions[:1])
     with pytest.raises(ValueError, match="positions"):
         launchers.stamp(st.of(world.group), short)
@@ -310,18 +308,3 @@ def test_plan_and_verify_share_a_launch_only_for_small_workspaces() -> None:
     assert not fuses(33)
     with pytest.raises(ValueError, match="fuse_max_batch"):
         launchers.KernelTuning(fuse_max_batch=-1)
-
-
-def test_a_small_step_is_one_launch_only_where_plan_verify_is() -> None:
-    """fuses_step: plan_verify fuses and stamp fits one wave, unless fuse_step is off."""
-    group = CanaryGroup(num_slots=64)
-
-    def one_launch(max_batch: int, tuning: launchers.KernelTuning = FUSING) -> bool:
-        caps = capacities(max_batch=max_batch)
-        ws = PlanWorkspace.allocate(caps, DEVICE, num_slots=group.num_slots)
-        return launchers.fuses_step(group, ws, caps.verify_entries, tuning)
-
-    assert one_launch(8) and one_launch(32) and one_launch(8, launchers.DEFAULT_TUNING)
-    assert not one_launch(9, launchers.DEFAULT_TUNING) and not one_launch(33)
-    assert not one_launch(8, dataclasses.replace(FUSING, fuse_step=False))
-    assert not one_launch(8, launchers.KernelTuning(fuse_max_batch=0))

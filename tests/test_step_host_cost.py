@@ -1,5 +1,5 @@
-"""The manager's per-step host work on the kernel path, pinned: one validation per group, one kernel launch
-per group (three past the fused launch's batch limit), a fixed handful of torch ops, nothing read back.
+"""The manager's per-step host work on the kernel path, pinned: one validation per group, two kernel
+launches per group (three past the fused launch's batch limit), a fixed handful of torch ops, nothing read back.
 
 On a GPU every torch op is a launch and every validation a few dozen Python checks; issue 14 measured
 ``validate_batch`` running five times per group per step (manager, canary, three launchers).  The kernels
@@ -32,8 +32,8 @@ def two_group_manager(backend: Backend, check_values: bool | None = None, caps: 
     return CanaryManager(groups, caps, CanaryConfig(mode=Mode.LOG, check_values=check_values), backend=backend)
 
 
-# Up to KernelTuning.fuse_max_batch rows (8 by default) plan, verify and stamp share one launch; past it, three.
-FUSED = {"validate_batch": 2, "step_kernel": 2}
+# Up to KernelTuning.fuse_max_batch rows (8 by default) plan and verify share one launch; past it, three.
+FUSED = {"validate_batch": 2, "verify_kernel": 2, "stamp_kernel": 2}
 UNFUSED = {"validate_batch": 2, "plan_kernel": 2, "verify_kernel": 2, "stamp_kernel": 2}
 
 

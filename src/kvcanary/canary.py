@@ -138,8 +138,8 @@ class GroupCanary:
         self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
     ) -> None:
         """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
-        On the kernels a small step is one launch (:func:`~kvcanary.ops.launchers.step`,
-        :func:`~kvcanary.ops.kernel_tuning.fuses_step`)."""
+        On the kernels plan and verify share one launch for small batches
+        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`)."""
         if not self.uses_kernels:
             self.plan(batch, log, check_values=check_values, validated=validated)
             self._verify(batch, log, same_batch=True)
@@ -152,7 +152,8 @@ class GroupCanary:
             self.validate(batch, check_values)
         self._planned = _shape_key(batch)
         state = self.state(log)
-        launchers.step(state, batch, self.caps.verify_entries, checked=True)
+        launchers.plan_verify(state, batch, self.caps.verify_entries, checked=True)
+        launchers.stamp(state, batch, checked=True)
 
 
 def _shape_key(batch: StepBatch) -> tuple[int, int]:

@@ -36,9 +36,6 @@ class KernelTuning:
     # launch took decode b1 from 12.4 to 10.9 us and a prefill step from 15.1 to 13.3 us; at 32 rows it won at
     # b32 x 512 (15.1 -> 13.5 us) but lost at b32 x 4k (16.2 -> 16.7 us), so batches past 8 keep two launches.
     fuse_max_batch: int = 8
-    # Plan, verify and stamp as one launch where plan_verify is one and stamp's items fit one wave too
-    # (fuses_step, kernels/step.py); False keeps two launches (the A/B of benchmarks/bench_kernels.py).
-    fuse_step: bool = True
 
     def __post_init__(self) -> None:
         for name in ("verify_block", "stamp_block", "carry_block", "row_block"):
@@ -105,20 +102,3 @@ def small_step(ws: PlanWorkspace, items: int, tuning: KernelTuning) -> bool:
         return False
     dev = ws.sync.device
     return dev.type != "cuda" or items <= torch.cuda.get_device_properties(dev).multi_processor_count
-
-
-def stamp_items(ws: PlanWorkspace, tuning: KernelTuning) -> int:
-    """Stamp's work-item bound: write_items, checked against the workspace's stamp scratch."""
-    items = write_items(ws, tuning)
-    if items > ws.stamp_counts.shape[0]:
-        raise ValueError(f"stamp_block {tuning.stamp_block} needs {items} work items; the workspace has fewer")
-    return items
-
-
-def fuses_step(group: CanaryGroup, ws: PlanWorkspace, capacity: int, tuning: KernelTuning = DEFAULT_TUNING) -> bool:
-    """Whether :func:`~kvcanary.ops.launchers.step` is one launch: ``fuse_step``, plan_verify is one launch
-    (:func:`fuses_plan`) and stamp's items fit one wave as well, so every program of the launch is resident
-    at the barrier between verify and stamp.  Static (capacities only)."""
-    return (
-        tuning.fuse_step and fuses_plan(group, ws, capacity, tuning) and small_step(ws, stamp_items(ws, tuning), tuning)
-    )

@@ -22,21 +22,18 @@ import torch
 
 from kvcanary.batch import StepBatch, validate_batch
 from kvcanary.layout import CanaryGroup
-from kvcanary.ops.kernel_tuning import (  # KernelTuning, DEFAULT_TUNING, fuses_*: also public here
+from kvcanary.ops.kernel_tuning import (  # KernelTuning, DEFAULT_TUNING, fuses_plan: also public here
     DEFAULT_TUNING,
     KernelTuning,
     fuses_plan,
-    fuses_step,
     grid,
     row_block,
     small_step,
-    stamp_items,
     verify_block,
     write_items,
 )
 from kvcanary.ops.kernels.plan import plan_kernel
 from kvcanary.ops.kernels.stamp import stamp_kernel
-from kvcanary.ops.kernels.step import step_kernel
 from kvcanary.ops.kernels.verify import verify_kernel
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
 from kvcanary.workspace import GroupState, PlanWorkspace
@@ -216,18 +213,17 @@ def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning
     return max_items
 
 
-def _verify_args(
-    state: GroupState, batch: StepBatch, capacity: int, tuning: KernelTuning
-) -> tuple[list[object], dict[str, object], int]:
-    """verify_kernel's arguments (the step kernel's first ones), its shared constexprs (all but FUSED) and its
-    work-item bound."""
+def _launch_verify(
+    state: GroupState, batch: StepBatch, capacity: int, tuning: KernelTuning, dev: torch.device, *, fused: bool
+) -> None:
     group, records, ws, log = state
     max_items = _check_capacity(ws, group, capacity, tuning)
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
-    args = [
+    # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
+    verify_kernel[grid(max(max_items, write_items(ws, tuning)), dev, tuning)](
         _ptr(batch.rows, dummy), _ptr(batch.table, dummy), lookup, truth, truth_lens,
         records.tokens, records.positions, records.links,
         ws.verify_offsets, ws.window_starts, ws.verify_items, ws.verify_counts, ws.sync[_VERIFY_SYNC:],
@@ -238,46 +234,9 @@ def _verify_args(
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
         group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
-    ]  # fmt: skip
-    meta = {
-        "PAGED": group.page_size > 1, "HAS_LOOKUP": has_lookup, "HAS_TRUTH": has_truth,
-        "BLOCK": verify_block(group, tuning), "BLOCK_B": row_block(ws, tuning), "STAMP_BLOCK": tuning.stamp_block,
-    }  # fmt: skip
-    return args, meta, max_items
-
-
-def _launch_verify(
-    state: GroupState, batch: StepBatch, capacity: int, tuning: KernelTuning, dev: torch.device, *, fused: bool
-) -> None:
-    args, meta, max_items = _verify_args(state, batch, capacity, tuning)
-    # The same programs mark the step's writes: enough of them for the largest prefill chunk too.
-    verify_kernel[grid(max(max_items, write_items(state.ws, tuning)), dev, tuning)](
-        *args, **meta, FUSED=fused, num_warps=tuning.verify_warps
-    )
-
-
-def step(
-    state: GroupState, batch: StepBatch, capacity: int, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False
-) -> None:
-    """reference.plan, verify and stamp: one launch where :func:`fuses_step` (kernels/step.py), else
-    :func:`plan_verify` then :func:`stamp`; the same records, workspace and log as the three calls."""
-    dev = _checked_device(state, batch, checked)
-    _check_capacity(state.ws, state.group, capacity, tuning)  # before anything runs
-    ws = state.ws
-    if not fuses_step(state.group, ws, capacity, tuning):
-        plan_verify(state, batch, capacity, tuning=tuning, checked=True)
-        stamp(state, batch, tuning=tuning, checked=True)
-        return
-    args, meta, max_items = _verify_args(state, batch, capacity, tuning)
-    s_items = stamp_items(ws, tuning)
-    items = max(max_items, s_items)
-    dummy = ws.sync
-    step_kernel[grid(items, dev, tuning) if dev.type == "cuda" else (1,)](  # one program: see kernels/step.py
-        *args, _ptr(batch.input_ids, dummy), _ptr(batch.positions, dummy), ws.mult_powers, ws.inv_powers,
-        ws.stamp_counts, ws.stamp_sums, ws.stamp_flags, ws.sync[_STAMP_SYNC:], int(ws.mult_powers.shape[0]), s_items,
-        **meta, CARRY_BLOCK=tuning.carry_block,
-        POLLS=tuning.stamp_polls if dev.type == "cuda" else tuning.interpreter_polls,
-        CHECK_NEW=state.group.checks_new_reads, num_warps=tuning.verify_warps,
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
+        BLOCK=verify_block(group, tuning), BLOCK_B=row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
+        FUSED=fused, num_warps=tuning.verify_warps,
     )  # fmt: skip
 
 
@@ -290,8 +249,11 @@ def stamp(state: GroupState, batch: StepBatch, *, tuning: KernelTuning = DEFAULT
     """
     dev = _checked_device(state, batch, checked)
     group, records, ws, log = state
+    max_b = int(ws.row_state.shape[0])
     max_tokens = int(ws.mult_powers.shape[0]) - 1
-    max_items = stamp_items(ws, tuning)
+    max_items = -(-max_tokens // tuning.stamp_block) + max_b
+    if max_items > ws.stamp_counts.shape[0]:
+        raise ValueError(f"stamp_block {tuning.stamp_block} needs {max_items} work items; the workspace has fewer")
     dummy = ws.sync
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)

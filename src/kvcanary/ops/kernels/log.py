@@ -46,9 +46,6 @@ PENDING = const(0)
 TICKET = const(1)
 EPOCH = const(2)
 PLAN_PENDING = const(3)  # verify's words only: the plan's violations when the plan runs in the verify launch
-# Verify's words only (its EPOCH slot): the epoch of the last single-launch step (kernels/step.py) whose verify every
-# program finished.  Epochs only grow, so a stale value never equals a step's own.
-GO = const(2)
 SCAN = const(1024)  # items the finalize scans per step
 NO_ITEM = const(2**62)
 COUNTER_LANES = const(32)  # >= NUM_COUNTERS
@@ -92,15 +89,6 @@ def finish(sync_ptr, counters_ptr, pid, c1, v1, c2, v2, c3, v3, ALL3: tl.constex
     mine = first | ((k == 3) & ALL3)
     old = tl.atomic_add(ptrs, vals, mask=(k == 0) | (mine & (vals != 0)))
     return lane(old, 0)
-
-
-@triton.jit
-def wait_for(ptr, value):
-    """Spin until ``*ptr == value``; acquire, so what the program that stored it had seen is visible after.
-    Only for one wave of programs (all resident), where the storing program cannot be waiting to start."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire")
-    while seen != value:
-        seen = tl.atomic_add(ptr, 0, sem="acquire")
 
 
 @triton.jit

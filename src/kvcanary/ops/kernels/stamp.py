@@ -219,19 +219,25 @@ def _stamp_item(
     return named, named_trow, slot, writable, tok32, pos32, pos64, links, exp_pos, exp_tok, bad_index, reasons
 
 
-@triton.jit
-def stamp_phase(
+# Integer arguments are not specialised: one compiled kernel serves every batch shape.
+@triton.jit(
+    do_not_specialize=[
+        "b", "n_tokens", "n_powers", "n_lookup", "t_rows", "t_cols", "num_slots", "max_items", "log_k", "group_id",
+        "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
+        "n_rows", "n_cols", "page", "window", "width", "has_pad", "pad_row",
+    ]
+)  # fmt: skip
+def stamp_kernel(
     rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
     woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
     tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
-    first_ptr, last_ptr, counters_ptr, table_ptr, step_epoch, read_marks_ptr, write_marks_ptr, old_pos_ptr,
+    first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
     b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window, ext_ptr, width, has_pad, pad_row,
     HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, POLLS: tl.constexpr,
     PAGED: tl.constexpr, CHECK_NEW: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """The stamp launch's work; ``step_epoch``: the same-step marks' epoch (the plan bumped it)."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rb = tl.arange(0, BLOCK_B)
@@ -257,6 +263,7 @@ def stamp_phase(
         pre_v = row_ends
         rows_v = row_ends
     epoch = tl.load(sync_ptr + EPOCH) + 1  # the last program stores it when the call ends
+    step_epoch = tl.load(mark_epoch_ptr)  # the same-step marks' epoch (plan bumped it)
 
     found = tl.zeros((), tl.int64)
     written = tl.zeros((), tl.int64)
@@ -324,33 +331,3 @@ def stamp_phase(
                         )  # fmt: skip
                         rank += tl.sum(hit64)
                     want = want & (idx != j)
-
-
-# Integer arguments are not specialised: one compiled kernel serves every batch shape.
-@triton.jit(
-    do_not_specialize=[
-        "b", "n_tokens", "n_powers", "n_lookup", "t_rows", "t_cols", "num_slots", "max_items", "log_k", "group_id",
-        "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
-        "n_rows", "n_cols", "page", "window", "width", "has_pad", "pad_row",
-    ]
-)  # fmt: skip
-def stamp_kernel(
-    rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr,
-    woff_ptr, seeds_ptr, witems_ptr, mult_ptr, inv_ptr,
-    tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr, flags_ptr, sync_ptr,
-    first_ptr, last_ptr, counters_ptr, table_ptr, mark_epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
-    b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k, group_id, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window, ext_ptr, width, has_pad, pad_row,
-    HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, CARRY_BLOCK: tl.constexpr, POLLS: tl.constexpr,
-    PAGED: tl.constexpr, CHECK_NEW: tl.constexpr, ROWS: tl.constexpr,
-):  # fmt: skip
-    stamp_phase(
-        rows_ptr, pre_ptr, ids_ptr, positions_ptr, loc_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, woff_ptr,
-        seeds_ptr, witems_ptr, mult_ptr, inv_ptr, tokens_ptr, rec_positions_ptr, links_ptr, counts_ptr, sums_ptr,
-        flags_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr, table_ptr, tl.load(mark_epoch_ptr), read_marks_ptr,
-        write_marks_ptr, old_pos_ptr, b, n_tokens, n_powers, n_lookup, t_rows, t_cols, num_slots, max_items, log_k,
-        group_id, token_offset, res0, res1, res2, res3, res4, res5, res6, res7, n_rows, n_cols, page, window,
-        ext_ptr, width, has_pad, pad_row, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, CARRY_BLOCK, POLLS, PAGED,
-        CHECK_NEW, ROWS,
-    )  # fmt: skip

@@ -44,7 +44,6 @@ from kvcanary.ops.kernels.indexing import (
 from kvcanary.ops.kernels.log import (
     CALLS,
     COUNTER_LANES,
-    GO,
     NO_ITEM,
     PENDING,
     PLAN_PENDING,
@@ -60,7 +59,6 @@ from kvcanary.ops.kernels.log import (
     reason_counts,
     select_items,
     store_rows,
-    wait_for,
 )
 from kvcanary.ops.kernels.marks import mark_writes
 from kvcanary.ops.kernels.plan import log_plan_rows, row_spans, store_plan
@@ -160,8 +158,15 @@ def _verify_item(
     return trow, live, slot, pred, pos, stored_pos, exp_tok, stored_tok, exp_link, stored_link, bad_index, reasons
 
 
-@triton.jit
-def verify_phase(
+# Integer arguments are not specialised: one compiled kernel serves every batch shape.
+@triton.jit(
+    do_not_specialize=[
+        "b", "n_rows", "n_cols", "n_lookup", "t_rows", "t_cols", "num_slots", "capacity", "max_items", "log_k",
+        "group_id", "page", "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
+        "n_tokens", "window", "width", "has_pad", "pad_row",
+    ]
+)  # fmt: skip
+def verify_kernel(
     rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
     voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
     loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
@@ -170,10 +175,7 @@ def verify_phase(
     res0, res1, res2, res3, res4, res5, res6, res7, n_tokens, window, width, has_pad, pad_row,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, STAMP_BLOCK: tl.constexpr, FUSED: tl.constexpr,
-    BARRIER: tl.constexpr,
 ):  # fmt: skip
-    """The verify launch's work; returns the step's epoch.  BARRIER (a FUSED single-launch step, one wave of
-    programs): no program returns before every program has finished its verify and write marks."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rb = tl.arange(0, BLOCK_B)
@@ -268,11 +270,6 @@ def verify_phase(
         add_counters(counters_ptr, bits)
 
     ticket = finish(sync_ptr, counters_ptr, pid, VERIFIED, n_verify, SKIPPED, planned - n_verify, CALLS, n_calls, False)
-    if BARRIER:  # every program took its ticket (acq_rel): the last one has seen all their marks and seeds
-        if ticket == n_programs - 1:
-            tl.atomic_xchg(sync_ptr + GO, step_epoch)  # release: the others go on to the stamp
-        else:
-            wait_for(sync_ptr + GO, step_epoch)
     if ticket == n_programs - 1:
         if FUSED:
             total, plan_total = close_fused_call(sync_ptr)
@@ -318,32 +315,3 @@ def verify_phase(
                         )  # fmt: skip
                         rank += tl.sum(hit64)
                     want = want & (idx != j)
-    return step_epoch
-
-
-# Integer arguments are not specialised: one compiled kernel serves every batch shape.
-@triton.jit(
-    do_not_specialize=[
-        "b", "n_rows", "n_cols", "n_lookup", "t_rows", "t_cols", "num_slots", "capacity", "max_items", "log_k",
-        "group_id", "page", "token_offset", "res0", "res1", "res2", "res3", "res4", "res5", "res6", "res7",
-        "n_tokens", "window", "width", "has_pad", "pad_row",
-    ]
-)  # fmt: skip
-def verify_kernel(
-    rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
-    voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
-    loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
-    pre_ptr, ext_ptr, seeds_ptr, state_ptr,
-    b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page, token_offset,
-    res0, res1, res2, res3, res4, res5, res6, res7, n_tokens, window, width, has_pad, pad_row,
-    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, STAMP_BLOCK: tl.constexpr, FUSED: tl.constexpr,
-):  # fmt: skip
-    verify_phase(
-        rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr, voff_ptr,
-        starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr, loc_ptr, woff_ptr,
-        witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr, pre_ptr, ext_ptr, seeds_ptr, state_ptr,
-        b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page,
-        token_offset, res0, res1, res2, res3, res4, res5, res6, res7, n_tokens, window, width, has_pad, pad_row,
-        PAGED, HAS_LOOKUP, HAS_TRUTH, BLOCK, BLOCK_B, STAMP_BLOCK, FUSED, False,
-    )  # fmt: skip
