@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Kernel checks and benchmarks on a CUDA machine (the lent H200), logs under $OUT (default ./gpu-out).
-# Stages (any order, any subset): tests sanitize sweep bench breakdown ncu.  COMMIT=<sha> names the results
+# Stages (any order, any subset): tests sanitize sweep bench breakdown ncu ncudeep.  COMMIT=<sha> names the results
 # file; KERNEL_TESTS overrides the test files; NCU_SCENARIOS the scenarios ncu profiles.
 # Usage: scripts/gpu/check_kernels.sh tests sanitize sweep
 set -uo pipefail
@@ -52,6 +52,14 @@ dram__bytes.sum,lts__t_sectors_op_atom.sum,lts__t_sectors_op_red.sum,lts__t_sect
         $PY benchmarks/bench_kernels.py --eager-steps 2 --rotations 2 \
         --scenarios "${NCU_SCENARIOS:-decode_b1_p512,decode_b32_p4k,decode_b256_p16k,prefill_16k,window4k_b128_p16k}" \
         2>&1 | tee "$OUT/ncu.log"
+      ;;
+    ncudeep)  # where a kernel's time goes: occupancy, stall reasons, memory tables and the top stall lines, one step
+      timeout "${NCU_TIMEOUT:-200}" ncu --clock-control none -k 'regex:verify_kernel|stamp_kernel|plan_kernel' \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis_Tables --section SourceCounters \
+        $PY benchmarks/bench_kernels.py --eager-steps 1 --rotations 2 \
+        --scenarios "${NCU_SCENARIOS:-decode_b1_p512,decode_b32_p4k,decode_b256_p16k,prefill_16k,window4k_b128_p16k}" \
+        2>&1 | tee "$OUT/ncudeep.log"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
