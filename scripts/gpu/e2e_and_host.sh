@@ -13,7 +13,8 @@
 #   keys      scripts/gpu/graph_keys.py on the dense and hybrid demo (which key parts vary among eager steps)
 #   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
-#             graphs against eager launches) and the translation kernel's suite compiled (gputests.log)
+#             graphs against eager launches) and the translation kernel's and the step close's suites compiled
+#             (gputests.log)
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
 # finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail
@@ -69,6 +70,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
                 >>"$OUT/gputests.log" 2>&1
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
                 tests/test_adapter_transformers_translate_kernel.py tests/test_adapter_transformers_steady_step.py \
+                tests/test_runtime_step_close.py \
                 >>"$OUT/gputests.log" 2>&1 ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
   esac

@@ -9,13 +9,16 @@ Two flat int64 device tensors, allocated once:
   ``[before_count, after_count]``.  One device-to-host copy of ``outbox`` per host step carries
   everything the host needs.
 
-``after`` snapshots and clears the live log on device, so the whole per-step device work is four
-in-place ops plus the group kernels: graph-capturable, nothing allocated, nothing read back.
+``after`` snapshots and clears the live log on device, so the whole per-step device work is the phase mark,
+the group kernels and the step's close (one launch on the kernel path on CUDA,
+:mod:`kvcanary.ops.kernels.step_close`; four torch ops elsewhere): graph-capturable, nothing allocated,
+nothing read back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -69,7 +72,12 @@ class Layout:
 class StepWork:
     """The device work of one forward: ``before`` (phase mark, plan/verify/stamp), ``after`` (snapshot)."""
 
-    def __init__(self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device) -> None:
+    CLOSE_BLOCK = 1024  # words of ``live`` per program of the close kernel
+
+    def __init__(
+        self, canaries: Sequence[GroupCanary], layout: Layout, device: torch.device, *, close_kernel: bool = False
+    ) -> None:
+        """``close_kernel``: end each step with one launch (the kernel path on CUDA) instead of four torch ops."""
         self.canaries = tuple(canaries)
         # The KV digest of each group, when attached: verified and stamped in one call after the forward,
         # or (an adapter that stamps itself, GroupDigest.stamp_after_forward False) verified after the plan.
@@ -85,6 +93,7 @@ class StepWork:
         phase = layout.phase(self.outbox)
         self._phase_before = phase[PHASE_BEFORE : PHASE_BEFORE + 1]
         self._phase_after = phase[PHASE_AFTER : PHASE_AFTER + 1]
+        self._close = self._close_kernel() if close_kernel else self._close_ops
 
     def before(self, batches: Sequence[StepBatch]) -> None:
         """Batches in group order, already validated by the caller: each group's batch is validated once a
@@ -101,7 +110,25 @@ class StepWork:
             if digest is not None and digest.stamp_after_forward:
                 digest.verify_and_stamp(batch, log)  # the forward has written this step's K/V
         self._batches = ()
+        self.close()
+
+    def close(self) -> None:
+        """The step's close: snapshot the live log and counters, add the counters to the totals, clear the live
+        log, bump the after-forward phase mark (the last part of :meth:`after`)."""
+        self._close()
+
+    def _close_ops(self) -> None:
+        """The step's close as torch ops (the close kernel's spec)."""
         self._snapshot.copy_(self.live)
         self._totals.add_(self._live_counters)
         self.live.zero_()
         self._phase_after.add_(1)
+
+    def _close_kernel(self) -> Callable[[], None]:
+        """The step's close as one launch, its arguments bound once."""
+        from kvcanary.ops.kernels.step_close import step_close_kernel
+
+        lay = self.layout
+        launch = step_close_kernel[(-(-lay.live_size // self.CLOSE_BLOCK),)]
+        args = (self.live, self.outbox, lay.live_size, lay.counters_offset, lay.totals_offset)
+        return functools.partial(launch, *args, lay.phase_offset + PHASE_AFTER, BLOCK=self.CLOSE_BLOCK)

@@ -103,7 +103,9 @@ class CanaryManager:
         self._cuda = self.device.type == "cuda"
         self._stream_capturing = stream_capturing_probe()
         layout = Layout([config.log_rows] * len(groups))
-        self._work = StepWork(list(self.canaries.values()), layout, self.device)
+        self._work = StepWork(
+            list(self.canaries.values()), layout, self.device, close_kernel=self._cuda and self._kernels
+        )
         self._pump = LaggedPump(self._work.outbox, layout)
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
