@@ -13,6 +13,7 @@ from pathlib import Path
 
 from digest_readme import digest_section
 from host_readme import demo_section, host_section
+from profile_readme import profile_section
 
 HERE = Path(__file__).resolve().parent
 PLOT = "per_step_time.png"
@@ -49,10 +50,11 @@ digest, below), `kernel_sweep.py` (the goal scenarios under every combination of
 fields, or a hand-picked list: `results/*-kernel-sweep.txt`, older runs `*-sweep.txt`), `digest_sweep.py`
 (the digest's tile and grid, and with `--steps` its small-launch fields), `digest_mix_probe.py` (the
 digest's mixing alone) and `latency_probe.py` (one graph-replayed launch and one dependent load in L2 and
-in DRAM: the two terms of a small step's latency).
+in DRAM: the two terms of a small step's latency) and `canary_graph_profile.py` (the canary's
+before/after graph of `bench_e2e.py`'s points, node by node under torch's profiler).
 The kernel, digest, end-to-end, host-step, sweep and probe scripts store their results through
-`bench_common`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py` and
-`host_readme.py` render the digest and host-time sections of this page.
+`bench_common`'s `result_path` / `save_result`, named `<gpu>-<commit><suffix>`; `digest_readme.py`,
+`host_readme.py` and `profile_readme.py` render the digest, host-time and where-the-time-goes sections of this page.
 """
 
 TARGETS = (
@@ -108,6 +110,7 @@ def render() -> str:
             f"| {r['reference_median_us'] / 1000:.2f} | {_verdict(r)} |"
         )
     lines += _e2e_section()
+    lines += profile_section()
     lines += demo_section()
     lines += host_section()
     lines += digest_section()

@@ -1,0 +1,123 @@
+"""The "where the time goes" section of benchmarks/README.md: the canary's graph node by node
+(``canary_graph_profile.py``) and the kernels under ncu (``scripts/gpu/check_kernels.sh ncudeep``), rendered
+from the stored results, with the reading of them that the kernel goals' closing notes rely on."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+GRAPH_INTRO = (
+    "`canary_graph_profile.py` replays the canary's before/after graph of `bench_e2e.py`'s points (the same "
+    "tables) under torch's profiler: each node's device time, their sum and the replay's wall time between two "
+    "CUDA events (the pump's device-to-host copy runs after the replay, outside the wall time). The wall time "
+    "less the graph's nodes is launch and the gaps between dependent nodes: about 2.4 us a node at 1cc2958, "
+    "which is why the step's close became one launch (`ops/kernels/step_close.py`) at 35926c9."
+)
+NCU_INTRO = (
+    "ncu on one eager step per goal scenario (caches cold, clocks left alone; `results/*-ncu-deep.txt` has every "
+    "section). `occupancy` = theoretical / achieved; `memory stalls` = the share of a warp's cycles between two "
+    "issued instructions spent waiting on an L1TEX (global memory) result."
+)
+READING = """Reading (issue 18's kernel goals):
+
+- Small steps (decode at batch 1 and 32, a 16k prefill chunk) are chains of dependent steps on one or two SMs:
+  verify and stamp run on grids of 2 to 33 programs, one warp group each, at 0.2-2 % of DRAM bandwidth; each
+  warp issues an instruction every 9-13 cycles and 34-45 % of those cycles wait on memory (table entry, then the
+  record and its predecessor's link, then the marks and the finalize's atomics).  The floor (one replayed kernel,
+  0.8 us) assumes no such chain.  Fusing plan, verify and stamp into one launch with a barrier between verify and
+  stamp (d14ae1e) did not shorten it: 11.54 us against 10.89 in two launches at batch 1, 13.75 against 13.58 for
+  the prefill chunk (`results/nvidia-h200-d14ae1e-single-launch.txt`), so it was reverted.  What would: fewer
+  dependent round trips per launch (stamp's loads issued before the verify's marks are needed; one finalize for
+  both phases) and fewer instructions per warp (the int64 index arithmetic, the eight reserved-slot compares).
+- Large steps (>= 1M entries, the 4k window): the verify is 77-85 % of the step.  It runs 528 programs at 25 %
+  occupancy, capped by registers (128 a thread, 4 blocks an SM), reaches 39-44 % of DRAM bandwidth, and 54 %
+  (contiguous 64-slot runs) to 76 % (the window's random lookup) of its stall cycles wait on memory: it is
+  latency-bound, not bandwidth-bound, so the floor (bytes / copy bandwidth) is 4.7-26x away.  ncu estimates up to
+  75 % from occupancy; the sweeps of tile, warps and programs per SM (`results/*-kernel-sweep.txt`) found the
+  current point best, so the next lever is a register cap with more programs per SM, or software-pipelining the
+  next item's table loads under the current item's record loads.
+- The window scenario gathers records through a random permutation: every entry is its own 32-byte sector for
+  tokens, positions and links, so 72 % of the sectors it moves are excess (ncu; 16 % at 256 x 16k), L2 runs at
+  62 % and its cycles per instruction are 37 against 11.  The floor counts the bytes the entries need, not the
+  sectors a random gather moves, so no tuning reaches 4x of it; a lookup laid out in runs (as engines' window
+  pools are) would.
+- The graph's nodes: at batch 1 and for the prefill chunk the close kernel took the replay from 36.4 to 29.4 us
+  and 37.4 to 30.5 us (4 nodes instead of 7); at 32 x 4k the wall did not move (41.8 and 41.7 us) although the
+  nodes' work fell by 2.2 us.  One profile each; not yet understood."""
+
+
+def _graph_rows(path: Path) -> list[tuple[str, float, float, int]]:
+    """(point, wall median, the graph's nodes' device time, node count) of one canary-graph file; the pump's
+    device-to-host copy, which runs after the replay, is left out."""
+    rows: list[tuple[str, float, float, int]] = []
+    for block in path.read_text().split("## ")[1:]:
+        head = re.match(r"(\w+): \d+ replays, wall median ([\d.]+) us", block)
+        if head is None:
+            continue
+        nodes = [(float(t), int(n)) for t, n, name in re.findall(r"([\d.]+) us/replay  x(\d+)  (.+)", block)
+                 if "Memcpy DtoH" not in name]  # fmt: skip
+        rows.append((head.group(1), float(head.group(2)), sum(t for t, _ in nodes), sum(n for _, n in nodes)))
+    return rows
+
+
+def _field(block: str, pattern: str) -> str:
+    m = re.search(pattern, block)
+    return m.group(1) if m else "-"
+
+
+def _ncu_rows(path: Path) -> list[str]:
+    """One table row per profiled kernel; each scenario's launches end with its stamp."""
+    text = path.read_text()
+    names = iter(re.findall(r"^(\w+): 1 eager steps", text, re.M))
+    name = next(names, "?")
+    out = []
+    patterns = {
+        "grid": r"\(([0-9]+), 1, 1\)x",
+        "us": r"Duration\s+us\s+([\d.,]+)",
+        "regs": r"Registers Per Thread\s+register/thread\s+(\d+)",
+        "theory": r"Theoretical Occupancy\s+%\s+([\d.]+)",
+        "achieved": r"Achieved Occupancy\s+%\s+([\d.]+)",
+        "dram": r"DRAM Throughput\s+%\s+([\d.]+)",
+        "cpi": r"Warp Cycles Per Issued Instruction\s+cycle\s+([\d.]+)",
+    }
+    for b in re.split(r"\n  (?=(?:verify|stamp|plan)_kernel \()", text)[1:]:
+        kernel = b.split()[0]
+        f = {k: _field(b, pat) for k, pat in patterns.items()}
+        stall = re.findall(r"This stall type represents about ([\d.]+)% of the total", " ".join(b.split()))
+        out.append(
+            f"| {name} | {kernel} | {f['grid']} | {f['us']} | {f['regs']} | {f['theory']} / {f['achieved']} "
+            f"| {f['dram']} | {f['cpi']} | {stall[0] if stall else '-'} |"
+        )
+        if kernel == "stamp_kernel":
+            name = next(names, "?")
+    return out
+
+
+def profile_section() -> list[str]:
+    graphs = sorted(HERE.glob("results/*-canary-graph.txt"), key=lambda p: p.stat().st_mtime)
+    ncu = sorted(HERE.glob("results/*-ncu-deep.txt"), key=lambda p: p.stat().st_mtime)
+    if not graphs and not ncu:
+        return []
+    lines = ["", "## Where the time goes", ""]
+    if graphs:
+        lines += ["### The canary's graph, node by node (`canary_graph_profile.py`)", "", GRAPH_INTRO, ""]
+        lines += ["| point | commit | wall us | nodes' device time us | nodes | launch and gaps us | source |"]
+        lines.append("|---|---|---:|---:|---:|---:|---|")
+        for path in graphs:
+            commit = path.name.split("-")[2]
+            for point, wall, work, nodes in _graph_rows(path):
+                lines.append(
+                    f"| {point} | {commit} | {wall:.1f} | {work:.1f} | {nodes} | {wall - work:.1f} "
+                    f"| `{path.relative_to(HERE)}` |"
+                )
+    if ncu:
+        path = ncu[-1]
+        lines += ["", f"### The kernels under ncu (`{path.relative_to(HERE)}`)", "", NCU_INTRO, ""]
+        lines.append("| scenario | kernel | grid | us | registers | occupancy % | DRAM % | cycles / instruction "
+                     "| memory stalls % |")  # fmt: skip
+        lines.append("|---|---|---:|---:|---:|---|---:|---:|---:|")
+        lines += _ncu_rows(path)
+    return [*lines, "", READING]
