@@ -96,9 +96,16 @@ def _ncu_rows(path: Path) -> list[str]:
     return out
 
 
+def _dated(path: Path) -> str:
+    """The run's date from the file's first line (ISO, so it sorts), for an order a fresh clone keeps too."""
+    with path.open() as f:
+        m = re.search(r"\d{4}-\d\d-\d\dT[\d:]+", f.readline())
+    return m.group(0) if m else ""
+
+
 def profile_section() -> list[str]:
-    graphs = sorted(HERE.glob("results/*-canary-graph.txt"), key=lambda p: p.stat().st_mtime)
-    ncu = sorted(HERE.glob("results/*-ncu-deep.txt"), key=lambda p: p.stat().st_mtime)
+    graphs = sorted(HERE.glob("results/*-canary-graph.txt"), key=_dated)
+    ncu = sorted(HERE.glob("results/*-ncu-deep.txt"), key=_dated)
     if not graphs and not ncu:
         return []
     lines = ["", "## Where the time goes", ""]
