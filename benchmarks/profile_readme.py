@@ -96,11 +96,16 @@ def _ncu_rows(path: Path) -> list[str]:
     return out
 
 
-def _dated(path: Path) -> str:
-    """The run's date from the file's first line (ISO, so it sorts), for an order a fresh clone keeps too."""
+def _header(path: Path, pattern: str) -> str:
+    """A field of the file's first line (where the profiles keep their run's meta), or ""."""
     with path.open() as f:
-        m = re.search(r"\d{4}-\d\d-\d\dT[\d:]+", f.readline())
-    return m.group(0) if m else ""
+        m = re.search(pattern, f.readline())
+    return m.group(1) if m else ""
+
+
+def _dated(path: Path) -> str:
+    """The run's date (ISO, so it sorts), for an order a fresh clone keeps too."""
+    return _header(path, r"(\d{4}-\d\d-\d\dT[\d:]+)")
 
 
 def profile_section() -> list[str]:
@@ -114,7 +119,7 @@ def profile_section() -> list[str]:
         lines += ["| point | commit | wall us | nodes' device time us | nodes | launch and gaps us | source |"]
         lines.append("|---|---|---:|---:|---:|---:|---|")
         for path in graphs:
-            commit = path.name.split("-")[2]
+            commit = _header(path, r"'commit': '(\w+)'")
             for point, wall, work, nodes in _graph_rows(path):
                 lines.append(
                     f"| {point} | {commit} | {wall:.1f} | {work:.1f} | {nodes} | {wall - work:.1f} "
