@@ -43,6 +43,10 @@ HAND_PICKED = {
     "v128w4": _T(verify_block=128, verify_warps=4),
     "sw4": _T(stamp_warps=4),
     "s256w4": _T(stamp_block=256, stamp_warps=4, carry_block=256),
+    # The verify's registers capped so that more of its programs fit an SM (ncu: occupancy capped by registers).
+    "r64g8": _T(verify_maxnreg=64, programs_per_sm=8),
+    "r80g6": _T(verify_maxnreg=80, programs_per_sm=6),
+    "r96g5": _T(verify_maxnreg=96, programs_per_sm=5),
 }
 
 
@@ -61,7 +65,11 @@ def parse_fields(specs: list[str]) -> dict[str, tuple[int, ...]]:
 def tunings_of(args: argparse.Namespace) -> tuple[str, dict[str, launchers.KernelTuning]]:
     """(the table's label header, tunings by label): the hand-picked list or the grid's product."""
     if args.hand_picked:
-        return "tuning", dict(HAND_PICKED)
+        names = args.picked.split(",") if args.picked else list(HAND_PICKED)
+        unknown = sorted(set(names) - set(HAND_PICKED))
+        if unknown:
+            raise SystemExit(f"--picked: {unknown} not among {sorted(HAND_PICKED)}")
+        return "tuning", {n: HAND_PICKED[n] for n in names}
     grid = parse_fields(args.field)
     out = {}
     for values in itertools.product(*grid.values()):
@@ -111,6 +119,7 @@ def main() -> int:
     p.add_argument("--rotations", type=int, default=2)
     p.add_argument("--field", action="append", default=[], help="NAME=V1,V2,... (repeatable)")
     p.add_argument("--hand-picked", action="store_true", help="time HAND_PICKED instead of a grid")
+    p.add_argument("--picked", default=None, help="with --hand-picked: comma-separated names among HAND_PICKED")
     p.add_argument("--best-json", default=None, help="write the best tuning here (for bench_kernels --tuning-json)")
     p.add_argument("--scenarios", default=None, help="comma-separated names among the goal scenarios")
     p.add_argument("--dry-run", action="store_true", help="toy scenarios on the CPU interpreter (harness check)")

@@ -24,6 +24,10 @@ class KernelTuning:
     # window from 83.6 to 68.7 us; the verify is register-bound, and smaller items keep more programs an SM).
     verify_block: int = 512  # entries per verify item (a sliding window group uses min(this, window))
     verify_warps: int = 4
+    # Registers a verify thread may use (ptx .maxnreg; 0: the compiler's choice).  At large steps the verify is
+    # latency-bound with its occupancy capped by registers (ncu: 128 a thread, 4 blocks an SM, 54 % of stalls on
+    # memory), so fewer registers and more programs per SM (programs_per_sm) let more loads fly.
+    verify_maxnreg: int = 0
     stamp_block: int = 512  # tokens per stamp item
     stamp_warps: int = 8
     carry_block: int = 512  # tokens per step when the finalize re-sums a row's earlier tokens
@@ -45,6 +49,8 @@ class KernelTuning:
         for name in ("verify_warps", "stamp_warps", "programs_per_sm", "interpreter_programs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.verify_maxnreg and not 32 <= self.verify_maxnreg <= 255:
+            raise ValueError(f"verify_maxnreg must be 0 or in [32, 255], got {self.verify_maxnreg}")
         for name in ("stamp_polls", "interpreter_polls", "fuse_max_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

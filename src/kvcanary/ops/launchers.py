@@ -236,7 +236,7 @@ def _launch_verify(
         group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
         PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
         BLOCK=verify_block(group, tuning), BLOCK_B=row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
-        FUSED=fused, num_warps=tuning.verify_warps,
+        FUSED=fused, num_warps=tuning.verify_warps, maxnreg=tuning.verify_maxnreg or None,
     )  # fmt: skip
 
 
