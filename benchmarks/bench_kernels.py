@@ -8,9 +8,11 @@ allocator does.  The reference path runs eagerly on the same GPU as the baseline
 the host, so it cannot be captured).
 
 ``floor_us`` = max(bytes the step must move / measured copy bandwidth, one graph-replayed kernel),
-where the bytes are: per verified entry its table entry (and lookup entry) and its 16-byte record; per
-written token its token id, position and write slot (and lookup entry) read and its record written; per
-batch row its three lengths read and the plan's row outputs written.
+where the bytes are: per verified entry its table entry (and lookup entry), its 16-byte record and its
+8-byte read mark read and written back (the same-step check's mark, ``mark_bytes``); per written token its
+token id, position and write slot (and lookup entry) read, its record written, and its write mark swapped
+and its read mark read; per batch row its three lengths read and the plan's row outputs written.  Records
+without ``mark_bytes`` (older results) left the marks out of ``bytes``.
 
 Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``kernel_sweep.py`` times the
 goal scenarios under several tunings.
@@ -90,12 +92,18 @@ class World:
     bytes_per_step: int
 
 
+def _mark_bytes(s: Scenario) -> int:
+    """The same-step marks' traffic: each verified entry's int64 read mark read and written back (an atomic
+    max), each written token's int32 write mark read and written (a swap) and its read mark read."""
+    return s.verified * (8 + 8) + s.tokens * (4 + 4 + 8)
+
+
 def _batch_bytes(s: Scenario, lookup: bool) -> int:
     look = 4 if lookup else 0
     verify = s.verified * (4 + look + 16)
     stamp = s.tokens * (8 + 8 + 8 + look + 16)
     plan = s.batch * (3 * 4 + 4 + look + 8 + 5 * 8 + 4)  # lengths, seed gather, row outputs
-    return verify + stamp + plan
+    return verify + stamp + plan + _mark_bytes(s)
 
 
 def _stamp_prefix(
@@ -252,6 +260,7 @@ def run_main(args: argparse.Namespace, dev: torch.device) -> None:
             "p80_us": round(pct(samples, 0.8), 2),
             "entries": s.verified,
             "bytes": w.bytes_per_step,
+            "mark_bytes": _mark_bytes(s),
             "floor_us": round(floor, 2),
             "reference_median_us": round(statistics.median(ref_samples), 1),
         }

@@ -33,8 +33,9 @@ Run on a GPU machine: `PYTHONPATH=src python benchmarks/bench_kernels.py --commi
 then `python benchmarks/make_readme.py`.
 
 Columns: `median / p20 / p80` microseconds per step; `entries` verified per step; `bytes` the step must
-move (table and lookup entries and records of the verified entries; inputs and records of the written
-tokens; row lengths and plan outputs); `floor` = max(bytes / measured copy bandwidth, one
+move (table and lookup entries, records and same-step read marks of the verified entries; inputs, records
+and marks of the written tokens; row lengths and plan outputs; results without a `mark_bytes` field left
+the marks out); `floor` = max(bytes / measured copy bandwidth, one
 graph-replayed kernel); `x floor` = median / floor; `reference` = eager reference step (ms).
 
 Workload: every request's prefix is stamped and clean; each step verifies every prefix (or window)
