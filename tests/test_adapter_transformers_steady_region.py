@@ -1,5 +1,6 @@
 """The steady step's staged region: what it sends equals what the full path's pack sends for the same values, byte
-for byte; it refuses, sending nothing, when the staging moved or the truth's writes do not fit."""
+for byte, for any batch of the class (rows joining or leaving, new query lengths); it refuses, sending nothing, when
+the staging moved, the truth's writes do not fit, the batch outgrows the class or a row is left out."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ def _truth(rng: random.Random, b: int, writes: int) -> TruthUpdate:
     )
 
 
-def _full_send(staging: Staging, past: tuple[int, ...], truth: TruthUpdate, sizes: array.array[int], n_rows: int):
+def _rows(past: tuple[int, ...], query: tuple[int, ...] | None = None) -> RowPlan:
+    return RowPlan(past, query or (1,) * len(past), (True,) * len(past))
+
+
+def _full_send(staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int], n_rows: int):
     """The full path's layout (step_buffers.pack_common, then the meta and the truth's writes), sent."""
-    rows = RowPlan(past, (1,) * len(past), (True,) * len(past))
     pack = Pack()
     common = pack_common(pack, rows, truth.padded(n_rows), sizes, n_rows)
     meta = array.array("q", [len(truth.cells), 0, 0])
@@ -45,39 +49,45 @@ def test_the_region_sends_what_the_full_path_packs(b: int, n_rows: int, groups: 
     past = tuple(rng.randrange(0, 400) for _ in range(b))
     sizes = array.array("q", [rng.randrange(1, 1000) for _ in range(3 * groups)])
     full, steady = Staging(torch.device("cpu")), Staging(torch.device("cpu"))
-    pack, common, _ = _full_send(steady, past, _truth(rng, b, 5), sizes, n_rows)
+    pack, common, _ = _full_send(steady, _rows(past), _truth(rng, b, 5), sizes, n_rows)
     region = StagedRegion(pack, common, steady.generation)
-    for writes in (0, 1, 37, 5):
-        past = tuple(p + 1 for p in past)
-        truth = _truth(rng, b, writes)
+    # The same rows a token further, then batches of the class with rows gone or new and other query lengths.
+    batches = [b, b, max(1, b - 2), n_rows, 1, b] if n_rows > 1 else [1, 1, 1]
+    for k, writes in zip(batches, (0, 1, 37, 5, 2, 9), strict=False):
+        past = tuple(rng.randrange(0, 400) for _ in range(k)) if k != len(past) else tuple(p + 1 for p in past)
+        rows = _rows(past, tuple(rng.randrange(1, 9) for _ in range(k)))
+        truth = _truth(rng, k, writes)
         sizes = array.array("q", [rng.randrange(1, 1000) for _ in range(3 * groups)])
-        laid_out, *_ = _full_send(full, past, truth, sizes, n_rows)
-        assert region.send(steady, past, truth, sizes)
+        laid_out, *_ = _full_send(full, rows, truth, sizes, n_rows)
+        assert region.send(steady, rows, truth, sizes)
         want, got = full.whole(torch.int32), steady.whole(torch.int32)
         for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):  # every array (the gaps between: padding)
             at = slice(off // 4, (off + m.nbytes) // 4)
             assert torch.equal(want[at], got[at])
 
 
-def test_the_region_refuses_when_the_staging_moved_or_the_writes_do_not_fit() -> None:
+def test_the_region_refuses_when_the_staging_moved_or_the_batch_or_the_writes_do_not_fit() -> None:
     rng = random.Random(5)
     staging = Staging(torch.device("cpu"))
-    past, sizes = (10, 20), array.array("q", [3, 30, 2])
-    pack, common, _ = _full_send(staging, past, _truth(rng, 2, 3), sizes, 2)
+    sizes = array.array("q", [3, 30, 2])
+    pack, common, _ = _full_send(staging, _rows((10, 20)), _truth(rng, 2, 3), sizes, 2)
     region = StagedRegion(pack, common, staging.generation)
     before = staging.whole(torch.int32).clone()
     too_many = staging.capacity // 8
-    assert not region.send(staging, (11, 21), _truth(rng, 2, too_many), sizes)
+    assert not region.send(staging, _rows((11, 21)), _truth(rng, 2, too_many), sizes)
+    assert not region.send(staging, _rows((11, 21, 5)), _truth(rng, 3, 1), sizes)  # more rows than the class
+    left_out = RowPlan((11, 21), (1, 1), (True, False))
+    assert not region.send(staging, left_out, _truth(rng, 2, 1), sizes)  # a row the table cannot hold
     assert torch.equal(staging.whole(torch.int32), before)  # nothing sent
-    assert region.send(staging, (11, 21), _truth(rng, 2, 4), sizes)
+    assert region.send(staging, _rows((11, 21)), _truth(rng, 2, 4), sizes)
     staging.send(Pack([array.array("q", range(staging.capacity // 4))]))  # outgrows it: a new device buffer
-    assert not region.send(staging, (12, 22), _truth(rng, 2, 4), sizes)
+    assert not region.send(staging, _rows((12, 22)), _truth(rng, 2, 4), sizes)
 
 
 def test_a_pack_not_laid_out_as_the_full_path_is_refused() -> None:
     rng = random.Random(6)
     sizes = array.array("q", [1, 2, 3])
-    pack, common, _ = _full_send(Staging(torch.device("cpu")), (1, 2), _truth(rng, 2, 1), sizes, 2)
+    pack, common, _ = _full_send(Staging(torch.device("cpu")), _rows((1, 2)), _truth(rng, 2, 1), sizes, 2)
     swapped = dict(common, rows=common["prefix"], prefix=common["rows"])
     with pytest.raises(ValueError, match="must lead the pack"):
         StagedRegion(pack, swapped, 0)

@@ -1,6 +1,7 @@
-"""A steady step (the last step's batch, every row one token further, the engine's buffers where they were) hands
-out the last translation again with new values staged; every other step takes the full path.  Either way the
-batches, the table and the truth equal the torch path's, step by step.  Under the interpreter on CPU."""
+"""A steady step (a step of the last full step's shape class, the engine's buffers where they were: a decode step of
+the same requests, or one after requests left or joined when the batch is padded to a class) hands out the last
+translation again with new values staged; every other step takes the full path.  Either way the batches, the table
+and the truth equal the torch path's, step by step.  Under the interpreter on CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import torch
 pytest.importorskip("triton")
 
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.steady_step import engine_tensors
+from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
+from kvcanary.schema import NOT_STORED
 from test_adapter_transformers_cost import c_calls_by_module
 from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
 
@@ -43,8 +47,11 @@ class Groups:
 class Pair:
     """The torch path and the one-launch path with CUDA's static buffers, fed the same steps."""
 
-    def __init__(self, window: int, n: int = 3, *, windows: tuple[int, ...] | None = None) -> None:
-        """``windows``: a group per window (0: full attention) instead of the one group of ``window``."""
+    def __init__(
+        self, window: int, n: int = 3, *, windows: tuple[int, ...] | None = None, bucket: bool = False
+    ) -> None:
+        """``windows``: a group per window (0: full attention) instead of the one group of ``window``; ``bucket``:
+        the one-launch path pads each batch to a shape class, as on CUDA."""
         rids = [f"r{i}" for i in range(n)]
         tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
         tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
@@ -52,7 +59,15 @@ class Pair:
         gs = self.eng.geometries
         self.plain = StepTranslator(gs, max_batch=4, max_context=64, device=DEVICE, kernel=False, bucket=False)
         # The fused one as CUDA lays it out (static writes and truth), on the CPU too.
-        self.fused = StepTranslator(gs, max_batch=4, max_context=64, device=DEVICE, bucket=False, static=True)
+        self.fused = StepTranslator(
+            gs,
+            max_batch=4,
+            max_context=64,
+            device=DEVICE,
+            bucket=bucket,
+            static=True,
+            max_tokens=64 if bucket else None,
+        )
         self.static = StaticInputs(DEVICE)
         self.last: Translation | None = None
         self.seen: list[Translation] = []  # every translation handed out
@@ -60,23 +75,23 @@ class Pair:
     def step(
         self, queries: dict[str, int], *, fresh_buffers: bool = False, buffers: StaticInputs | None = None
     ) -> bool:
-        """One step on both, compared; whether the one-launch path handed out a translation it handed out before.
-        ``buffers``: the engine's buffer set for this step (async batching alternates two)."""
+        """One step on both, compared; whether the one-launch path's step was steady (a kept translation handed out
+        again).  ``buffers``: the engine's buffer set for this step (async batching alternates two)."""
         kwargs, host = self.eng.step(queries)
         host = growing(host)
         want = self.plain.translate(kwargs_to(kwargs, DEVICE), host)
         inputs = kwargs_to(kwargs, DEVICE) if fresh_buffers else (buffers or self.static).put(kwargs)
+        steady = self.fused.steady_steps
         got = self.fused.translate(inputs, host, defer=True)
         assert got.prelude is not None
         got.prelude.run()
-        same_batches(want, got)
+        (same_padded if self.fused.bucket else same_batches)(want, got)
         for g in self.eng.geometries:
             assert torch.equal(self.plain.tables[g.name].cpu(), self.fused.tables[g.name].cpu()), g.name
         assert got.ring_wraps == want.ring_wraps and got.request_ids == want.request_ids
-        reused = any(got is t for t in self.seen)
         self.last = got
         self.seen.append(got)
-        return reused
+        return self.fused.steady_steps > steady
 
 
 def same_batches(want: Translation, got: Translation) -> None:
@@ -87,6 +102,45 @@ def same_batches(want: Translation, got: Translation) -> None:
             if w is not None and x is not None:
                 x = x.cpu()[:, : w.shape[1]] if field == "truth" else x.cpu()  # the static truth is full width
                 assert torch.equal(w.cpu().to(x.dtype), x), field
+
+
+def same_padded(want: Translation, got: Translation) -> None:
+    """``got`` is ``want`` padded to a shape class: inert padding rows and tokens behind the same values."""
+    for name, w in want.batches.items():
+        x = got.batches[name]
+        b, n = w.batch_size, w.num_tokens
+        for field in ("rows", "prefix_lens", "extend_lens", "truth_lens"):
+            assert torch.equal(getattr(x, field)[:b].cpu(), getattr(w, field).cpu()), field
+            assert not getattr(x, field)[b:].any(), field
+        assert torch.equal(x.truth[: b + 1, : w.truth.shape[1]].cpu(), w.truth.cpu())
+        assert torch.equal(x.input_ids[:n].cpu(), w.input_ids.cpu())
+        assert torch.equal(x.positions[:n].cpu(), w.positions.cpu())
+        assert torch.equal(x.out_cache_loc[:n].cpu(), w.out_cache_loc.cpu())
+        assert (x.out_cache_loc[n:] == NOT_STORED).all()
+
+
+@pytest.mark.parametrize(
+    ("window", "steady"),
+    [(0, [True] * 5), (5, [True] * 5), (3, [True, True, False, False, True])],  # 3: a 4-token query overflows it
+)
+def test_requests_that_leave_and_join_within_the_shape_class_keep_the_step_steady(
+    window: int, steady: list[bool]
+) -> None:
+    """Padded to a class (as on CUDA), a batch that lost a request or gained one keeps the kept translation: its
+    launches read every length from the staged arrays, whose padding rows go back to zero."""
+    pair = Pair(window, n=4, bucket=True)
+    first = dict.fromkeys(["r0", "r1", "r2"], 1)
+    assert not pair.step(dict.fromkeys(first, 6))  # a prefill: the full path
+    assert not pair.step(first)  # the first decode step: a new class
+    got = [
+        pair.step(first),
+        pair.step(dict.fromkeys(["r0", "r2"], 1)),  # r1 finished
+        pair.step({"r0": 1, "r2": 1, "r3": 4}),  # r3 joins with its prompt
+        pair.step(dict.fromkeys(["r0", "r2", "r3"], 1)),
+        pair.step(dict.fromkeys(["r0", "r2", "r3"], 1)),
+    ]
+    assert got == steady
+    assert pair.last is not None and pair.last.request_ids == ("r0", "r2", "r3")
 
 
 @pytest.mark.parametrize("window", [0, 5])
@@ -176,14 +230,18 @@ def test_a_step_that_breaks_the_pattern_takes_the_full_path_and_the_next_is_stea
 
 def test_a_row_that_would_outgrow_the_table_is_not_steady() -> None:
     pair = Pair(0, n=1)
-    pair.fused._steady = None
     pair.step({"r0": 6})
     pair.step({"r0": 1})
+    kwargs, host = pair.eng.step({"r0": 1})
+    inputs = pair.static.put(kwargs)
     steady = pair.fused._steady
-    assert steady is not None and steady.next_fits
-    steady_past = dataclasses.replace(steady)
-    steady_past.advance(tuple(64 - 1 for _ in steady.next_past), 64)  # the next step would end past the table
-    assert not steady_past.next_fits
+    assert steady is not None
+    engine = engine_tensors(inputs, pair.eng.geometries)
+    assert engine is not None
+    fits = RowPlan.of(growing(host), 64)
+    assert steady.find(steady.shape, fits, engine, None) is pair.last  # the row fits: steady
+    too_long = RowPlan((63,), (2,), (False,))  # the step would end past the table
+    assert steady.find(steady.shape, too_long, engine, None) is None
 
 
 # The distinct torch callables a steady step touches: the engine tensors' addresses, the token count and index sizes,

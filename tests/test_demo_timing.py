@@ -54,4 +54,4 @@ def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> N
     stats = {"steps": 720, "tap_us": 720 * 300}
     assert host_time_lines(stats, {"steady_steps": 0}) == ["  host time in the canary: 0.30 ms per step"]
     lines = host_time_lines(stats, {"steady_steps": 448})
-    assert lines[1] == "  steady steps (the last translation of their batch reused): 448 of 720"
+    assert lines[1] == "  steady steps (a kept translation of their shape class reused): 448 of 720"

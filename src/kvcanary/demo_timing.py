@@ -27,7 +27,7 @@ _PHASE_NAMES = (
 
 def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str]:
     """Mean host time per verified step, its median, and the mean of each phase (see the adapter's TapTimer); and
-    how many steps reused the last translation of their batch (the GPU path's steady steps), where any did."""
+    how many steps reused a kept translation of their shape class (the GPU path's steady steps), where any did."""
     steps = stats["steps"]
     text = f"{stats['tap_us'] / steps / 1000:.2f} ms per step"
     if "tap_median_us" in stats:
@@ -35,9 +35,8 @@ def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str
         text += f" (median {stats['tap_median_us'] / 1000:.2f} ms; mean by phase, ms: {phases})"
     lines = [f"  host time in the canary: {text}"]
     if features.get("steady_steps"):
-        lines.append(
-            f"  steady steps (the last translation of their batch reused): {features['steady_steps']:,} of {steps:,}"
-        )
+        reused = f"{features['steady_steps']:,} of {steps:,}"
+        lines.append(f"  steady steps (a kept translation of their shape class reused): {reused}")
     return lines
 
 

@@ -50,6 +50,11 @@ def bucket(n: int, cap: int) -> int:
     return min(max(1 << (n - 1).bit_length(), SMALLEST), cap)
 
 
+def shape_class(b: int, n_tok: int, max_batch: int, max_tokens: int) -> tuple[int, int]:
+    """A step's rows and tokens rounded up to its class (the tokens within ``max_tokens``, 0: not capped below)."""
+    return bucket(b, max_batch), bucket(n_tok, max(max_tokens, n_tok))
+
+
 def pad_rows(values: Iterable[int], n: int) -> array.array[int]:
     """``values`` as int64, with zeros appended up to ``n`` entries.  A step's per-row arrays are built this
     way, in plain Python, not with numpy: the canary's step runs between two forwards of the model, with

@@ -23,7 +23,7 @@ class FeatureCounters:
     restores: int = 0  # requests whose cache came back from the CPU swap pool (mirrored)
     ring_wraps: int = 0  # sliding-window writes that overwrote an older token of the ring
     padded_steps: int = 0  # steps the engine padded (compile / CUDA graphs)
-    steady_steps: int = 0  # steps that reused the last translation of their batch (decode steps; see steady_step)
+    steady_steps: int = 0  # steps that reused a kept translation of their shape class (see steady_step)
     block_table_steps: int = 0  # steps on the decode fast path (flash block table)
     warmup_steps: int = 0  # engine warm-up forwards (fake requests), not verified
     rows_too_long: int = 0  # batch rows longer than the adapter's table, not verified

@@ -2,9 +2,11 @@
 
 A steady step's staged arrays sit at the offsets the full step gave them: first the arrays every group shares (the
 per-row ones, the index sizes; see :func:`.step_buffers.pack_common`), then the truth's meta, then the truth's
-writes, whose count varies.  All but the writes are int64 and change only in a few values (the past lengths, the
-truth's lengths and rows, the sizes, the meta), so they are kept as one int64 array laid out as the staging buffer's
-first bytes: a step sets those values in place and sends that array and the writes behind it in one copy.  That
+writes, whose count varies.  All but the writes are int64, padded to the shape class's rows, and change only in a
+few values (each row's table row and lengths, the truth's lengths and rows, the sizes, the meta), so they are kept
+as one int64 array laid out as the staging buffer's first bytes: a step sets those values in place (padding rows
+back to zero where its batch is smaller than the full step's) and sends that array and the writes behind it in
+one copy.  That
 skips building and checking each array every step, which in a serving loop runs with every CPU cache cold (each
 distinct call costs microseconds there; see :mod:`.staging`).
 """
@@ -12,9 +14,9 @@ distinct call costs microseconds there; see :mod:`.staging`).
 from __future__ import annotations
 
 import array
-from collections.abc import Sequence
 
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging, aligned
+from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate, scatter_meta
 
 # The staged arrays a steady step rewrites, in the order the full step packs them (they lead the pack).
@@ -24,7 +26,7 @@ REGION_ARRAYS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "size
 class StagedRegion:
     """The leading int64 arrays of a full step's pack, kept to be set and sent again by the steady steps after it."""
 
-    __slots__ = ("_bytes", "_gather", "_generation", "_lens", "_meta", "_prefix", "_sizes", "_words")
+    __slots__ = ("_at", "_bytes", "_generation", "_meta", "_n_rows", "_row_ids", "_sizes", "_words", "_zeros")
 
     def __init__(self, pack: Pack, common: dict[str, int], generation: int) -> None:
         """``common``: each array's index in ``pack`` by name; ``generation``: the staging's (see
@@ -41,22 +43,37 @@ class StagedRegion:
         for i in order:
             off, m = pack.offsets[i], pack.mems[i]
             self._bytes[off : off + m.nbytes] = m.cast("B")
-        self._prefix, self._lens, self._gather, self._sizes, self._meta = at[1], at[3], at[4], at[5], at[6]
+        self._at = at[:5]  # rows, prefix, extend, truth_lens, truth_gather
+        self._sizes, self._meta = at[5], at[6]
+        self._n_rows = n_rows = pack.mems[order[0]].nbytes // 8  # the class's rows (the per-row arrays' length)
+        self._row_ids = array.array("q", range(1, n_rows + 1))  # table row r + 1 for batch row r
+        self._zeros = array.array("q", bytes(8 * (n_rows + 1)))
         self._generation = generation
 
-    def send(self, staging: Staging, past: Sequence[int], truth: TruthUpdate, sizes: array.array[int]) -> bool:
-        """Set the step's values (its rows' past lengths, the truth's lengths, store rows and writes, the index
-        sizes) and send them with the truth's writes; False, sending nothing, when the staging moved since the full
-        step (its views are not the ones kept) or the writes do not fit it."""
-        words, n = self._words, len(past)
+    def send(self, staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int]) -> bool:
+        """Set the step's values (its rows' table rows and lengths, the truth's lengths, store rows and writes, the
+        index sizes) and send them with the truth's writes; False, sending nothing, when the staging moved since the
+        full step (its views are not the ones kept), the batch has more rows than the class or a row left out (the
+        full path lays those out), or the writes do not fit the staging."""
+        words, n, n_rows = self._words, rows.size, self._n_rows
         cells_at = len(self._bytes)
         tokens_at = cells_at + aligned(8 * len(truth.cells))
         end = tokens_at + 4 * len(truth.tokens)
-        if staging.generation != self._generation or end > staging.capacity:
+        if staging.generation != self._generation or end > staging.capacity or n > n_rows or rows.rows_too_long:
             return False
-        words[self._prefix : self._prefix + n] = array.array("q", past)
-        words[self._lens : self._lens + n] = truth.lens
-        words[self._gather : self._gather + n + 1] = truth.gather
+        values = (
+            self._row_ids[:n],
+            array.array("q", rows.past_lens),
+            array.array("q", rows.query_lens),
+            truth.lens,
+            truth.gather,
+        )
+        zeros = self._zeros
+        for at, v, count in zip(self._at, values, (n_rows, n_rows, n_rows, n_rows, n_rows + 1), strict=True):
+            k = len(v)
+            words[at : at + k] = v
+            if k < count:  # the padding rows (an empty slice assignment would count as a resize: refused)
+                words[at + k : at + count] = zeros[: count - k]
         words[self._sizes : self._sizes + len(sizes)] = sizes
         words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
         staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.transformers_cb import step_plan, torch_path, translate_kernel
-from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, bucket, flat, forward_tokens
+from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, flat, forward_tokens, shape_class
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging
@@ -76,6 +76,7 @@ class StepTranslator:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
         self._sliding = any(g.is_sliding for g in self.geometries)
+        self._min_window = min((g.sliding_window for g in self.geometries if g.is_sliding), default=None)
         self.max_batch = max_batch
         self.width = max_context
         self.device = torch.device(device)
@@ -102,18 +103,16 @@ class StepTranslator:
         are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
+        rows = step_plan.RowPlan.of(host, self.width)
         steady, self._steady = self._steady, None
         engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
-        last = None if engine is None or steady is None else steady.find(host, n_tok, padded, engine)
-        if last is not None and steady is not None:
-            again = self._again(steady, last, kwargs, host, n_tok)
+        if engine is not None and steady is not None:
+            again = self._again(steady, engine, kwargs, host, rows, (n_tok, padded))
             if again is not None:
                 self._steady = steady
                 self.steady_steps += 1
                 return again
-            steady = None  # the staging moved: nothing kept binds its views
         shape = self._shape(b, kwargs, n_tok)
-        rows = step_plan.RowPlan.of(host, self.width)
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         truth = self._truth.plan(host, rows.live_rows)  # the store's state moves on
         truth = truth.padded(shape.rows) if self.bucket else truth
@@ -141,7 +140,7 @@ class StepTranslator:
         if engine is not None and steady_path:
             views = tuple(dev[common[k]] for k in REGION_ARRAYS)
             region = functools.partial(StagedRegion, pack, common, self._staging.generation)
-            self._steady = SteadyStep.of(tr, host, engine, views, region, self.width, (n_tok, padded), steady)
+            self._steady = SteadyStep.of(tr, engine, views, region, self._shape_class(b, n_tok), steady)
         return tr
 
     def _batches(
@@ -187,26 +186,29 @@ class StepTranslator:
         return batches
 
     def _again(
-        self, steady: SteadyStep, last: Translation, kwargs: Mapping[str, Any], host: HostBatch, n_tok: int
-    ) -> Translation | None:
-        """A steady step (see :mod:`.steady_step`): its values staged where the last step's were, ``last`` (the
-        kept translation of its engine buffers) handed out again; None when it cannot be (the full path runs)."""
+        self, steady: SteadyStep, engine: tuple[torch.Tensor, ...], kwargs: Mapping[str, Any], host: HostBatch,
+        rows: step_plan.RowPlan, forward: tuple[int, bool],
+    ) -> Translation | None:  # fmt: skip
+        """A steady step (see :mod:`.steady_step`): its values staged where the last full step's were, the kept
+        translation of its engine buffers handed out again; None when it cannot be (the full path runs).
+        ``forward``: the forward's token count and whether the engine padded it."""
+        n_tok, padded = forward
+        last = steady.find(self._shape_class(host.batch_size, n_tok), rows, engine, self._min_window)
+        if last is None:
+            return None
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
-        truth = self._truth.plan(host, steady.live)
+        truth = self._truth.plan(host, rows.live_rows)
         assert steady.region is not None  # find() settled it
-        if not steady.region.send(self._staging, host.past_lens, truth, sizes):
+        if not steady.region.send(self._staging, rows, truth, sizes):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
+            steady.translations.clear()  # nothing kept binds the staging's views any more
             return None
-        steady.advance(host.past_lens, self.width)
-        if self._sliding:
-            wraps = step_plan.ring_wraps(
-                self.geometries, step_plan.RowPlan(host.past_lens, host.query_lens, steady.live)
-            )
-            if wraps != last.ring_wraps:
-                last = dataclasses.replace(last, ring_wraps=wraps)
-                steady.reused(last)
+        wraps = step_plan.ring_wraps(self.geometries, rows) if self._sliding else last.ring_wraps
+        if (wraps, host.request_ids, padded) != (last.ring_wraps, last.request_ids, last.padded):
+            last = dataclasses.replace(last, ring_wraps=wraps, request_ids=host.request_ids, padded=padded)
+            steady.reused(last)
         return last
 
     def _send(self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool) -> list[torch.Tensor]:
@@ -247,6 +249,10 @@ class StepTranslator:
         """Group ``i``'s three staged sizes (the view recurs with the staging's)."""
         return self._views.get((sizes.data_ptr(), i), lambda: sizes[3 * i : 3 * i + 3])
 
+    def _shape_class(self, b: int, n_tok: int) -> tuple[int, int]:
+        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded."""
+        return shape_class(b, n_tok, self.max_batch, self.max_tokens) if self.bucket else (b, n_tok)
+
     def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
         """The step's rows and token tensors: with the kernel, the translator's own buffers (the launch fills them),
         so padding to a shape class views nothing of the engine's."""
@@ -255,8 +261,7 @@ class StepTranslator:
             if not self.bucket:
                 return StepShape(b, flat(ids), flat(pos))
             return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
-        if self.bucket:
-            b, n_tok = bucket(b, self.max_batch), bucket(n_tok, max(self.max_tokens, n_tok))
+        b, n_tok = self._shape_class(b, n_tok)
         if self._stable is None:
             own = torch.empty(2, n_tok, dtype=torch.int64, device=self.device)
             return StepShape(b, own[0], own[1])
