@@ -6,6 +6,7 @@ and the truth equal the torch path's, step by step.  Under the interpreter on CP
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvcanary.adapters.transformers_cb import binding
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.steady_step import engine_tensors
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
@@ -20,7 +22,7 @@ from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.schema import NOT_STORED
 from test_adapter_transformers_cost import c_calls_by_module
-from transformers_helpers import PAGE, FakeEngine, StaticInputs, geometry, growing, kwargs_to
+from transformers_helpers import PAGE, FakeEngine, StaticInputs, demo_run, geometry, growing, kwargs_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -263,3 +265,22 @@ def test_a_steady_step_calls_no_numpy_and_few_distinct_torch_functions(window: i
     assert got[0] is pair.last  # steady
     assert "numpy" not in calls, calls["numpy"]
     assert len(calls["torch"]) <= STEADY_PATH_TORCH_CALLABLES, sorted(calls["torch"])
+
+
+@pytest.mark.parametrize(("kind", "fault"), [("dense", "slot-mapping-foreign"), ("hybrid", "window-ring-off-by-one")])
+def test_the_cuda_layout_with_its_steady_steps_changes_no_detection_on_the_engine(
+    kind: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's engine run through the translator as CUDA lays it out (one launch a group, static buffers, shape
+    classes, so requests that finish or join keep the step steady) finds what the CPU's layout finds, step by step."""
+    runs = {}
+    for cuda_layout in (False, True):
+        layout = {"static": True, "kernel": True, "bucket": True} if cuda_layout else {}
+        monkeypatch.setattr(binding, "StepTranslator", functools.partial(StepTranslator, **layout))
+        runs[cuda_layout] = demo_run(kind, fault=fault, requests=12)
+    plain, cuda = runs[False], runs[True]
+    counts = [{k: v for k, v in run.stats.items() if not k.endswith("_us")} for run in (plain, cuda)]
+    assert plain.detected and counts[0] == counts[1] and counts[0]["verified_slots"] > 0
+    assert [(r.step, r.violations) for r in plain.reports] == [(r.step, r.violations) for r in cuda.reports]
+    assert [r.affected_request_ids for r in plain.reports] == [r.affected_request_ids for r in cuda.reports]
+    assert plain.features["steady_steps"] == 0 and cuda.features["steady_steps"] > counts[0]["steps"] // 2
