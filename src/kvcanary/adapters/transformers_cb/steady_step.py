@@ -25,6 +25,7 @@ resent), and the sizes come from the index tensors.  The values are set and sent
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -62,7 +63,8 @@ def bindable(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.numel() > 0 and t.is_contiguous() for t in tensors)
 
 
-MAX_BUFFER_SETS = 4  # translations kept per batch: one per set of engine buffers (async batching alternates two)
+MAX_BUFFER_SETS = 4  # translations kept per class: one per set of engine buffers (async batching alternates two)
+MAX_CLASSES = 8  # shape classes kept (a serving loop moves between a few: decode batches, prefill chunks)
 
 
 @dataclasses.dataclass
@@ -140,3 +142,28 @@ class SteadyStep:
     def reused(self, translation: Translation) -> None:
         """The translation handed out again, replaced (its request ids or ring wraps updated) where it changed."""
         self.translations[self.last[1]] = translation
+
+
+class KeptSteps:
+    """The steady state of the last full step of each recent shape class, the least recently used dropped past
+    :data:`MAX_CLASSES`: a step of any kept class may be steady, not only one of the last step's class (a decode step
+    after a prefill chunk of another class).  Each class's translations stay valid while other classes run: a steady
+    step sends its whole staged region again, and everything else its launches read is per class or static."""
+
+    def __init__(self) -> None:
+        self._by_class: collections.OrderedDict[tuple[int, int], SteadyStep] = collections.OrderedDict()
+
+    def get(self, shape: tuple[int, int]) -> SteadyStep | None:
+        return self._by_class.get(shape)
+
+    def keep(self, step: SteadyStep) -> None:
+        self._by_class[step.shape] = step
+        self.used(step.shape)
+        if len(self._by_class) > MAX_CLASSES:
+            self._by_class.popitem(last=False)
+
+    def used(self, shape: tuple[int, int]) -> None:
+        self._by_class.move_to_end(shape)
+
+    def clear(self) -> None:
+        self._by_class.clear()

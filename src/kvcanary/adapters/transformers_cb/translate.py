@@ -22,10 +22,9 @@ slots it just wrote; a sliding group reads them through the sentinel, a reserved
 A read index that sends one of the new tokens elsewhere is therefore reported at its own step
 (``new_read_mismatch``).
 
-Cost: whatever follows from the scheduler's host-side lengths is computed on the host (:mod:`.step_plan`: plain
-Python per row, numpy per cell) and sent in one asynchronous copy (:mod:`.staging`) with only each request's
-newest truth tokens (:mod:`.truth_store`); the device work is a fixed number of ops per group, recurring views
-are handed out again (:class:`.batch_shapes.RecurringViews`), and nothing reads a device value back."""
+Cost: what follows from the host's lengths is computed on the host (:mod:`.step_plan`) and sent in one copy
+(:mod:`.staging`) with each request's newest truth tokens (:mod:`.truth_store`); a step of the last one's shape
+class reuses its translation (:mod:`.steady_step`); nothing reads a device value back."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging
 from kvcanary.adapters.transformers_cb.steady_region import REGION_ARRAYS, StagedRegion
-from kvcanary.adapters.transformers_cb.steady_step import SteadyStep, engine_tensors
+from kvcanary.adapters.transformers_cb.steady_step import KeptSteps, SteadyStep, engine_tensors
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.translation import Translation
@@ -92,7 +91,7 @@ class StepTranslator:
         self._stable = StableWrites(self.device) if static else None
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
-        self._steady: SteadyStep | None = None  # the last step, when the next may reuse its translation
+        self._kept = KeptSteps()  # by shape class: what a steady step reuses
         self.steady_steps = 0  # steps that did
         self.max_tokens = max_tokens or 0
 
@@ -104,12 +103,13 @@ class StepTranslator:
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         rows = step_plan.RowPlan.of(host, self.width)
-        steady, self._steady = self._steady, None
+        shape_class = self._shape_class(b, n_tok)
         engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
+        steady = None if engine is None else self._kept.get(shape_class)
         if engine is not None and steady is not None:
-            again = self._again(steady, engine, kwargs, host, rows, (n_tok, padded))
+            again = self._again(steady, shape_class, engine, kwargs, host, rows, (n_tok, padded))
             if again is not None:
-                self._steady = steady
+                self._kept.used(shape_class)
                 self.steady_steps += 1
                 return again
         shape = self._shape(b, kwargs, n_tok)
@@ -140,7 +140,7 @@ class StepTranslator:
         if engine is not None and steady_path:
             views = tuple(dev[common[k]] for k in REGION_ARRAYS)
             region = functools.partial(StagedRegion, pack, common, self._staging.generation)
-            self._steady = SteadyStep.of(tr, engine, views, region, self._shape_class(b, n_tok), steady)
+            self._kept.keep(SteadyStep.of(tr, engine, views, region, shape_class, steady))
         return tr
 
     def _batches(
@@ -186,14 +186,14 @@ class StepTranslator:
         return batches
 
     def _again(
-        self, steady: SteadyStep, engine: tuple[torch.Tensor, ...], kwargs: Mapping[str, Any], host: HostBatch,
-        rows: step_plan.RowPlan, forward: tuple[int, bool],
+        self, steady: SteadyStep, shape_class: tuple[int, int], engine: tuple[torch.Tensor, ...],
+        kwargs: Mapping[str, Any], host: HostBatch, rows: step_plan.RowPlan, forward: tuple[int, bool],
     ) -> Translation | None:  # fmt: skip
-        """A steady step (see :mod:`.steady_step`): its values staged where the last full step's were, the kept
-        translation of its engine buffers handed out again; None when it cannot be (the full path runs).
+        """A steady step (see :mod:`.steady_step`): its values staged where its class's last full step's were, the
+        kept translation of its engine buffers handed out again; None when it cannot be (the full path runs).
         ``forward``: the forward's token count and whether the engine padded it."""
         n_tok, padded = forward
-        last = steady.find(self._shape_class(host.batch_size, n_tok), rows, engine, self._min_window)
+        last = steady.find(shape_class, rows, engine, self._min_window)
         if last is None:
             return None
         sizes = index_sizes(kwargs, self.geometries, n_tok)
@@ -231,7 +231,7 @@ class StepTranslator:
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
         self._truth.forget()
-        self._steady = None
+        self._kept.clear()
 
     def _truth_table(
         self, truth: TruthUpdate, arrays: list[torch.Tensor], defer: bool, launches: list[translate_kernel.Launch]
