@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,12 +32,17 @@ def _rows(past: tuple[int, ...], query: tuple[int, ...] | None = None) -> RowPla
     return RowPlan(past, query or (1,) * len(past), (True,) * len(past))
 
 
-def _full_send(staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int], n_rows: int):
-    """The full path's layout (step_buffers.pack_common, then the meta and the truth's writes), sent."""
+def _full_send(
+    staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int], n_rows: int, masks: tuple = ()
+):
+    """The full path's layout (step_buffers.pack_common, then the meta, the windows' trash masks and the truth's
+    writes), sent."""
     pack = Pack()
     common = pack_common(pack, rows, truth.padded(n_rows), sizes, n_rows)
     meta = array.array("q", [len(truth.cells), 0, 0])
     common["truth_meta"] = pack.add(meta)
+    for m in masks:
+        pack.add(m)
     cells, tokens = pack.add(truth.cells), pack.add(truth.tokens)
     meta[1], meta[2] = pack.offsets[cells] // 8, pack.offsets[tokens] // 4
     staging.send(pack)
@@ -94,3 +100,29 @@ def test_a_pack_not_laid_out_as_the_full_path_is_refused() -> None:
     narrow = Pack([array.array("i", [1]), *pack.mems[1:]])
     with pytest.raises(ValueError, match="int64"):
         StagedRegion(narrow, common, 0)
+
+
+def _mask(bits: list[bool], length: int) -> memoryview:
+    return memoryview(bytearray(np.array(bits, dtype=np.bool_).tobytes()) + bytearray(length - len(bits))).cast("?")
+
+
+def test_the_windows_trash_masks_are_sent_as_the_full_path_packs_them() -> None:
+    """Each sliding group's mask, padded to the class's tokens: set where a step has one, zero where it has none."""
+    rng = random.Random(7)
+    full, steady = Staging(torch.device("cpu")), Staging(torch.device("cpu"))
+    sizes, tokens = array.array("q", [4, 9, 4, 4, 9, 4]), 16
+    masks = (_mask([True, False], tokens), _mask([], tokens))
+    pack, common, _ = _full_send(steady, _rows((3, 5)), _truth(rng, 2, 2), sizes, 4, masks)
+    region = StagedRegion(pack, common, steady.generation, [7, 8])
+    for bits in ([None, [True, True, False, True]], [[False] * 3 + [True], None], [None, None]):
+        step = [None if b is None else np.array(b, dtype=np.bool_) for b in bits]
+        laid_out, *_ = _full_send(
+            full, _rows((3, 5)), truth := _truth(rng, 2, 3), sizes, 4, tuple(_mask(b or [], tokens) for b in bits)
+        )
+        assert region.send(steady, _rows((3, 5)), truth, sizes, step)
+        want, got = full.whole(torch.int32), steady.whole(torch.int32)  # every array's bytes (16 a mask)
+        for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):
+            at = slice(off // 4, (off + m.nbytes) // 4)
+            assert torch.equal(want[at], got[at])
+    too_long = [np.ones(tokens + 1, dtype=np.bool_), None]
+    assert not region.send(steady, _rows((3, 5)), _truth(rng, 2, 1), sizes, too_long)

@@ -1,19 +1,23 @@
 """What a steady step stages (see :mod:`.steady_step`), written where the last full step packed it.
 
 A steady step's staged arrays sit at the offsets the full step gave them: first the arrays every group shares (the
-per-row ones, the index sizes; see :func:`.step_buffers.pack_common`), then the truth's meta, then the truth's
-writes, whose count varies.  All but the writes are int64, padded to the shape class's rows, and change only in a
-few values (each row's table row and lengths, the truth's lengths and rows, the sizes, the meta), so they are kept
-as one int64 array laid out as the staging buffer's first bytes: a step sets those values in place (padding rows
-back to zero where its batch is smaller than the full step's) and sends that array and the writes behind it in
-one copy.  That
-skips building and checking each array every step, which in a serving loop runs with every CPU cache cold (each
-distinct call costs microseconds there; see :mod:`.staging`).
+per-row ones, the index sizes; see :func:`.step_buffers.pack_common`), then the truth's meta, then each sliding
+group's trash mask (the class's token count of bools), then the truth's writes, whose count varies. All but the
+writes are int64, padded to the shape class's rows, and change only in a few values (each row's table row and
+lengths, the truth's lengths and rows, the sizes, the meta), so they are kept as one int64 array laid out as the
+staging buffer's first bytes: a step sets those values in place (padding rows back to zero where its batch is
+smaller than the full step's) and sends that array and the writes behind it in one copy. That skips building and
+checking each array every step, which in a serving loop runs with every CPU cache cold (each distinct call costs
+microseconds there; see :mod:`.staging`).
 """
 
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging, aligned
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
@@ -26,40 +30,50 @@ REGION_ARRAYS = ("rows", "prefix", "extend", "truth_lens", "truth_gather", "size
 class StagedRegion:
     """The leading int64 arrays of a full step's pack, kept to be set and sent again by the steady steps after it."""
 
-    __slots__ = ("_at", "_bytes", "_generation", "_meta", "_n_rows", "_row_ids", "_sizes", "_words", "_zeros")
+    __slots__ = (
+        "_at", "_bytes", "_generation", "_meta", "_n_rows", "_row_ids", "_sizes", "_trash", "_words", "_zeros",
+    )  # fmt: skip
 
-    def __init__(self, pack: Pack, common: dict[str, int], generation: int) -> None:
+    def __init__(self, pack: Pack, common: dict[str, int], generation: int, windows: Sequence[int] = ()) -> None:
         """``common``: each array's index in ``pack`` by name; ``generation``: the staging's (see
-        :attr:`.staging.Staging.generation`) when the pack was sent."""
+        :attr:`.staging.Staging.generation`) when the pack was sent; ``windows``: the sliding groups' trash masks'
+        indices in ``pack`` (right after the meta)."""
         order = [common[name] for name in REGION_ARRAYS]
-        if order != list(range(len(REGION_ARRAYS))):
+        if order + list(windows) != list(range(len(REGION_ARRAYS) + len(windows))):
             raise ValueError(f"the steady arrays must lead the pack in the order {REGION_ARRAYS}, got {order}")
-        if any(pack.mems[i].itemsize != 8 for i in order):
-            raise ValueError("the steady arrays must be int64")
+        if any(pack.mems[i].itemsize != 8 for i in order) or any(pack.mems[i].format != "?" for i in windows):
+            raise ValueError("the steady arrays must be int64 (the trash masks bool)")
         at = [pack.offsets[i] // 8 for i in order]
-        meta = order[-1]  # the last: the truth's writes follow it
-        self._words = array.array("q", bytes(pack.offsets[meta] + aligned(pack.mems[meta].nbytes)))
+        last = (order + list(windows))[-1]  # the truth's writes follow it
+        self._words = array.array("q", bytes(pack.offsets[last] + aligned(pack.mems[last].nbytes)))
         self._bytes = memoryview(self._words).cast("B")
-        for i in order:
+        self._trash = [(pack.offsets[i], pack.mems[i].nbytes) for i in windows]
+        for i in order + list(windows):
             off, m = pack.offsets[i], pack.mems[i]
             self._bytes[off : off + m.nbytes] = m.cast("B")
         self._at = at[:5]  # rows, prefix, extend, truth_lens, truth_gather
         self._sizes, self._meta = at[5], at[6]
         self._n_rows = n_rows = pack.mems[order[0]].nbytes // 8  # the class's rows (the per-row arrays' length)
         self._row_ids = array.array("q", range(1, n_rows + 1))  # table row r + 1 for batch row r
-        self._zeros = array.array("q", bytes(8 * (n_rows + 1)))
+        self._zeros = array.array("q", bytes(8 * max([n_rows + 1] + [n // 8 + 1 for _, n in self._trash])))
         self._generation = generation
 
-    def send(self, staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int]) -> bool:
+    def send(
+        self, staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int],
+        trash: Sequence[npt.NDArray[np.bool_] | None] = (),
+    ) -> bool:  # fmt: skip
         """Set the step's values (its rows' table rows and lengths, the truth's lengths, store rows and writes, the
-        index sizes) and send them with the truth's writes; False, sending nothing, when the staging moved since the
-        full step (its views are not the ones kept), the batch has more rows than the class or a row left out (the
-        full path lays those out), or the writes do not fit the staging."""
+        index sizes, each sliding group's trash mask, None: no trash) and send them with the truth's writes; False,
+        sending nothing, when the staging moved since the full step (its views are not the ones kept), the batch
+        has more rows than the class or a row left out (the full path lays those out), a mask is longer than the
+        class's tokens, or the writes do not fit the staging."""
         words, n, n_rows = self._words, rows.size, self._n_rows
         cells_at = len(self._bytes)
         tokens_at = cells_at + aligned(8 * len(truth.cells))
         end = tokens_at + 4 * len(truth.tokens)
         if staging.generation != self._generation or end > staging.capacity or n > n_rows or rows.rows_too_long:
+            return False
+        if any(m is not None and m.shape[0] > size for m, (_, size) in zip(trash, self._trash, strict=True)):
             return False
         values = (
             self._row_ids[:n],
@@ -76,5 +90,12 @@ class StagedRegion:
                 words[at + k : at + count] = zeros[: count - k]
         words[self._sizes : self._sizes + len(sizes)] = sizes
         words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
+        zero_bytes = memoryview(zeros).cast("B")
+        for mask, (off, size) in zip(trash, self._trash, strict=True):
+            k = 0
+            if mask is not None:
+                k = mask.shape[0]
+                self._bytes[off : off + k] = memoryview(mask.tobytes())
+            self._bytes[off + k : off + size] = zero_bytes[: size - k]
         staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)
         return True

@@ -12,14 +12,14 @@ cache cold.  One is kept per set of engine buffers the class has run on (transfo
 two).
 
 What makes a step steady is checked on every step, on the host's tuples and the engine's tensors: the same shape
-class, every row inside the table, no query longer than a sliding window (those writes go to the write trash by
-design, which only the full path masks), every group's key offsets long enough for the batch, and each engine tensor
-the launches read at an address a kept translation binds, with the same dtype.  The launches read the index
-tensors' lengths from the staged sizes, never from the tensors.  Contiguity is checked when a translation is kept: a
-kept launch holds the tensors it was bound to, so their memory stays allocated and a tensor at the same address is a
-view into that same memory (and reading as many elements as the staged sizes say, contiguously, stays inside it).
-The rest is as the full path computes it: the truth store plans the step as always (so a rewritten history is still
-resent), and the sizes come from the index tensors.  The values are set and sent by
+class, every row inside the table, every group's key offsets long enough for the batch, and each engine tensor the
+launches read at an address a kept translation binds, with the same dtype. (A sliding group's writes to the write
+trash by design are masked by a staged mask of the class's token count, so a prefill chunk is steady too.) The
+launches read the index tensors' lengths from the staged sizes, never from the tensors. Contiguity is checked when a
+translation is kept: a kept launch holds the tensors it was bound to, so their memory stays allocated and a tensor
+at the same address is a view into that same memory (and reading as many elements as the staged sizes say,
+contiguously, stays inside it). The rest is as the full path computes it: the truth store plans the step as always
+(so a rewritten history is still resent), and the sizes come from the index tensors. The values are set and sent by
 :class:`.steady_region.StagedRegion`.
 """
 
@@ -121,16 +121,11 @@ class SteadyStep:
         """The same class and staged views: translations of one serve the other."""
         return self.shape == other.shape and all(a is b for a, b in zip(self.views, other.views, strict=True))
 
-    def find(
-        self, shape: tuple[int, int], rows: RowPlan, engine: tuple[torch.Tensor, ...], window: int | None
-    ) -> Translation | None:
+    def find(self, shape: tuple[int, int], rows: RowPlan, engine: tuple[torch.Tensor, ...]) -> Translation | None:
         """The translation to reuse for a step of class ``shape`` and lengths ``rows`` on the engine buffers
-        ``engine``, when a kept one binds them and the step is steady (see the module docstring); else None.
-        ``window``: the smallest sliding window of the groups (None: no sliding group)."""
+        ``engine``, when a kept one binds them and the step is steady (see the module docstring); else None."""
         if shape != self.shape or rows.rows_too_long or not self.settled():
             return None
-        if window is not None and max(rows.query_lens, default=0) > window:
-            return None  # writes to the trash by design: the full path masks them
         if any(t.numel() < rows.size + 1 for t in engine[4::3]):
             return None  # key offsets too short for the batch: the full path's torch form reports it
         held, signatures = self.last

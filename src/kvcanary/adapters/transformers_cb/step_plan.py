@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from collections.abc import Sequence
 
 import numpy as np
@@ -149,6 +150,17 @@ def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool
     k = min(n, int(mask.shape[0]))
     out[:k] = mask[:k]
     return out
+
+
+def trash_bytes(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryview:
+    """:func:`trash_writes` as ``length`` bools (``length`` >= ``n``; the rest False), built without numpy where no
+    query overflows the window: the one-launch path stages it at a fixed size, so a step with trash and one without
+    bind the same launch."""
+    out = bytearray(length)
+    mask = trash_writes(g, rows, n)
+    if mask is not None:
+        out[: mask.shape[0]] = mask.tobytes()
+    return typing.cast(memoryview, memoryview(out).cast("?"))  # bools, as Pack reads the format
 
 
 def ring_wraps(geometries: Sequence[GroupGeometry], rows: RowPlan) -> int:

@@ -28,6 +28,11 @@ class GroupWork:
     n_write: int  # write entries translated (min(write index length, tokens))
     arrays: dict[str, int]
 
+    @property
+    def windowed(self) -> bool:
+        """A sliding group on the one-launch path: its trash mask is staged at the step's token count."""
+        return self.path == "kernel" and self.geometry.is_sliding
+
 
 def from_read_index(
     w: GroupWork, kwargs: Mapping[str, Any], b: int, dev: list[torch.Tensor], n_tok: int, cells: torch.Tensor

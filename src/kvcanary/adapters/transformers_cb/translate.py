@@ -75,7 +75,6 @@ class StepTranslator:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
         self._sliding = any(g.is_sliding for g in self.geometries)
-        self._min_window = min((g.sliding_window for g in self.geometries if g.is_sliding), default=None)
         self.max_batch = max_batch
         self.width = max_context
         self.device = torch.device(device)
@@ -123,7 +122,8 @@ class StepTranslator:
             for i, g in enumerate(self.geometries)
         ]
         scatter = defer and self._truth.static
-        dev = self._send(pack, common, truth, scatter=scatter)
+        trash = [(w, step_plan.trash_bytes(w.geometry, rows, w.n_write, shape.tokens)) for w in work if w.windowed]
+        dev = self._send(pack, common, truth, scatter=scatter, trash=trash)
         launches = [self._scatter(dev[common["truth_meta"]])] if scatter else []
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches = self._batches(work, kwargs, dev, common, (shape, truth_table, b, n_tok), launches, defer)
@@ -136,10 +136,10 @@ class StepTranslator:
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
-        steady_path = not rows.rows_too_long and all(w.path == "kernel" and "trash" not in w.arrays for w in work)
-        if engine is not None and steady_path:
-            views = tuple(dev[common[k]] for k in REGION_ARRAYS)
-            region = functools.partial(StagedRegion, pack, common, self._staging.generation)
+        if engine is not None and not rows.rows_too_long and all(w.path == "kernel" for w in work):
+            windows = [w.arrays["trash"] for w, _ in trash]
+            views = tuple([dev[common[k]] for k in REGION_ARRAYS] + [dev[i] for i in windows])
+            region = functools.partial(StagedRegion, pack, common, self._staging.generation, windows)
             self._kept.keep(SteadyStep.of(tr, engine, views, region, shape_class, steady))
         return tr
 
@@ -193,15 +193,16 @@ class StepTranslator:
         kept translation of its engine buffers handed out again; None when it cannot be (the full path runs).
         ``forward``: the forward's token count and whether the engine padded it."""
         n_tok, padded = forward
-        last = steady.find(shape_class, rows, engine, self._min_window)
+        last = steady.find(shape_class, rows, engine)
         if last is None:
             return None
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
         truth = self._truth.plan(host, rows.live_rows)
+        trash = [step_plan.trash_writes(g, rows, sizes[3 * i]) for i, g in enumerate(self.geometries) if g.is_sliding]
         assert steady.region is not None  # find() settled it
-        if not steady.region.send(self._staging, rows, truth, sizes):
+        if not steady.region.send(self._staging, rows, truth, sizes, trash):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             steady.translations.clear()  # nothing kept binds the staging's views any more
             return None
@@ -211,13 +212,18 @@ class StepTranslator:
             steady.reused(last)
         return last
 
-    def _send(self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool) -> list[torch.Tensor]:
-        """Pack the truth's writes (last: their count varies most, and nothing a step graph keys on sits after
-        them) and send; with ``scatter`` their write is a launch (:meth:`_scatter`) that finds them through the
-        offsets staged with them."""
+    def _send(
+        self, pack: Pack, common: dict[str, int], truth: TruthUpdate, *, scatter: bool,
+        trash: list[tuple[GroupWork, memoryview]],
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """Pack the windows' trash masks and the truth's writes (last: their count varies most, and nothing a step
+        graph keys on sits after them) and send; with ``scatter`` their write is a launch (:meth:`_scatter`) that
+        finds them through the offsets staged with them."""
         meta = scatter_meta(0, 0, 0)
         if scatter:
             common["truth_meta"] = pack.add(meta)
+        for w, mask in trash:
+            w.arrays["trash"] = pack.add(mask)
         common.update(truth_cells=pack.add(truth.cells), truth_tokens=pack.add(truth.tokens))
         if scatter:  # the meta's memory is packed already: set in place
             cells, tokens = pack.offsets[common["truth_cells"]], pack.offsets[common["truth_tokens"]]
@@ -280,9 +286,7 @@ class StepTranslator:
     ) -> GroupWork:
         n_write, n_read = sizes  # the write entries translated, the read index's length
         if kwargs.get("block_table") is None and self.kernel and translate_kernel.covers(g, rows, kwargs, n_read):
-            trash = step_plan.trash_writes(g, rows, n_write)
-            arrays = {} if trash is None else {"trash": pack.add(trash)}
-            return GroupWork(g, "kernel", None, n_write, arrays)
+            return GroupWork(g, "kernel", None, n_write, {})  # a window's trash mask: packed by _send
         entries = step_plan.group_entries(g, rows, self.width)
         arrays = {}
         if entries.count:
