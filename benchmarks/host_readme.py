@@ -178,6 +178,20 @@ DEMO_NOTES = (
     "shared helpers, no behaviour change) passed the GPU tests and ran the dense demo alone, on a faster machine: "
     "0.29 ms, 448 of 720 steps steady, share 14.9 % (pairs 17.6, 0.0, 14.9). The goals (150 and 250 us, at most "
     "5 %) are not met.",
+    "",
+    "a6c3e29 -> fe91f28 (issue 14, part 2; no device was lent in that stop, so measured on the sandbox's CPU only): "
+    "a steady step is any step of a kept shape class on the same engine buffers, not only the last batch a token "
+    "further. The staged region sets every row's table row and lengths and zeroes the padding rows of a smaller "
+    "batch, the launches' keys no longer hold the key offsets' length (the kernel reads the sizes from the "
+    "staging), the request ids are replaced where they changed, the steady state is kept per shape class (up to "
+    "8), and a sliding group's writes to the trash by design are masked by a staged mask of the class's token "
+    "count, so a prefill chunk is steady too. `steady_coverage.py` runs the demo's workloads with the translator "
+    "laid out as on CUDA, its launches under Triton's interpreter (`results/cpu-dry-run-{a6c3e29,6a428c0}-"
+    "steady.json`): steady steps 448 -> 716 of 720 (dense), 179 -> 347 of 352 (hybrid), 462 -> 556 of 560 "
+    "(sliding); the old counts equal the GPU demo's; the same verified slots, no violation. The translation "
+    "phase's mean on that CPU (caches cold after the interpreter's work) 151 -> 129, 219 -> 176 and 152 -> 152 "
+    "us: a steady step there still costs 120-170 us of cold Python (the truth's plan per row, the engine tensors' "
+    "sizes and addresses, the staging). The device figures are to be measured.",
 )
 
 
