@@ -35,10 +35,15 @@ READING = """Reading (issue 18's kernel goals):
 - Large steps (>= 1M entries, the 4k window): the verify is 77-85 % of the step.  It runs 528 programs at 25 %
   occupancy, capped by registers (128 a thread, 4 blocks an SM), reaches 39-44 % of DRAM bandwidth, and 54 %
   (contiguous 64-slot runs) to 76 % (the window's random lookup) of its stall cycles wait on memory: it is
-  latency-bound, not bandwidth-bound, so the floor (bytes / copy bandwidth) is 4.7-26x away.  ncu estimates up to
-  75 % from occupancy; the sweeps of tile, warps and programs per SM (`results/*-kernel-sweep.txt`) found the
-  current point best, so the next lever is a register cap with more programs per SM, or software-pipelining the
-  next item's table loads under the current item's record loads.
+  latency-bound, not bandwidth-bound, so the floor (bytes / copy bandwidth) is 4.7-26x away.  Part of that was
+  the floor's count: the verify also reads and writes back each entry's 8-byte read mark (an atomic max, for the
+  same-step checks), which the bytes left out until a6c3e29 (ncu: about 155 MB moved at 256 x 16k against 84 MB
+  counted); counted, the 1cc2958 times sit at 4.7x (128 x 16k), 4.1x (256 x 4k), 2.6x (256 x 16k) and 15.8x (the
+  window).  ncu estimates up to 75 % from occupancy; the sweeps of tile, warps and programs per SM
+  (`results/*-kernel-sweep.txt`) found the current point best.  A register cap (`KernelTuning.verify_maxnreg`)
+  is the lever left to measure (a first device sweep, whose files were lost, saw about 10 % at 256 x 16k and
+  1.2 us lost at batch 1), then software-pipelining the next item's table loads under the current item's
+  record loads.
 - The window scenario gathers records through a random permutation: every entry is its own 32-byte sector for
   tokens, positions and links, so 72 % of the sectors it moves are excess (ncu; 16 % at 256 x 16k), L2 runs at
   62 % and its cycles per instruction are 37 against 11.  The floor counts the bytes the entries need, not the
