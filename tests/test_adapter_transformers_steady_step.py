@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 from typing import Any
 
 import pytest
@@ -280,3 +281,20 @@ def test_the_cuda_layout_with_its_steady_steps_changes_no_detection_on_the_engin
     assert [(r.step, r.violations) for r in plain.reports] == [(r.step, r.violations) for r in cuda.reports]
     assert [r.affected_request_ids for r in plain.reports] == [r.affected_request_ids for r in cuda.reports]
     assert plain.features["steady_steps"] == 0 and cuda.features["steady_steps"] > counts[0]["steps"] // 2
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("window", [0, 3, 5])
+def test_random_joins_leaves_and_chunks_translate_each_step_as_the_torch_path(window: int, seed: int) -> None:
+    """Random batches of one class (requests joining, leaving, coming back, chunks of 1-5 tokens, some past a
+    window): every step, steady or not, translates as the torch path does."""
+    rng = random.Random(seed)
+    pair = Pair(window, n=4, bucket=True)
+    pair.step(dict.fromkeys(["r0", "r1", "r2"], 6))
+    cap = 6 * PAGE  # each request's block table
+    for _ in range(12):
+        queries = {r: min(rng.choice([1, 1, 1, 2, 5]), cap - pair.eng.past[r]) for r in pair.eng.tables}
+        queries = {r: q for r, q in queries.items() if q > 0 and rng.random() < 0.75}
+        if queries:
+            pair.step(queries)  # compared with the torch path, field by field, and the tables
+    assert pair.fused.steady_steps >= 4
