@@ -115,14 +115,12 @@ def test_the_windows_trash_masks_are_sent_as_the_full_path_packs_them() -> None:
     pack, common, _ = _full_send(steady, _rows((3, 5)), _truth(rng, 2, 2), sizes, 4, masks)
     region = StagedRegion(pack, common, steady.generation, [7, 8])
     for bits in ([None, [True, True, False, True]], [[False] * 3 + [True], None], [None, None]):
-        step = [None if b is None else np.array(b, dtype=np.bool_) for b in bits]
-        laid_out, *_ = _full_send(
-            full, _rows((3, 5)), truth := _truth(rng, 2, 3), sizes, 4, tuple(_mask(b or [], tokens) for b in bits)
-        )
+        step = tuple(_mask(b or [], tokens) for b in bits)  # as step_plan.trash_bytes builds them
+        laid_out, *_ = _full_send(full, _rows((3, 5)), truth := _truth(rng, 2, 3), sizes, 4, step)
         assert region.send(steady, _rows((3, 5)), truth, sizes, step)
         want, got = full.whole(torch.int32), steady.whole(torch.int32)  # every array's bytes (16 a mask)
         for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):
             at = slice(off // 4, (off + m.nbytes) // 4)
             assert torch.equal(want[at], got[at])
-    too_long = [np.ones(tokens + 1, dtype=np.bool_), None]
+    too_long = [_mask([True] * (tokens + 1), tokens + 1), _mask([], tokens)]
     assert not region.send(steady, _rows((3, 5)), _truth(rng, 2, 1), sizes, too_long)

@@ -16,9 +16,6 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging, aligned
 from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate, scatter_meta
@@ -55,25 +52,25 @@ class StagedRegion:
         self._sizes, self._meta = at[5], at[6]
         self._n_rows = n_rows = pack.mems[order[0]].nbytes // 8  # the class's rows (the per-row arrays' length)
         self._row_ids = array.array("q", range(1, n_rows + 1))  # table row r + 1 for batch row r
-        self._zeros = array.array("q", bytes(8 * max([n_rows + 1] + [n // 8 + 1 for _, n in self._trash])))
+        self._zeros = array.array("q", bytes(8 * (n_rows + 1)))
         self._generation = generation
 
     def send(
         self, staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int],
-        trash: Sequence[npt.NDArray[np.bool_] | None] = (),
+        trash: Sequence[memoryview] = (),
     ) -> bool:  # fmt: skip
         """Set the step's values (its rows' table rows and lengths, the truth's lengths, store rows and writes, the
-        index sizes, each sliding group's trash mask, None: no trash) and send them with the truth's writes; False,
-        sending nothing, when the staging moved since the full step (its views are not the ones kept), the batch
-        has more rows than the class or a row left out (the full path lays those out), a mask is longer than the
-        class's tokens, or the writes do not fit the staging."""
+        index sizes, each sliding group's trash mask as :func:`.step_plan.trash_bytes` builds it) and send them with
+        the truth's writes; False, sending nothing, when the staging moved since the full step (its views are not the
+        ones kept), the batch has more rows than the class or a row left out (the full path lays those out), a mask
+        is not the class's token count long, or the writes do not fit the staging."""
         words, n, n_rows = self._words, rows.size, self._n_rows
         cells_at = len(self._bytes)
         tokens_at = cells_at + aligned(8 * len(truth.cells))
         end = tokens_at + 4 * len(truth.tokens)
         if staging.generation != self._generation or end > staging.capacity or n > n_rows or rows.rows_too_long:
             return False
-        if any(m is not None and m.shape[0] > size for m, (_, size) in zip(trash, self._trash, strict=True)):
+        if any(m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
             return False
         values = (
             self._row_ids[:n],
@@ -90,12 +87,7 @@ class StagedRegion:
                 words[at + k : at + count] = zeros[: count - k]
         words[self._sizes : self._sizes + len(sizes)] = sizes
         words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
-        zero_bytes = memoryview(zeros).cast("B")
         for mask, (off, size) in zip(trash, self._trash, strict=True):
-            k = 0
-            if mask is not None:
-                k = mask.shape[0]
-                self._bytes[off : off + k] = memoryview(mask.tobytes())
-            self._bytes[off + k : off + size] = zero_bytes[: size - k]
+            self._bytes[off : off + size] = mask.cast("B")
         staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)
         return True

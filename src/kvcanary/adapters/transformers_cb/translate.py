@@ -200,7 +200,8 @@ class StepTranslator:
         if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
             return None
         truth = self._truth.plan(host, rows.live_rows)
-        trash = [step_plan.trash_writes(g, rows, sizes[3 * i]) for i, g in enumerate(self.geometries) if g.is_sliding]
+        windows = [(g, sizes[3 * i]) for i, g in enumerate(self.geometries) if g.is_sliding]
+        trash = [step_plan.trash_bytes(g, rows, n, shape_class[1]) for g, n in windows]  # at the class's tokens
         assert steady.region is not None  # find() settled it
         if not steady.region.send(self._staging, rows, truth, sizes, trash):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
