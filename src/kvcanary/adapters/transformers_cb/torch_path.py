@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import step_plan
+from kvcanary.adapters.transformers_cb import step_plan, translate_kernel
 from kvcanary.adapters.transformers_cb.batch_shapes import flat
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.staging import Pack
 from kvcanary.adapters.transformers_cb.step_buffers import pad_writes
 from kvcanary.schema import NOT_STORED
 
@@ -32,6 +33,48 @@ class GroupWork:
     def windowed(self) -> bool:
         """A sliding group on the one-launch path: its trash mask is staged at the step's token count."""
         return self.path == "kernel" and self.geometry.is_sliding
+
+
+def plan_group(
+    g: GroupGeometry, rows: step_plan.RowPlan, kwargs: Mapping[str, Any], pack: Pack, sizes: tuple[int, int, int],
+    *, one_launch: bool, width: int,
+) -> GroupWork:  # fmt: skip
+    """A group's work this step, its host arrays added to ``pack``.  ``sizes``: the write entries translated, the
+    read index's length and the scheduler's query tokens; ``one_launch``: the read-index path may be one Triton launch
+    (:mod:`.translate_kernel`; a window's trash mask is then packed by the translator at the class's token count);
+    ``width``: the table's."""
+    n_write, n_read, num_tokens = sizes
+    if one_launch and translate_kernel.covers(g, rows, kwargs, n_read):
+        return GroupWork(g, "kernel", None, n_write, {})
+    entries = step_plan.group_entries(g, rows, width)
+    arrays = {}
+    if entries.count:
+        arrays["cells"] = pack.add(entries.cells)
+    if entries.edges.shape[0]:
+        arrays["edges"] = pack.add(entries.edges)
+    block_table = kwargs.get("block_table")
+    if block_table is not None:
+        bt = block_table[g.index]
+        lookups = step_plan.block_lookups(g, rows, entries, (int(bt.shape[0]), int(bt.shape[1])))
+        arrays.update(
+            bt_row=pack.add(lookups.bt_row),
+            bt_col=pack.add(lookups.bt_col),
+            page_offset=pack.add(lookups.page_offset),
+            in_table=pack.add(lookups.in_table),
+        )
+        return GroupWork(g, "block_table", entries, num_tokens, arrays)
+    if entries.count:
+        arrays.update(
+            row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
+        )
+        if n_read == 0 and bool(entries.new.any()):
+            # No row reads the cache (a batch of first chunks): attention takes the new tokens' K/V
+            # directly, so their cells hold the sentinel (reserved: nothing read from the pool to check).
+            arrays["new_cells"] = pack.add(entries.cells[entries.new])
+    trash = step_plan.trash_writes(g, rows, n_write)
+    if trash is not None:
+        arrays["trash"] = pack.add(trash)
+    return GroupWork(g, "torch", entries, n_write, arrays)
 
 
 def from_read_index(

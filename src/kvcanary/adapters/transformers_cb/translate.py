@@ -117,10 +117,14 @@ class StepTranslator:
         truth = truth.padded(shape.rows) if self.bucket else truth
         pack = Pack()
         common = pack_common(pack, rows, truth, sizes, shape.rows)  # the arrays every group shares
+        one_launch = self.kernel and kwargs.get("block_table") is None
         work = [
-            self._plan_group(g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1]), host.num_tokens)
+            torch_path.plan_group(
+                g, rows, kwargs, pack, (sizes[3 * i], sizes[3 * i + 1], host.num_tokens),
+                one_launch=one_launch, width=self.width,
+            )
             for i, g in enumerate(self.geometries)
-        ]
+        ]  # fmt: skip
         scatter = defer and self._truth.static
         trash = [(w, step_plan.trash_bytes(w.geometry, rows, w.n_write, shape.tokens)) for w in work if w.windowed]
         dev = self._send(pack, common, truth, scatter=scatter, trash=trash)
@@ -273,50 +277,6 @@ class StepTranslator:
             own = torch.empty(2, n_tok, dtype=torch.int64, device=self.device)
             return StepShape(b, own[0], own[1])
         return StepShape(b, self._stable.view("input_ids", n_tok), self._stable.view("positions", n_tok))
-
-    # ------------------------------------------------------------------ host plan
-
-    def _plan_group(
-        self,
-        g: GroupGeometry,
-        rows: step_plan.RowPlan,
-        kwargs: Mapping[str, Any],
-        pack: Pack,
-        sizes: tuple[int, int],
-        num_tokens: int,
-    ) -> GroupWork:
-        n_write, n_read = sizes  # the write entries translated, the read index's length
-        if kwargs.get("block_table") is None and self.kernel and translate_kernel.covers(g, rows, kwargs, n_read):
-            return GroupWork(g, "kernel", None, n_write, {})  # a window's trash mask: packed by _send
-        entries = step_plan.group_entries(g, rows, self.width)
-        arrays = {}
-        if entries.count:
-            arrays["cells"] = pack.add(entries.cells)
-        if entries.edges.shape[0]:
-            arrays["edges"] = pack.add(entries.edges)
-        block_table = kwargs.get("block_table")
-        if block_table is not None:
-            bt = block_table[g.index]
-            lookups = step_plan.block_lookups(g, rows, entries, (int(bt.shape[0]), int(bt.shape[1])))
-            arrays.update(
-                bt_row=pack.add(lookups.bt_row),
-                bt_col=pack.add(lookups.bt_col),
-                page_offset=pack.add(lookups.page_offset),
-                in_table=pack.add(lookups.in_table),
-            )
-            return GroupWork(g, "block_table", entries, num_tokens, arrays)
-        if entries.count:
-            arrays.update(
-                row=pack.add(entries.row), offset=pack.add(entries.offset), expected=pack.add(entries.expected_seg)
-            )
-            if n_read == 0 and bool(entries.new.any()):
-                # No row reads the cache (a batch of first chunks): attention takes the new tokens' K/V
-                # directly, so their cells hold the sentinel (reserved: nothing read from the pool to check).
-                arrays["new_cells"] = pack.add(entries.cells[entries.new])
-        trash = step_plan.trash_writes(g, rows, n_write)
-        if trash is not None:
-            arrays["trash"] = pack.add(trash)
-        return GroupWork(g, "torch", entries, n_write, arrays)
 
     # ------------------------------------------------------------------ device work
 
