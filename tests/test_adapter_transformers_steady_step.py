@@ -17,8 +17,6 @@ pytest.importorskip("triton")
 
 from kvcanary.adapters.transformers_cb import binding
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
-from kvcanary.adapters.transformers_cb.steady_step import engine_tensors
-from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.schema import NOT_STORED
@@ -231,16 +229,15 @@ def test_a_row_that_would_outgrow_the_table_is_not_steady() -> None:
     pair = Pair(0, n=1)
     pair.step({"r0": 6})
     pair.step({"r0": 1})
+    assert pair.step({"r0": 1})
     kwargs, host = pair.eng.step({"r0": 1})
     inputs = pair.static.put(kwargs)
-    steady = pair.fused._kept.get((1, 1))  # one row, one token
-    assert steady is not None
-    engine = engine_tensors(inputs, pair.eng.geometries)
-    assert engine is not None
-    fits = RowPlan.of(growing(host), 64)
-    assert steady.find(steady.shape, fits, engine) is pair.last  # the row fits: steady
-    too_long = RowPlan((63,), (2,), (False,))  # the step would end past the table
-    assert steady.find(steady.shape, too_long, engine) is None
+    before = pair.fused.steady_steps
+    too_long = dataclasses.replace(growing(host), past_lens=(64,))  # the step would end past the table (64 wide)
+    got = pair.fused.translate(inputs, too_long, defer=True)
+    assert pair.fused.steady_steps == before and got.rows_too_long == 1  # the full path left the row out
+    again = pair.fused.translate(inputs, growing(host), defer=True)  # the same step, the row fitting: steady
+    assert pair.fused.steady_steps == before + 1 and again.rows_too_long == 0
 
 
 # The distinct torch callables a steady step touches: the engine tensors' addresses, the token count and index sizes,

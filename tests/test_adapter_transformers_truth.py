@@ -94,7 +94,7 @@ def test_rows_left_out_get_row_zero_and_no_truth() -> None:
 def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> None:
     width = 400
     store = TruthStore(2, width, torch.device("cpu"))
-    reqs = {"a": (list(range(1, 100)), [5]), "b": (list(range(200, 260)), [6])}
+    reqs = {"a": (list(range(1, 300)), [5]), "b": (list(range(200, 260)), [6])}
 
     def step() -> tuple[int, torch.Tensor]:
         host = HostBatch(("a", "b"), (0, 0), (1, 1), tuple(History(*reqs[r]) for r in ("a", "b")))
@@ -105,7 +105,11 @@ def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> Non
             assert got[r + 1, :n].tolist() == want[r + 1, :n].tolist()
         return len(up.cells), got
 
-    assert step()[0] == 100 + 61  # first sight: whole histories
+    assert step()[0] == 300 + 61  # first sight: whole histories ('a' longer than the window the store keeps)
+    reqs["a"][1][-1] = 998  # right after a long first send: its newest token rewritten, then one more
+    reqs["a"][1].append(9)
+    reqs["b"][1].append(9)
+    assert step()[0] == 2 + 1
     for k in range(5):
         for rid in reqs:
             reqs[rid][1].append(10 + k)

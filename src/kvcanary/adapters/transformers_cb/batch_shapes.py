@@ -38,8 +38,14 @@ def forward_tokens(kwargs: Mapping[str, Any], host: HostBatch, max_batch: int) -
             f"the scheduler planned {host.num_tokens} query tokens but the forward received {n_tok}: "
             "the host batch and the forward kwargs are out of step"
         )
+    return n_tok, forward_padded(kwargs, b, n_tok, host.num_tokens)
+
+
+def forward_padded(kwargs: Mapping[str, Any], rows: int, n_tok: int, n_query: int) -> bool:
+    """Whether the engine padded the forward: more tokens than the ``n_query`` planned, or more query rows than the
+    batch's ``rows``."""
     cu_q = kwargs.get("cu_seq_lens_q")
-    return n_tok, n_tok > host.num_tokens or (cu_q is not None and cu_q.numel() > b + 1)
+    return n_tok > n_query or (cu_q is not None and cu_q.numel() > rows + 1)
 
 
 def bucket(n: int, cap: int) -> int:

@@ -27,39 +27,40 @@ class History(Sequence[int]):
 
     TAIL = 64  # twice the truth store's refresh window (see truth_store.REFRESH)
 
-    __slots__ = ("_generated", "_initial", "_n", "_tail", "_tail_start")
+    __slots__ = ("_generated", "_initial", "size", "tail", "tail_start")
 
     def __init__(self, initial: Sequence[int], generated: Sequence[int]) -> None:
         self._initial, self._generated = initial, generated
-        self._n = len(initial) + len(generated)
-        self._tail_start = start = max(0, self._n - self.TAIL)
+        # Public for the truth store's per-row loop (attribute reads, not calls): the length and the tail's copy.
+        self.size = n = len(initial) + len(generated)
+        self.tail_start = start = max(0, n - self.TAIL)
         k = len(initial)
-        self._tail = list(initial[start:]) + list(generated) if start < k else list(generated[start - k :])
+        self.tail = list(initial[start:]) + list(generated) if start < k else list(generated[start - k :])
 
     def __len__(self) -> int:
-        return self._n
+        return self.size
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` (clamped to the history)."""
-        start, stop = max(0, start), min(stop, self._n)
+        start, stop = max(0, start), min(stop, self.size)
         if start >= stop:
             return []
-        if start >= self._tail_start:
-            return self._tail[start - self._tail_start : stop - self._tail_start]
+        if start >= self.tail_start:
+            return self.tail[start - self.tail_start : stop - self.tail_start]
         k = len(self._initial)
-        old = self._tail_start if stop > self._tail_start else stop
+        old = self.tail_start if stop > self.tail_start else stop
         head = list(self._initial[start : min(old, k)])
         if old > k:
             head += self._generated[max(start, k) - k : old - k]
         head += [UNKNOWN_TOKEN] * (old - start - len(head))  # the engine dropped some: unknown
-        return head + self._tail[: max(0, stop - self._tail_start)]
+        return head + self.tail[: max(0, stop - self.tail_start)]
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
-            return self.tokens(0, self._n)[index]
-        i = index + self._n if index < 0 else index
-        if not 0 <= i < self._n:
-            raise IndexError(f"history index {index} out of range for length {self._n}")
+            return self.tokens(0, self.size)[index]
+        i = index + self.size if index < 0 else index
+        if not 0 <= i < self.size:
+            raise IndexError(f"history index {index} out of range for length {self.size}")
         return self.tokens(i, i + 1)[0]
 
 

@@ -17,7 +17,6 @@ import array
 from collections.abc import Sequence
 
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging, aligned
-from kvcanary.adapters.transformers_cb.step_plan import RowPlan
 from kvcanary.adapters.transformers_cb.truth_store import TruthUpdate, scatter_meta
 
 # The staged arrays a steady step rewrites, in the order the full step packs them (they lead the pack).
@@ -56,26 +55,28 @@ class StagedRegion:
         self._generation = generation
 
     def send(
-        self, staging: Staging, rows: RowPlan, truth: TruthUpdate, sizes: array.array[int],
-        trash: Sequence[memoryview] = (),
+        self, staging: Staging, lengths: tuple[Sequence[int], Sequence[int]], truth: TruthUpdate,
+        sizes: array.array[int], trash: Sequence[memoryview] = (),
     ) -> bool:  # fmt: skip
-        """Set the step's values (its rows' table rows and lengths, the truth's lengths, store rows and writes, the
-        index sizes, each sliding group's trash mask as :func:`.step_plan.trash_bytes` builds it) and send them with
-        the truth's writes; False, sending nothing, when the staging moved since the full step (its views are not the
-        ones kept), the batch has more rows than the class or a row left out (the full path lays those out), a mask
-        is not the class's token count long, or the writes do not fit the staging."""
-        words, n, n_rows = self._words, rows.size, self._n_rows
+        """Set the step's values (its rows' table rows and ``lengths``, past and query, every row in the table: the
+        full path lays out rows left out; the truth's lengths, store rows and writes; the index sizes; each sliding
+        group's trash mask as :func:`.step_plan.trash_bytes` builds it) and send them with the truth's writes; False,
+        sending nothing, when the staging moved since the full step (its views are not the ones kept), the batch has
+        more rows than the class, a mask is not the class's token count long, or the writes do not fit the staging."""
+        words, n_rows = self._words, self._n_rows
+        past, query = lengths
+        n = len(past)
         cells_at = len(self._bytes)
         tokens_at = cells_at + aligned(8 * len(truth.cells))
         end = tokens_at + 4 * len(truth.tokens)
-        if staging.generation != self._generation or end > staging.capacity or n > n_rows or rows.rows_too_long:
+        if staging.generation != self._generation or end > staging.capacity or n > n_rows:
             return False
         if any(m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
             return False
         values = (
             self._row_ids[:n],
-            array.array("q", rows.past_lens),
-            array.array("q", rows.query_lens),
+            array.array("q", past),
+            array.array("q", query),
             truth.lens,
             truth.gather,
         )

@@ -25,6 +25,7 @@ contiguously, stays inside it). The rest is as the full path computes it: the tr
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.steady_region import StagedRegion
-from kvcanary.adapters.transformers_cb.step_plan import RowPlan
+from kvcanary.adapters.transformers_cb.step_buffers import group_writes
 from kvcanary.adapters.transformers_cb.translation import Translation
 
 
@@ -55,6 +56,26 @@ def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry
 def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
     """What a launch bound to ``engine`` depends on (see the module docstring): each tensor's address and dtype."""
     return tuple([(t.data_ptr(), t.dtype) for t in engine])
+
+
+def engine_reading(
+    kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry], rows: int
+) -> tuple[tuple[object, ...], array.array[int], int] | None:
+    """For a step of ``rows`` batch rows, in one pass over the engine tensors a one-launch step binds (see
+    :func:`engine_tensors`): their signatures, the step's index sizes (:func:`.step_buffers.index_sizes`) and the
+    forward's token count; None when there are no such tensors, a group's read index is empty (the kernel does not
+    cover it) or its key offsets are too short for the batch (the full path's torch form reports that)."""
+    engine = engine_tensors(kwargs, geometries)
+    if engine is None:
+        return None
+    n_tok = engine[0].numel()
+    sizes: list[int] = []
+    for write, read, keys in zip(engine[2::3], engine[3::3], engine[4::3], strict=True):
+        n_read = read.numel()
+        if n_read == 0 or keys.numel() < rows + 1:
+            return None
+        sizes += (group_writes(write.numel(), n_tok), n_read, n_tok)
+    return _signatures(engine), array.array("q", sizes), n_tok
 
 
 def bindable(tensors: Sequence[torch.Tensor]) -> bool:
@@ -78,7 +99,7 @@ class SteadyStep:
     translations: dict[tuple[object, ...], Translation]  # by the engine tensors' signatures
     pending: tuple[Translation, tuple[torch.Tensor, ...], Callable[[], StagedRegion]] | None  # not yet keyed
     region: StagedRegion | None = None  # where a steady step sets and sends its values (once keyed)
-    last: tuple[tuple[torch.Tensor, ...], tuple[object, ...]] = ((), ())  # held, and its signatures
+    last: tuple[object, ...] = ()  # the signatures of the engine tensors last found
 
     @classmethod
     def of(
@@ -112,8 +133,8 @@ class SteadyStep:
             self.pending = None
             if not bindable(engine):
                 return False
-            self.last = (engine, _signatures(engine))
-            self.translations[self.last[1]] = translation
+            self.last = _signatures(engine)
+            self.translations[self.last] = translation
             self.region = region()
         return self.region is not None
 
@@ -121,22 +142,18 @@ class SteadyStep:
         """The same class and staged views: translations of one serve the other."""
         return self.shape == other.shape and all(a is b for a, b in zip(self.views, other.views, strict=True))
 
-    def find(self, shape: tuple[int, int], rows: RowPlan, engine: tuple[torch.Tensor, ...]) -> Translation | None:
-        """The translation to reuse for a step of class ``shape`` and lengths ``rows`` on the engine buffers
-        ``engine``, when a kept one binds them and the step is steady (see the module docstring); else None."""
-        if shape != self.shape or rows.rows_too_long or not self.settled():
+    def find(self, signatures: tuple[object, ...]) -> Translation | None:
+        """The translation to reuse for a step of this class whose engine tensors have ``signatures`` (see
+        :func:`engine_reading`), when a kept one binds them; else None.  The caller has checked the rest of what
+        makes the step steady (see the module docstring)."""
+        if not self.settled():
             return None
-        if any(t.numel() < rows.size + 1 for t in engine[4::3]):
-            return None  # key offsets too short for the batch: the full path's torch form reports it
-        held, signatures = self.last
-        if len(held) != len(engine) or not all(t is h for t, h in zip(engine, held, strict=True)):
-            signatures = _signatures(engine)
-            self.last = (engine, signatures)
+        self.last = signatures
         return self.translations.get(signatures)
 
     def reused(self, translation: Translation) -> None:
         """The translation handed out again, replaced (its request ids or ring wraps updated) where it changed."""
-        self.translations[self.last[1]] = translation
+        self.translations[self.last] = translation
 
 
 class KeptSteps:

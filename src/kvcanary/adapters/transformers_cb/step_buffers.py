@@ -41,8 +41,13 @@ def index_sizes(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry], 
     write, read = kwargs["write_index"], kwargs["read_index"]
     sizes: list[int] = []
     for g in geometries:
-        sizes += (min(int(write[g.index].numel()), n_tok), int(read[g.index].numel()), n_tok)
+        sizes += (group_writes(write[g.index].numel(), n_tok), read[g.index].numel(), n_tok)
     return array.array("q", sizes)
+
+
+def group_writes(n_write: int, n_tok: int) -> int:
+    """A group's write entries translated: its write index's length, at most the forward's token count."""
+    return n_write if n_write < n_tok else n_tok
 
 
 def pad_writes(out: torch.Tensor, n_tok: int) -> torch.Tensor:

@@ -24,17 +24,16 @@ I64 = npt.NDArray[np.int64]
 MAX_ENTRIES = 1 << 30  # per group and step; keeps a rejected segment's offsets (-2^30 + offset) negative
 
 
-@dataclasses.dataclass(frozen=True)
 class RowPlan:
     """Per batch row: past and query lengths, and whether the row fits the table (``live``).
 
     Kept as the host's tuples; the numpy forms are made on first use, by the paths that compute per-cell arrays.
     The one-launch path needs only per-row values, built in plain Python (see
-    :func:`~kvcanary.adapters.transformers_cb.batch_shapes.pad_rows`)."""
+    :func:`~kvcanary.adapters.transformers_cb.batch_shapes.pad_rows`).  A plain class, not a frozen dataclass: it is
+    built every step, cold (see :mod:`.staging`), and a frozen dataclass's initialiser is several times dearer."""
 
-    past_lens: tuple[int, ...]
-    query_lens: tuple[int, ...]
-    live_rows: tuple[bool, ...]
+    def __init__(self, past_lens: tuple[int, ...], query_lens: tuple[int, ...], live_rows: tuple[bool, ...]) -> None:
+        self.past_lens, self.query_lens, self.live_rows = past_lens, query_lens, live_rows
 
     @classmethod
     def of(cls, host: HostBatch, width: int) -> RowPlan:

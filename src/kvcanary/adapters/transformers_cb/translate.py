@@ -30,18 +30,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvcanary.adapters.transformers_cb import step_plan, torch_path, translate_kernel
-from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, StepShape, flat, forward_tokens, shape_class
+from kvcanary.adapters.transformers_cb.batch_shapes import (
+    RecurringViews,
+    StepShape,
+    flat,
+    forward_padded,
+    forward_tokens,
+    shape_class,
+)
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.staging import Pack, Staging
 from kvcanary.adapters.transformers_cb.steady_region import REGION_ARRAYS, StagedRegion
-from kvcanary.adapters.transformers_cb.steady_step import KeptSteps, SteadyStep, engine_tensors
+from kvcanary.adapters.transformers_cb.steady_step import KeptSteps, SteadyStep, engine_reading, engine_tensors
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites, index_sizes, pack_common
 from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.translation import Translation
@@ -99,18 +107,15 @@ class StepTranslator:
     def translate(self, kwargs: Mapping[str, Any], host: HostBatch, *, defer: bool = False) -> Translation:
         """The step's batches.  ``defer``: the truth gather (a static store's) and the one-launch groups' launches
         are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
+        if defer and self.kernel and self._truth.static:
+            again = self._again(kwargs, host)
+            if again is not None:
+                return again
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         rows = step_plan.RowPlan.of(host, self.width)
         shape_class = self._shape_class(b, n_tok)
         engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
-        steady = None if engine is None else self._kept.get(shape_class)
-        if engine is not None and steady is not None:
-            again = self._again(steady, shape_class, engine, kwargs, host, rows, (n_tok, padded))
-            if again is not None:
-                self._kept.used(shape_class)
-                self.steady_steps += 1
-                return again
         shape = self._shape(b, kwargs, n_tok)
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         truth = self._truth.plan(host, rows.live_rows)  # the store's state moves on
@@ -144,7 +149,7 @@ class StepTranslator:
             windows = [w.arrays["trash"] for w, _ in trash]
             views = tuple([dev[common[k]] for k in REGION_ARRAYS] + [dev[i] for i in windows])
             region = functools.partial(StagedRegion, pack, common, self._staging.generation, windows)
-            self._kept.keep(SteadyStep.of(tr, engine, views, region, shape_class, steady))
+            self._kept.keep(SteadyStep.of(tr, engine, views, region, shape_class, self._kept.get(shape_class)))
         return tr
 
     def _batches(
@@ -189,32 +194,42 @@ class StepTranslator:
             shape.positions[:n_tok].copy_(flat(kwargs["position_ids"]))
         return batches
 
-    def _again(
-        self, steady: SteadyStep, shape_class: tuple[int, int], engine: tuple[torch.Tensor, ...],
-        kwargs: Mapping[str, Any], host: HostBatch, rows: step_plan.RowPlan, forward: tuple[int, bool],
-    ) -> Translation | None:  # fmt: skip
+    def _again(self, kwargs: Mapping[str, Any], host: HostBatch) -> Translation | None:
         """A steady step (see :mod:`.steady_step`): its values staged where its class's last full step's were, the
-        kept translation of its engine buffers handed out again; None when it cannot be (the full path runs).
-        ``forward``: the forward's token count and whether the engine padded it."""
-        n_tok, padded = forward
-        last = steady.find(shape_class, rows, engine)
-        if last is None:
+        kept translation of its engine buffers handed out again; None when it is not one (the full path runs, and
+        reports what is wrong with the step).  One function on purpose: it runs every step with the CPU caches cold,
+        where each call costs microseconds (see :mod:`.staging`)."""
+        past, query = host.past_lens, host.query_lens
+        b = len(past)
+        if not 0 < b <= self.max_batch or max(map(operator.add, past, query)) > self.width:
+            return None  # a row the table cannot hold, or too many: the full path leaves out or refuses
+        reading = engine_reading(kwargs, self.geometries, b)
+        if reading is None:
             return None
-        sizes = index_sizes(kwargs, self.geometries, n_tok)
-        if not all(sizes[1::3]):  # a group with no read index: the kernel does not cover it
+        signatures, sizes, n_tok = reading
+        n_query, shape = sum(query), self._shape_class(b, n_tok)
+        steady = self._kept.get(shape)
+        last = None if steady is None or n_query > n_tok else steady.find(signatures)
+        if last is None or steady is None:
             return None
-        truth = self._truth.plan(host, rows.live_rows)
-        windows = [(g, sizes[3 * i]) for i, g in enumerate(self.geometries) if g.is_sliding]
-        trash = [step_plan.trash_bytes(g, rows, n, shape_class[1]) for g, n in windows]  # at the class's tokens
+        truth = self._truth.plan(host, (True,) * b)
+        rows = step_plan.RowPlan(past, query, (True,) * b) if self._sliding else None  # what windows need
+        trash = [] if rows is None else [
+            step_plan.trash_bytes(g, rows, sizes[3 * i], shape[1])  # at the class's tokens
+            for i, g in enumerate(self.geometries) if g.is_sliding
+        ]  # fmt: skip
         assert steady.region is not None  # find() settled it
-        if not steady.region.send(self._staging, rows, truth, sizes, trash):
+        if not steady.region.send(self._staging, (past, query), truth, sizes, trash):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             steady.translations.clear()  # nothing kept binds the staging's views any more
             return None
-        wraps = step_plan.ring_wraps(self.geometries, rows) if self._sliding else last.ring_wraps
+        wraps = last.ring_wraps if rows is None else step_plan.ring_wraps(self.geometries, rows)
+        padded = forward_padded(kwargs, b, n_tok, n_query)
         if (wraps, host.request_ids, padded) != (last.ring_wraps, last.request_ids, last.padded):
             last = dataclasses.replace(last, ring_wraps=wraps, request_ids=host.request_ids, padded=padded)
             steady.reused(last)
+        self._kept.used(shape)
+        self.steady_steps += 1
         return last
 
     def _send(

@@ -30,6 +30,7 @@ from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
 REFRESH = History.TAIL // 2  # positions before a request's newest sent token compared (and resent if changed)
+_KEPT = 4 * REFRESH  # a request's sent window kept as built up to this length, else cut to its last REFRESH
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +75,10 @@ class TruthStore:
 
     def plan(self, host: HostBatch, live: Sequence[bool]) -> TruthUpdate:
         """What to send for ``host`` (rows with ``live`` False get row 0 and length 0)."""
-        # One pass of plain Python over the rows, no numpy: it runs every step for every request.
-        width, tail, sent_map = self.width, REFRESH, self._sent
+        # One pass of plain Python over the rows, no numpy and no calls in the usual row: it runs every step for
+        # every request, with the CPU caches cold (see batch_shapes.pad_rows).
+        width, refresh, sent_map = self.width, REFRESH, self._sent
+        find, recent = sent_map.get, sent_map.move_to_end
         gather = [0]  # table row 0, then per batch row its store row (0: left out)
         lens: list[int] = []  # per batch row: its valid length
         cells: list[int] = []
@@ -85,27 +88,29 @@ class TruthStore:
                 gather.append(0)
                 lens.append(0)
                 continue
-            entry = sent_map.get(rid)
+            entry = find(rid)
             if entry is None:
                 entry = sent_map[rid] = _Sent(self._take_row(host.request_ids))
             else:
-                sent_map.move_to_end(rid)
-            n = len(hist)
-            n = n if n < width else width
+                recent(rid)
+            h = hist if type(hist) is History else History([int(t) for t in hist], ())
+            n = h.size if h.size < width else width
             stop = entry.n if entry.n < n else n  # the compared window: REFRESH positions before stop
-            start = stop - tail if stop > tail else 0
-            new = hist.tokens(start, n) if type(hist) is History else _tokens(hist, start, n)
-            m, off = stop - start, start - entry.n + len(entry.tail)
-            if m > 0 and off >= 0 and new[:m] == entry.tail[off : off + m]:
+            start = stop - refresh if stop > refresh else 0
+            at = h.tail_start
+            new = h.tail[start - at : n - at] if start >= at else h.tokens(start, n)
+            m, off = stop - start, start - entry.start
+            if m > 0 and off >= 0 and new[:m] == entry.sent[off : off + m]:
                 skip = m  # the usual step: nothing resent
             else:
                 skip = entry.same_prefix(start, stop, new)
             tokens += new[skip:] if skip else new
-            entry.n, entry.tail = n, new[-tail:]
+            cells += range(entry.row * width + start + skip, entry.row * width + n)
+            if n - start > _KEPT:  # a long first send: keep its last REFRESH only
+                start, new = n - refresh, new[-refresh:]
+            entry.n, entry.start, entry.sent = n, start, new
             gather.append(entry.row)
             lens.append(n)
-            first = entry.row * width + start + skip
-            cells += range(first, entry.row * width + n)
         return TruthUpdate(
             gather=array.array("q", gather),
             lens=array.array("q", lens),
@@ -212,22 +217,23 @@ class TruthScatter:
 
 
 class _Sent:
-    """A request's store row, how many of its tokens the row holds, and its last ``REFRESH`` of them as sent."""
+    """A request's store row, how many of its tokens the row holds, and the tokens last compared or sent: positions
+    ``start ..`` up to ``n`` (the step's whole window, kept as the step built it: no copy)."""
 
-    __slots__ = ("n", "row", "tail")
+    __slots__ = ("n", "row", "sent", "start")
 
     def __init__(self, row: int) -> None:
-        self.row, self.n = row, 0
-        self.tail: list[int] = []
+        self.row, self.n, self.start = row, 0, 0
+        self.sent: list[int] = []
 
     def same_prefix(self, start: int, stop: int, tokens: list[int]) -> int:
         """How many of ``tokens`` (positions ``start ..``) before ``stop`` the row already holds as they are."""
-        m, off = stop - start, start - (self.n - len(self.tail))
-        if m <= 0 or off < 0:  # off < 0: a rewind past the tail kept here; send everything
+        m, off = stop - start, start - self.start
+        if m <= 0 or off < 0:  # off < 0: a rewind past the window kept here; send everything
             return 0
-        if tokens[:m] == self.tail[off : off + m]:
+        if tokens[:m] == self.sent[off : off + m]:
             return m
-        return next(i for i in range(m) if tokens[i] != self.tail[off + i])
+        return next(i for i in range(m) if tokens[i] != self.sent[off + i])
 
 
 def _int32(tokens: list[int]) -> array.array[int]:
@@ -236,9 +242,3 @@ def _int32(tokens: list[int]) -> array.array[int]:
         return array.array("i", tokens)
     except OverflowError:  # an id outside int32 (never a real vocabulary's): wrapped, as a cast would
         return array.array("i", [(t + (1 << 31)) % (1 << 32) - (1 << 31) for t in tokens])
-
-
-def _tokens(hist: Sequence[int], start: int, stop: int) -> list[int]:
-    if isinstance(hist, History):
-        return hist.tokens(start, stop)
-    return [int(t) for t in hist[start:stop]]
