@@ -245,3 +245,20 @@ def test_a_hashed_key_equals_only_an_equal_key() -> None:
     a, b = HashedKey((1, (2, "x"))), HashedKey((1, (2, "x")))
     assert a == b and hash(a) == hash(b) == hash((1, (2, "x"))) and a != HashedKey((1, (2, "y")))
     assert a != (1, (2, "x"))  # the graphs hold one kind of key: a wrapped one never matches a bare tuple
+
+
+def test_the_mappings_of_every_kept_steady_translation_keep_their_keys() -> None:
+    """The transformers adapter keeps a translation per shape class and engine buffer set (up to 8 x 4); a loop
+    cycling through that many mappings computes each one's key once, not again after every few others."""
+    from kvcanary.adapters.transformers_cb.steady_step import MAX_BUFFER_SETS, MAX_CLASSES
+    from kvcanary.runtime.step_graphs import StepKeys
+
+    ordered: list[int] = []
+    keys = StepKeys(lambda batches: (ordered.append(1), list(batches.values()))[1])
+    wl = Workload()
+    batch = wl.batch([(1, 4)], truth=True)
+    mappings = [{"full": batch} for _ in range(MAX_CLASSES * MAX_BUFFER_SETS)]
+    for _ in range(3):
+        for m in mappings:
+            keys(m, None)
+    assert len(ordered) == len(mappings)

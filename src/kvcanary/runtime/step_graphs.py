@@ -104,10 +104,11 @@ class BatchKeys:
 class StepKeys:
     """A step's batches in group order and its graph key (with the prelude's), remembered twice over: by the
     identity of the batch tensors (:class:`BatchKeys`), and by the identity of the ``batches`` mapping and prelude
-    that an adapter hands again unchanged (the transformers adapter's steady steps; a few, one per engine buffer
-    set).  The mappings and preludes are held, so their ids stay theirs."""
+    that an adapter hands again unchanged (the transformers adapter's steady steps: one per shape class and engine
+    buffer set, up to 32; the limit leaves room for the full steps' new mappings between two clears).  The mappings
+    and preludes are held, so their ids stay theirs."""
 
-    def __init__(self, order: Callable[[Mapping[str, StepBatch]], list[StepBatch]], limit: int = 8) -> None:
+    def __init__(self, order: Callable[[Mapping[str, StepBatch]], list[StepBatch]], limit: int = 64) -> None:
         self._order = order
         self._batch_keys = BatchKeys()
         self._known: dict[tuple[int, int], tuple[object, object, list[StepBatch], HashedKey]] = {}
