@@ -32,6 +32,10 @@ def test_history_reads_prompt_then_generated_and_freezes_its_length_and_tail() -
     assert len(h) == n and h[-1] == 9
     del prompt[5:]  # the engine dropped old tokens (never done; read as unknown, not as garbage)
     assert h[10] == UNKNOWN_TOKEN  # older than the tail copied at capture
+    long_gen = list(range(3 * History.TAIL))  # the whole tail among the generated tokens
+    h = History([1, 2], long_gen)
+    long_gen[-1] = -5  # rewritten after capture: the capture's value stands
+    assert h[-1] == 3 * History.TAIL - 1 and h.tokens(0, 3) == [1, 2, 0]
 
 
 def naive(histories: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvcanary.schema import UNKNOWN_TOKEN
 
+_TAIL = 64  # History.TAIL, as a module constant for its initialiser (no class attribute lookup)
 WARMUP_PREFIX = "__warmup_"  # request ids of transformers' warm-up batches (fake requests, never-written KV)
 
 
@@ -25,17 +26,23 @@ class History(Sequence[int]):
     engine no longer holds reads as the unknown token (not checked).
     """
 
-    TAIL = 64  # twice the truth store's refresh window (see truth_store.REFRESH)
+    TAIL = _TAIL  # twice the truth store's refresh window (see truth_store.REFRESH)
 
     __slots__ = ("_generated", "_initial", "size", "tail", "tail_start")
 
     def __init__(self, initial: Sequence[int], generated: Sequence[int]) -> None:
         self._initial, self._generated = initial, generated
         # Public for the truth store's per-row loop (attribute reads, not calls): the length and the tail's copy.
-        self.size = n = len(initial) + len(generated)
-        self.tail_start = start = max(0, n - self.TAIL)
+        # Built once per request and step, cold: no calls beyond the slices (each a copy already for a list).
         k = len(initial)
-        self.tail = list(initial[start:]) + list(generated) if start < k else list(generated[start - k :])
+        self.size = n = k + len(generated)
+        self.tail_start = start = n - _TAIL if n > _TAIL else 0
+        if start >= k:
+            tail = generated[start - k :]
+        else:
+            tail = list(initial[start:])
+            tail += generated
+        self.tail = tail if type(tail) is list else list(tail)
 
     def __len__(self) -> int:
         return self.size
