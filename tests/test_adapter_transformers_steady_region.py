@@ -109,7 +109,8 @@ def _mask(bits: list[bool], length: int) -> memoryview:
 
 
 def test_the_windows_trash_masks_are_sent_as_the_full_path_packs_them() -> None:
-    """Each sliding group's mask, padded to the class's tokens: set where a step has one, zero where it has none."""
+    """Each sliding group's mask, padded to the class's tokens: set where a step has one, zero where it has none (None:
+    cleared where the last step's mask, or the full step's, had one)."""
     rng = random.Random(7)
     full, steady = Staging(torch.device("cpu")), Staging(torch.device("cpu"))
     sizes, tokens = array.array("q", [4, 9, 4, 4, 9, 4]), 16
@@ -119,7 +120,8 @@ def test_the_windows_trash_masks_are_sent_as_the_full_path_packs_them() -> None:
     for bits in ([None, [True, True, False, True]], [[False] * 3 + [True], None], [None, None]):
         step = tuple(_mask(b or [], tokens) for b in bits)  # as step_plan.trash_bytes builds them
         laid_out, *_ = _full_send(full, _rows((3, 5)), truth := _truth(rng, 2, 3), sizes, 4, step)
-        assert region.send(steady, _lengths(_rows((3, 5))), truth, sizes, step)
+        masks_or_none = tuple(None if b is None else m for b, m in zip(bits, step, strict=True))  # trash_mask's
+        assert region.send(steady, _lengths(_rows((3, 5))), truth, sizes, masks_or_none)
         want, got = full.whole(torch.int32), steady.whole(torch.int32)  # every array's bytes (16 a mask)
         for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):
             at = slice(off // 4, (off + m.nbytes) // 4)

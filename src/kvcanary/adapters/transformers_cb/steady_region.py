@@ -27,7 +27,8 @@ class StagedRegion:
     """The leading int64 arrays of a full step's pack, kept to be set and sent again by the steady steps after it."""
 
     __slots__ = (
-        "_at", "_bytes", "_generation", "_meta", "_n_rows", "_row_ids", "_sizes", "_trash", "_words", "_zeros",
+        "_at", "_bytes", "_generation", "_masked", "_meta", "_n_rows", "_row_ids", "_sizes", "_trash", "_words",
+        "_zeros",
     )  # fmt: skip
 
     def __init__(self, pack: Pack, common: dict[str, int], generation: int, windows: Sequence[int] = ()) -> None:
@@ -44,6 +45,7 @@ class StagedRegion:
         self._words = array.array("q", bytes(pack.offsets[last] + aligned(pack.mems[last].nbytes)))
         self._bytes = memoryview(self._words).cast("B")
         self._trash = [(pack.offsets[i], pack.mems[i].nbytes) for i in windows]
+        self._masked = [True] * len(windows)  # whether a mask may hold a True (else all False: nothing to clear)
         for i in order + list(windows):
             off, m = pack.offsets[i], pack.mems[i]
             self._bytes[off : off + m.nbytes] = m.cast("B")
@@ -56,13 +58,14 @@ class StagedRegion:
 
     def send(
         self, staging: Staging, lengths: tuple[Sequence[int], Sequence[int]], truth: TruthUpdate,
-        sizes: array.array[int], trash: Sequence[memoryview] = (),
+        sizes: array.array[int], trash: Sequence[memoryview | None] = (),
     ) -> bool:  # fmt: skip
         """Set the step's values (its rows' table rows and ``lengths``, past and query, every row in the table: the
         full path lays out rows left out; the truth's lengths, store rows and writes; the index sizes; each sliding
-        group's trash mask as :func:`.step_plan.trash_bytes` builds it) and send them with the truth's writes; False,
-        sending nothing, when the staging moved since the full step (its views are not the ones kept), the batch has
-        more rows than the class, a mask is not the class's token count long, or the writes do not fit the staging."""
+        group's trash mask as :func:`.step_plan.trash_mask` builds it, None for all False) and send them with the
+        truth's writes; False, sending nothing, when the staging moved since the full step (its views are not the
+        ones kept), the batch has more rows than the class, a mask is not the class's token count long, or the
+        writes do not fit the staging."""
         words, n_rows = self._words, self._n_rows
         past, query = lengths
         n = len(past)
@@ -71,7 +74,7 @@ class StagedRegion:
         end = tokens_at + 4 * len(truth.tokens)
         if staging.generation != self._generation or end > staging.capacity or n > n_rows:
             return False
-        if any(m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
+        if any(m is not None and m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
             return False
         values = (
             self._row_ids[:n],
@@ -88,7 +91,11 @@ class StagedRegion:
                 words[at + k : at + count] = zeros[: count - k]
         words[self._sizes : self._sizes + len(sizes)] = sizes
         words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
-        for mask, (off, size) in zip(trash, self._trash, strict=True):
-            self._bytes[off : off + size] = mask.cast("B")
+        for i, (mask, (off, size)) in enumerate(zip(trash, self._trash, strict=True)):
+            if mask is not None:
+                self._bytes[off : off + size] = mask.cast("B")
+            elif self._masked[i]:
+                self._bytes[off : off + size] = bytes(size)
+            self._masked[i] = mask is not None
         staging.send_at(self._bytes, ((cells_at, truth.cells), (tokens_at, truth.tokens)), end)
         return True

@@ -155,6 +155,14 @@ def trash_bytes(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryv
     """:func:`trash_writes` as ``length`` bools (``length`` >= ``n``; the rest False), built without numpy where no
     query overflows the window: the one-launch path stages it at a fixed size, so a step with trash and one without
     bind the same launch."""
+    mask = trash_mask(g, rows, n, length)
+    return typing.cast(memoryview, memoryview(bytearray(length)).cast("?")) if mask is None else mask
+
+
+def trash_mask(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryview | None:
+    """:func:`trash_bytes`, or None where it is all False (no query overflows the window: most steps)."""
+    if not g.is_sliding or max(rows.query_lens, default=0) <= g.sliding_window:
+        return None
     out = bytearray(length)
     mask = trash_writes(g, rows, n)
     if mask is not None:
@@ -164,12 +172,14 @@ def trash_bytes(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryv
 
 def ring_wraps(geometries: Sequence[GroupGeometry], rows: RowPlan) -> int:
     """Over the sliding groups of window W, the stored writes at positions >= W: each overwrote the ring slot of
-    position - W (plain Python: per row)."""
+    position - W.  A row stores its query's last W writes, ``[end - min(q, W), end)``.  Plain Python with no
+    calls: it runs every step of a sliding model, per row."""
     wraps = 0
     for window in [g.sliding_window for g in geometries if g.is_sliding]:
         for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
             end = p + q
-            stored_from = max(window, end - min(q, window))
+            stored_from = end - (q if q < window else window)
+            stored_from = stored_from if stored_from > window else window
             if ok and end > stored_from:
                 wraps += end - stored_from
     return wraps

@@ -28,7 +28,6 @@ class reuses its translation (:mod:`.steady_step`); nothing reads a device value
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from collections.abc import Mapping, Sequence
@@ -215,7 +214,7 @@ class StepTranslator:
         truth = self._truth.plan(host, (True,) * b)
         rows = step_plan.RowPlan(past, query, (True,) * b) if self._sliding else None  # what windows need
         trash = [] if rows is None else [
-            step_plan.trash_bytes(g, rows, sizes[3 * i], shape[1])  # at the class's tokens
+            step_plan.trash_mask(g, rows, sizes[3 * i], shape[1])  # at the class's tokens
             for i, g in enumerate(self.geometries) if g.is_sliding
         ]  # fmt: skip
         assert steady.region is not None  # find() settled it
@@ -226,7 +225,7 @@ class StepTranslator:
         wraps = last.ring_wraps if rows is None else step_plan.ring_wraps(self.geometries, rows)
         padded = forward_padded(kwargs, b, n_tok, n_query)
         if (wraps, host.request_ids, padded) != (last.ring_wraps, last.request_ids, last.padded):
-            last = dataclasses.replace(last, ring_wraps=wraps, request_ids=host.request_ids, padded=padded)
+            last = last.again(host.request_ids, wraps, padded)
             steady.reused(last)
         self._kept.used(shape)
         self.steady_steps += 1

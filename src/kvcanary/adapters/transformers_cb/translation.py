@@ -20,3 +20,10 @@ class Translation:
     padded: bool  # the engine padded the batch (compile / CUDA graphs)
     block_table: bool  # decode fast path
     prelude: translate_kernel.Launches | None = None  # with ``defer``: the group launches still to run
+
+    def again(self, request_ids: tuple[str, ...], ring_wraps: int, padded: bool) -> Translation:
+        """This translation handed out again by a steady step, with that step's counts (built directly: a steady step
+        runs cold, where :func:`dataclasses.replace` costs several times more)."""
+        return Translation(
+            self.batches, request_ids, self.rows_too_long, ring_wraps, padded, self.block_table, self.prelude
+        )
