@@ -29,7 +29,6 @@ class reuses its translation (:mod:`.steady_step`); nothing reads a device value
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,6 +97,7 @@ class StepTranslator:
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
         self._kept = KeptSteps()  # by shape class: what a steady step reuses
+        self._classes: dict[tuple[int, int], tuple[int, int]] = {}  # (rows, tokens) -> their shape class
         self.steady_steps = 0  # steps that did
         self.max_tokens = max_tokens or 0
 
@@ -198,15 +198,19 @@ class StepTranslator:
         kept translation of its engine buffers handed out again; None when it is not one (the full path runs, and
         reports what is wrong with the step).  One function on purpose: it runs every step with the CPU caches cold,
         where each call costs microseconds (see :mod:`.staging`)."""
-        past, query = host.past_lens, host.query_lens
-        b = len(past)
-        if not 0 < b <= self.max_batch or max(map(operator.add, past, query)) > self.width:
-            return None  # a row the table cannot hold, or too many: the full path leaves out or refuses
+        past, query, width = host.past_lens, host.query_lens, self.width
+        b, n_query = len(past), 0
+        if not 0 < b <= self.max_batch:
+            return None
+        for p, q in zip(past, query, strict=True):
+            if p + q > width:
+                return None  # a row the table cannot hold: the full path leaves it out
+            n_query += q
         reading = engine_reading(kwargs, self.geometries, b)
         if reading is None:
             return None
         signatures, sizes, n_tok = reading
-        n_query, shape = sum(query), self._shape_class(b, n_tok)
+        shape = self._shape_class(b, n_tok)
         steady = self._kept.get(shape)
         last = None if steady is None or n_query > n_tok else steady.find(signatures)
         if last is None or steady is None:
@@ -275,8 +279,15 @@ class StepTranslator:
         return self._views.get((sizes.data_ptr(), i), lambda: sizes[3 * i : 3 * i + 3])
 
     def _shape_class(self, b: int, n_tok: int) -> tuple[int, int]:
-        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded."""
-        return shape_class(b, n_tok, self.max_batch, self.max_tokens) if self.bucket else (b, n_tok)
+        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded
+        (remembered: one lookup a step, no calls)."""
+        got = self._classes.get((b, n_tok))
+        if got is None:
+            if len(self._classes) >= 4096:
+                self._classes.clear()
+            got = shape_class(b, n_tok, self.max_batch, self.max_tokens) if self.bucket else (b, n_tok)
+            self._classes[b, n_tok] = got
+        return got
 
     def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
         """The step's rows and token tensors: with the kernel, the translator's own buffers (the launch fills them),

@@ -81,6 +81,7 @@ class TruthStore:
         find, recent = sent_map.get, sent_map.move_to_end
         gather = [0]  # table row 0, then per batch row its store row (0: left out)
         lens: list[int] = []  # per batch row: its valid length
+        widest = 1
         cells: list[int] = []
         tokens: list[int] = []
         for rid, hist, ok in zip(host.request_ids, host.truth, live, strict=True):
@@ -111,10 +112,11 @@ class TruthStore:
             entry.n, entry.start, entry.sent = n, start, new
             gather.append(entry.row)
             lens.append(n)
+            widest = n if n > widest else widest
         return TruthUpdate(
             gather=array.array("q", gather),
             lens=array.array("q", lens),
-            width=max(1, max(lens, default=0)),
+            width=widest,
             cells=array.array("q", cells),
             tokens=_int32(tokens),
         )
