@@ -188,3 +188,15 @@ def test_the_truth_scatter_stays_inside_the_store_and_the_buffer_whatever_its_me
     flat = store.table.view(-1).tolist()
     if written is not None:  # (in bounds either way; compute-sanitizer is what proves that on a GPU)
         assert {c: v for c, v in enumerate(flat) if v != UNKNOWN_TOKEN} == written
+
+
+def test_a_new_request_takes_the_row_of_the_least_recently_used_one() -> None:
+    store = TruthStore(2, 8, torch.device("cpu"))
+
+    def sent(rid: str) -> int:
+        host = HostBatch((rid,), (0,), (1,), (History([ord(rid)] * 3, []),))
+        return len(store.plan(host, [True]).cells)
+
+    assert (sent("a"), sent("b"), sent("a")) == (3, 3, 0)  # 'b' is now the least recently used
+    assert sent("c") == 3  # takes b's row
+    assert (sent("a"), sent("b")) == (0, 3)  # 'a' kept its row; 'b' is sent whole again

@@ -19,7 +19,6 @@ padding row's and the rows-left-out truth.
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -33,16 +32,23 @@ REFRESH = History.TAIL // 2  # positions before a request's newest sent token co
 _KEPT = 4 * REFRESH  # a request's sent window kept as built up to this length, else cut to its last REFRESH
 
 
-@dataclasses.dataclass(frozen=True)
 class TruthUpdate:
     """One step's host side: where each batch row's truth lives, its valid length, and the cells to write (int64
-    arrays, the tokens int32: plain ``array.array``, built without numpy, see :func:`.batch_shapes.pad_rows`)."""
+    arrays, the tokens int32: plain ``array.array``, built without numpy, see :func:`.batch_shapes.pad_rows`).  A
+    plain slotted class, not a frozen dataclass: it is built every step with the caches cold, and a frozen
+    dataclass's initialiser goes through a path nothing else on the step touches."""
 
-    gather: array.array[int]  # store row of table row t (t = 0: row 0), b + 1 entries
-    lens: array.array[int]  # valid truth length per batch row (0 for rows left out)
-    width: int  # columns the step's truth needs (at least 1)
-    cells: array.array[int]  # flat cells of the store to write
-    tokens: array.array[int]  # their tokens (int32)
+    __slots__ = ("cells", "gather", "lens", "tokens", "width")
+
+    def __init__(
+        self, gather: array.array[int], lens: array.array[int], width: int, cells: array.array[int],
+        tokens: array.array[int],
+    ) -> None:  # fmt: skip
+        self.gather = gather  # store row of table row t (t = 0: row 0), b + 1 entries
+        self.lens = lens  # valid truth length per batch row (0 for rows left out)
+        self.width = width  # columns the step's truth needs (at least 1)
+        self.cells = cells  # flat cells of the store to write
+        self.tokens = tokens  # their tokens (int32)
 
     def padded(self, rows: int) -> TruthUpdate:
         """The update for a batch padded to ``rows`` rows (see
@@ -64,7 +70,8 @@ class TruthStore:
         self._out_rows: RecurringViews[torch.Tensor] = RecurringViews()
         self._flat = self.table.view(-1)
         self._rows = rows
-        self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
+        self._sent: dict[str, _Sent] = {}
+        self._plans = 0  # steps planned: each request's last one is its entry's stamp (least recently used first)
         self._free = list(range(rows, 0, -1))
 
     def forget(self) -> None:
@@ -78,7 +85,9 @@ class TruthStore:
         # One pass of plain Python over the rows, no numpy and no calls in the usual row: it runs every step for
         # every request, with the CPU caches cold (see batch_shapes.pad_rows).
         width, refresh, sent_map = self.width, REFRESH, self._sent
-        find, recent = sent_map.get, sent_map.move_to_end
+        find = sent_map.get
+        self._plans += 1
+        stamp = self._plans
         gather = [0]  # table row 0, then per batch row its store row (0: left out)
         lens: list[int] = []  # per batch row: its valid length
         widest = 1
@@ -92,8 +101,7 @@ class TruthStore:
             entry = find(rid)
             if entry is None:
                 entry = sent_map[rid] = _Sent(self._take_row(host.request_ids))
-            else:
-                recent(rid)
+            entry.used = stamp
             h = hist if type(hist) is History else History([int(t) for t in hist], ())
             n = h.size if h.size < width else width
             stop = entry.n if entry.n < n else n  # the compared window: REFRESH positions before stop
@@ -159,10 +167,10 @@ class TruthStore:
         if self._free:
             return self._free.pop()
         in_batch = set(batch_ids)
-        for rid in self._sent:  # least recently used first
-            if rid not in in_batch:
-                return self._sent.pop(rid).row
-        raise RuntimeError("the truth store has fewer rows than the batch has requests")
+        idle = [(entry.used, rid) for rid, entry in self._sent.items() if rid not in in_batch]
+        if not idle:
+            raise RuntimeError("the truth store has fewer rows than the batch has requests")
+        return self._sent.pop(min(idle)[1]).row  # the least recently used
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,10 +230,10 @@ class _Sent:
     """A request's store row, how many of its tokens the row holds, and the tokens last compared or sent: positions
     ``start ..`` up to ``n`` (the step's whole window, kept as the step built it: no copy)."""
 
-    __slots__ = ("n", "row", "sent", "start")
+    __slots__ = ("n", "row", "sent", "start", "used")
 
     def __init__(self, row: int) -> None:
-        self.row, self.n, self.start = row, 0, 0
+        self.row, self.n, self.start, self.used = row, 0, 0, 0
         self.sent: list[int] = []
 
     def same_prefix(self, start: int, stop: int, tokens: list[int]) -> int:
