@@ -76,6 +76,24 @@ def test_the_region_sends_what_the_full_path_packs(b: int, n_rows: int, groups: 
             assert torch.equal(want[at], got[at])
 
 
+@pytest.mark.parametrize("first", [1, 4, 5, 6, 8])
+def test_the_first_steady_step_may_have_fewer_or_more_rows_than_the_full_step(first: int) -> None:
+    """The region starts from the full step's rows (5 of a class of 8): a first step of any size sends what the full
+    path would."""
+    rng = random.Random(first)
+    sizes = array.array("q", [7, 70, 7])
+    full, steady = Staging(torch.device("cpu")), Staging(torch.device("cpu"))
+    pack, common, _ = _full_send(steady, _rows(tuple(range(10, 15))), _truth(rng, 5, 2), sizes, 8)
+    region = StagedRegion(pack, common, steady.generation)
+    rows, truth = _rows(tuple(range(20, 20 + first))), _truth(rng, first, 3)
+    laid_out, *_ = _full_send(full, rows, truth, sizes, 8)
+    assert region.send(steady, _lengths(rows), truth, sizes)
+    want, got = full.whole(torch.int32), steady.whole(torch.int32)
+    for off, m in zip(laid_out.offsets, laid_out.mems, strict=True):
+        at = slice(off // 4, (off + m.nbytes) // 4)
+        assert torch.equal(want[at], got[at])
+
+
 def test_the_region_refuses_when_the_staging_moved_or_the_batch_or_the_writes_do_not_fit() -> None:
     rng = random.Random(5)
     staging = Staging(torch.device("cpu"))

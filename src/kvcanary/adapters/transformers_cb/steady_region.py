@@ -27,8 +27,8 @@ class StagedRegion:
     """The leading int64 arrays of a full step's pack, kept to be set and sent again by the steady steps after it."""
 
     __slots__ = (
-        "_at", "_bytes", "_generation", "_masked", "_meta", "_n_rows", "_row_ids", "_sizes", "_trash", "_words",
-        "_zeros",
+        "_at", "_bytes", "_generation", "_masked", "_meta", "_n_rows", "_n_set", "_row_ids", "_sizes", "_trash",
+        "_words", "_zeros",
     )  # fmt: skip
 
     def __init__(self, pack: Pack, common: dict[str, int], generation: int, windows: Sequence[int] = ()) -> None:
@@ -55,6 +55,9 @@ class StagedRegion:
         self._row_ids = array.array("q", range(1, n_rows + 1))  # table row r + 1 for batch row r
         self._zeros = array.array("q", bytes(8 * (n_rows + 1)))
         self._generation = generation
+        # The rows the words hold now (the full step's: every row of a kept step is in the table, so its table rows
+        # are r + 1, nonzero, then padding): a step with as many only sets their values.
+        self._n_set = sum(1 for r in self._words[at[0] : at[0] + n_rows] if r)
 
     def send(
         self, staging: Staging, lengths: tuple[Sequence[int], Sequence[int]], truth: TruthUpdate,
@@ -74,21 +77,21 @@ class StagedRegion:
         end = tokens_at + 4 * len(truth.tokens)
         if staging.generation != self._generation or end > staging.capacity or n > n_rows:
             return False
-        if any(m is not None and m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
+        if trash and any(m is not None and m.nbytes != size for m, (_, size) in zip(trash, self._trash, strict=True)):
             return False
-        values = (
-            self._row_ids[:n],
-            array.array("q", past),
-            array.array("q", query),
-            truth.lens,
-            truth.gather,
-        )
-        zeros = self._zeros
-        for at, v, count in zip(self._at, values, (n_rows, n_rows, n_rows, n_rows, n_rows + 1), strict=True):
-            k = len(v)
-            words[at : at + k] = v
-            if k < count:  # the padding rows (an empty slice assignment would count as a resize: refused)
-                words[at + k : at + count] = zeros[: count - k]
+        at_rows, at_past, at_query, at_lens, at_gather = self._at
+        words[at_past : at_past + n] = array.array("q", past)
+        words[at_query : at_query + n] = array.array("q", query)
+        words[at_lens : at_lens + n] = truth.lens
+        words[at_gather : at_gather + n + 1] = truth.gather  # row 0's entry first
+        before = self._n_set
+        if n > before:  # new rows: their table rows
+            words[at_rows + before : at_rows + n] = self._row_ids[before:n]
+        elif n < before:  # rows gone: back to padding (no table row, no lengths, store row 0)
+            gap = self._zeros[: before - n]
+            for at in (at_rows, at_past, at_query, at_lens, at_gather + 1):
+                words[at + n : at + before] = gap
+        self._n_set = n
         words[self._sizes : self._sizes + len(sizes)] = sizes
         words[self._meta : self._meta + 3] = scatter_meta(len(truth.cells), cells_at, tokens_at)
         for i, (mask, (off, size)) in enumerate(zip(trash, self._trash, strict=True)):
