@@ -71,8 +71,8 @@ class History(Sequence[int]):
         return self.tokens(i, i + 1)[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class HostBatch:
+@dataclasses.dataclass(slots=True)  # not frozen (treated as immutable): built every step, cold, where a frozen
+class HostBatch:  # dataclass's initialiser takes a path nothing else on the step touches
     request_ids: tuple[str, ...]
     past_lens: tuple[int, ...]
     query_lens: tuple[int, ...]
