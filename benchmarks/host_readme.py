@@ -192,6 +192,21 @@ DEMO_NOTES = (
     "phase's mean on that CPU (caches cold after the interpreter's work) 151 -> 129, 219 -> 176 and 152 -> 152 "
     "us: a steady step there still costs 120-170 us of cold Python (the truth's plan per row, the engine tensors' "
     "sizes and addresses, the staging). The device figures are to be measured.",
+    "",
+    "c714279 -> aed3177 (issue 14, part 2; again no device, so measured on the sandbox's CPU only): what a steady "
+    "step costs cold is close to how many distinct functions and builtins it touches (each costs microseconds the "
+    "first time after a forward: a lone `max(...)` took 6 us there), not how much it computes. So the steady path "
+    "is tried first, in one function (`translate.StepTranslator._again`) that reads the engine's tensors once "
+    "(`steady_step.engine_reading`: addresses, dtypes, index sizes) and leaves every unusual step to the full "
+    "path; the truth plan's usual row makes no call and keeps the window it built; the shape class is looked up, "
+    "the truth update, `RowPlan` and `HostBatch` are plain classes, the store's rows are reused by a stamp, a "
+    "sliding model stages no mask where no query overflows its window, and the region rewrites table rows and "
+    "padding only where rows came or went. `bench_translate.py --cold --kernel-path` "
+    "(`results/cpu-translate/cpu-{c714279,e85d84f}-cold-steady*`, one and two buffer sets, two rounds): a steady "
+    "step at batch 1, 32, 64 and 256 takes 69-74, 113-127, 180-207 and 506-654 us against 98-104, 165-180, "
+    "257-311 and 804-883. The demo's workloads (`steady_coverage.py`, `results/cpu-dry-run-{c714279,d18b539}-"
+    "steady.json`, caches cold after the interpreter's work): the translation phase's mean 117 -> 91 us (dense), 173 -> 151 (hybrid) and 141 -> 118 (sliding), the capture 19 -> 16, 29 -> 26 and 21 -> 18 us; one run each, and a run moves by about 10 us (the hybrid read 141 at 2d4b35a). The device figures "
+    "(and whether the dense model's 150 us are met) are to be measured.",
 )
 
 
