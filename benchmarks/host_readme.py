@@ -205,7 +205,9 @@ DEMO_NOTES = (
     "(`results/cpu-translate/cpu-{c714279,e85d84f}-cold-steady*`, one and two buffer sets, two rounds): a steady "
     "step at batch 1, 32, 64 and 256 takes 69-74, 113-127, 180-207 and 506-654 us against 98-104, 165-180, "
     "257-311 and 804-883. The demo's workloads (`steady_coverage.py`, `results/cpu-dry-run-{c714279,d18b539}-"
-    "steady.json`, caches cold after the interpreter's work): the translation phase's mean 117 -> 91 us (dense), 173 -> 151 (hybrid) and 141 -> 118 (sliding), the capture 19 -> 16, 29 -> 26 and 21 -> 18 us; one run each, and a run moves by about 10 us (the hybrid read 141 at 2d4b35a). The device figures "
+    "steady.json`, caches cold after the interpreter's work): the translation phase's mean 117 -> 91 us (dense), "
+    "173 -> 151 (hybrid) and 141 -> 118 (sliding), the capture 19 -> 16, 29 -> 26 and 21 -> 18 us; one run each, "
+    "and a run moves by about 10 us (the hybrid read 141 at 2d4b35a). The device figures "
     "(and whether the dense model's 150 us are met) are to be measured.",
 )
 
