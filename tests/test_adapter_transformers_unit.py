@@ -320,3 +320,19 @@ def test_unpinned_torch_drops_pin_memory_only_inside_the_wrapped_constructor() -
         pytest.skip("an accelerator exists: the constructor runs unchanged")
     wrapped(object(), 16)
     assert seen == [16] and module.torch is torch
+
+
+def test_forwards_run_while_the_engine_captures_a_graph_are_not_counted_as_missed_taps() -> None:
+    from kvcanary.adapters.transformers_cb.step_tap import StepTap
+    from kvcanary.config import Mode
+
+    tap = StepTap(object(), Mode.LOG, None, None, None, lambda report: None, None)  # type: ignore[arg-type]
+    paged = {"cache": object(), "write_index": []}
+    tap._capturing = lambda: True  # the engine capturing its graph: the warm-up forward was counted already
+    for _ in range(3):
+        tap.pre_hook(None, (), paged)
+    assert tap.forwards_seen == 0 and tap.hook_misses == 0
+    tap._capturing = None  # no capture: forwards with no tap between them are misses
+    for _ in range(3):
+        tap.pre_hook(None, (), paged)
+    assert tap.forwards_seen == 3 and tap.hook_misses == 2

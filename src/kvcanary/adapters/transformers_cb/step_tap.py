@@ -29,6 +29,7 @@ from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.config import Mode
 from kvcanary.runtime import StepReport, streams
+from kvcanary.runtime.capture import stream_capturing_probe
 
 logger = logging.getLogger("kvcanary")
 
@@ -62,6 +63,8 @@ class StepTap:
         self.adapter_errors = 0
         self.hook_misses = 0
         self.timer = TapTimer()  # host time of verified steps (the device work is asynchronous on GPU)
+        # Asked before every forward: torch's wrappers read the environment and look the device up each call.
+        self._capturing = stream_capturing_probe() if torch.cuda.is_available() else None
         self._warned_long_rows = False
 
     def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,7 +97,7 @@ class StepTap:
     def pre_hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is None or "write_index" not in kwargs:
             return  # not a paged continuous-batching forward
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if self._capturing is not None and self._capturing():
             return  # the engine capturing a CUDA graph: its warm-up forward already counted, the tap follows
         self.forwards_seen += 1
         if self.forwards_seen - 1 > self.taps:
