@@ -170,12 +170,12 @@ def trash_mask(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryvi
     return typing.cast(memoryview, memoryview(out).cast("?"))  # bools, as Pack reads the format
 
 
-def ring_wraps(geometries: Sequence[GroupGeometry], rows: RowPlan) -> int:
-    """Over the sliding groups of window W, the stored writes at positions >= W: each overwrote the ring slot of
+def ring_wraps(windows: Sequence[int], rows: RowPlan) -> int:
+    """Over the sliding groups' ``windows`` W, the stored writes at positions >= W: each overwrote the ring slot of
     position - W.  A row stores its query's last W writes, ``[end - min(q, W), end)``.  Plain Python with no
     calls: it runs every step of a sliding model, per row."""
     wraps = 0
-    for window in [g.sliding_window for g in geometries if g.is_sliding]:
+    for window in windows:
         for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
             end = p + q
             stored_from = end - (q if q < window else window)

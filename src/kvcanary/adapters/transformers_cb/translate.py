@@ -80,7 +80,9 @@ class StepTranslator:
         if max_batch <= 0 or max_context <= 0:
             raise ValueError(f"max_batch and max_context must be positive, got {max_batch} and {max_context}")
         self.geometries = tuple(geometries)
-        self._sliding = any(g.is_sliding for g in self.geometries)
+        self._windows = [(i, g) for i, g in enumerate(self.geometries) if g.is_sliding]  # the sliding groups
+        self._window_sizes = [g.sliding_window for _, g in self._windows]
+        self._narrowest = min(self._window_sizes, default=0)
         self.max_batch = max_batch
         self.width = max_context
         self.device = torch.device(device)
@@ -139,7 +141,7 @@ class StepTranslator:
             batches=batches,
             request_ids=host.request_ids,
             rows_too_long=rows.rows_too_long,
-            ring_wraps=step_plan.ring_wraps(self.geometries, rows),
+            ring_wraps=step_plan.ring_wraps(self._window_sizes, rows),
             padded=padded,
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
@@ -199,13 +201,14 @@ class StepTranslator:
         reports what is wrong with the step).  One function on purpose: it runs every step with the CPU caches cold,
         where each call costs microseconds (see :mod:`.staging`)."""
         past, query, width = host.past_lens, host.query_lens, self.width
-        b, n_query = len(past), 0
+        b, n_query, longest = len(past), 0, 0
         if not 0 < b <= self.max_batch:
             return None
         for p, q in zip(past, query, strict=True):
             if p + q > width:
                 return None  # a row the table cannot hold: the full path leaves it out
             n_query += q
+            longest = q if q > longest else longest
         reading = engine_reading(kwargs, self.geometries, b)
         if reading is None:
             return None
@@ -216,17 +219,20 @@ class StepTranslator:
         if last is None or steady is None:
             return None
         truth = self._truth.plan(host, (True,) * b)
-        rows = step_plan.RowPlan(past, query, (True,) * b) if self._sliding else None  # what windows need
-        trash = [] if rows is None else [
-            step_plan.trash_mask(g, rows, sizes[3 * i], shape[1])  # at the class's tokens
-            for i, g in enumerate(self.geometries) if g.is_sliding
-        ]  # fmt: skip
+        rows: step_plan.RowPlan | None = None  # what the windows need
+        trash: list[memoryview | None] = []
+        if self._windows:
+            rows = step_plan.RowPlan(past, query, (True,) * b)
+            if longest <= self._narrowest:  # no query overflows a window: no write goes to the trash by design
+                trash = [None] * len(self._windows)
+            else:
+                trash = [step_plan.trash_mask(g, rows, sizes[3 * i], shape[1]) for i, g in self._windows]
         assert steady.region is not None  # find() settled it
         if not steady.region.send(self._staging, (past, query), truth, sizes, trash):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             steady.translations.clear()  # nothing kept binds the staging's views any more
             return None
-        wraps = last.ring_wraps if rows is None else step_plan.ring_wraps(self.geometries, rows)
+        wraps = last.ring_wraps if rows is None else step_plan.ring_wraps(self._window_sizes, rows)
         padded = forward_padded(kwargs, b, n_tok, n_query)
         if (wraps, host.request_ids, padded) != (last.ring_wraps, last.request_ids, last.padded):
             last = last.again(host.request_ids, wraps, padded)

@@ -8,8 +8,8 @@ from kvcanary.adapters.transformers_cb import translate_kernel
 from kvcanary.batch import StepBatch
 
 
-@dataclasses.dataclass(frozen=True)
-class Translation:
+@dataclasses.dataclass(slots=True)  # not frozen (treated as immutable): a sliding model's steady step builds one,
+class Translation:  # cold, and a frozen dataclass's initialiser takes a path nothing else on the step touches
     """One step, translated.  The batches' tensors are views of the translator's buffers: valid until
     its next :meth:`StepTranslator.translate` (clone what must outlive the step)."""
 
