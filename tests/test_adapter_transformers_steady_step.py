@@ -295,3 +295,37 @@ def test_random_joins_leaves_and_chunks_translate_each_step_as_the_torch_path(wi
         if queries:
             pair.step(queries)  # compared with the torch path, field by field, and the tables
     assert pair.fused.steady_steps >= 4
+
+
+# The distinct Python functions a steady step runs (the engine's histories captured as History, as the adapter does).
+# On a serving loop each one costs microseconds the first time after a forward, whatever it computes (see
+# benchmarks/bench_translate.py --cold), so this is the step's cold cost; lower it, never raise it.
+STEADY_PATH_PY_FUNCTIONS = {0: 18, 3: 21}
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_steady_step_runs_few_distinct_python_functions(window: int) -> None:
+    import sys
+
+    from kvcanary.adapters.transformers_cb.host_batch import History
+
+    pair = Pair(window)
+    pair.step(dict.fromkeys(pair.eng.tables, 6))
+    for _ in range(2):
+        pair.step(dict.fromkeys(pair.eng.tables, 1))
+    kwargs, host = pair.eng.step(dict.fromkeys(pair.eng.tables, 1))
+    host = growing(host)
+    host = dataclasses.replace(host, truth=tuple(History(list(t), []) for t in host.truth))
+    inputs, ran, got = pair.static.put(kwargs), set(), []
+
+    def hook(frame: Any, event: str, arg: object) -> None:
+        if event == "call":
+            ran.add(frame.f_code.co_qualname)
+
+    sys.setprofile(hook)
+    try:
+        got.append(pair.fused.translate(inputs, host, defer=True))
+    finally:
+        sys.setprofile(None)
+    assert got[0] is pair.last  # steady
+    assert len(ran) <= STEADY_PATH_PY_FUNCTIONS[window], sorted(ran)

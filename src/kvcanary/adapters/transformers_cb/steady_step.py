@@ -55,7 +55,10 @@ def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry
 
 def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
     """What a launch bound to ``engine`` depends on (see the module docstring): each tensor's address and dtype."""
-    return tuple([(t.data_ptr(), t.dtype) for t in engine])
+    out = []
+    for t in engine:  # a loop, not a comprehension: one function less run on every step
+        out.append((t.data_ptr(), t.dtype))
+    return tuple(out)
 
 
 def engine_reading(
@@ -142,15 +145,6 @@ class SteadyStep:
         """The same class and staged views: translations of one serve the other."""
         return self.shape == other.shape and all(a is b for a, b in zip(self.views, other.views, strict=True))
 
-    def find(self, signatures: tuple[object, ...]) -> Translation | None:
-        """The translation to reuse for a step of this class whose engine tensors have ``signatures`` (see
-        :func:`engine_reading`), when a kept one binds them; else None.  The caller has checked the rest of what
-        makes the step steady (see the module docstring)."""
-        if not self.settled():
-            return None
-        self.last = signatures
-        return self.translations.get(signatures)
-
     def reused(self, translation: Translation) -> None:
         """The translation handed out again, replaced (its request ids or ring wraps updated) where it changed."""
         self.translations[self.last] = translation
@@ -168,14 +162,25 @@ class KeptSteps:
     def get(self, shape: tuple[int, int]) -> SteadyStep | None:
         return self._by_class.get(shape)
 
+    def find(self, shape: tuple[int, int], signatures: tuple[object, ...]) -> tuple[SteadyStep, Translation] | None:
+        """The kept state of class ``shape`` and its translation to reuse for a step whose engine tensors have
+        ``signatures`` (see :func:`engine_reading`), marked the most recently used; None when none is kept.  The
+        caller has checked the rest of what makes the step steady (see the module docstring).  One call a step."""
+        step = self._by_class.get(shape)
+        if step is None or (step.pending is not None and not step.settled()) or step.region is None:
+            return None
+        translation = step.translations.get(signatures)
+        if translation is None:
+            return None
+        step.last = signatures
+        self._by_class.move_to_end(shape)
+        return step, translation
+
     def keep(self, step: SteadyStep) -> None:
         self._by_class[step.shape] = step
-        self.used(step.shape)
+        self._by_class.move_to_end(step.shape)
         if len(self._by_class) > MAX_CLASSES:
             self._by_class.popitem(last=False)
-
-    def used(self, shape: tuple[int, int]) -> None:
-        self._by_class.move_to_end(shape)
 
     def clear(self) -> None:
         self._by_class.clear()

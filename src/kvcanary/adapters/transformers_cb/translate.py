@@ -214,10 +214,10 @@ class StepTranslator:
             return None
         signatures, sizes, n_tok = reading
         shape = self._shape_class(b, n_tok)
-        steady = self._kept.get(shape)
-        last = None if steady is None or n_query > n_tok else steady.find(signatures)
-        if last is None or steady is None:
+        found = None if n_query > n_tok else self._kept.find(shape, signatures)
+        if found is None:
             return None
+        steady, last = found
         truth = self._truth.plan(host, (True,) * b)
         rows: step_plan.RowPlan | None = None  # what the windows need
         trash: list[memoryview | None] = []
@@ -227,7 +227,7 @@ class StepTranslator:
                 trash = [None] * len(self._windows)
             else:
                 trash = [step_plan.trash_mask(g, rows, sizes[3 * i], shape[1]) for i, g in self._windows]
-        assert steady.region is not None  # find() settled it
+        assert steady.region is not None  # find() checked it
         if not steady.region.send(self._staging, (past, query), truth, sizes, trash):
             self._truth.forget()  # the staging moved or is short: the full path sends every request's truth again
             steady.translations.clear()  # nothing kept binds the staging's views any more
@@ -237,7 +237,6 @@ class StepTranslator:
         if (wraps, host.request_ids, padded) != (last.ring_wraps, last.request_ids, last.padded):
             last = last.again(host.request_ids, wraps, padded)
             steady.reused(last)
-        self._kept.used(shape)
         self.steady_steps += 1
         return last
 
