@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import sys
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvcanary.adapters.transformers_cb import binding
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.schema import NOT_STORED
@@ -246,14 +247,25 @@ def test_a_row_that_would_outgrow_the_table_is_not_steady() -> None:
 STEADY_PATH_TORCH_CALLABLES = 3 if DEVICE == "cuda" else 2
 
 
-@pytest.mark.parametrize("window", [0, 3])
-def test_a_steady_step_calls_no_numpy_and_few_distinct_torch_functions(window: int) -> None:
+def _before_a_steady_step(window: int) -> tuple[Pair, dict[str, Any], HostBatch]:
+    """A pair after a prefill and two decode steps, and the next decode step's inputs and host batch (the histories
+    captured as :class:`History`, as the adapter does): that step is steady."""
     pair = Pair(window)
     pair.step(dict.fromkeys(pair.eng.tables, 6))
     for _ in range(2):
         pair.step(dict.fromkeys(pair.eng.tables, 1))
     kwargs, host = pair.eng.step(dict.fromkeys(pair.eng.tables, 1))
-    inputs, host = pair.static.put(kwargs), growing(host)
+    host = growing(host)
+    return (
+        pair,
+        pair.static.put(kwargs),
+        dataclasses.replace(host, truth=tuple(History(list(t), []) for t in host.truth)),
+    )
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_a_steady_step_calls_no_numpy_and_few_distinct_torch_functions(window: int) -> None:
+    pair, inputs, host = _before_a_steady_step(window)
     got: list[Translation] = []
     calls = c_calls_by_module(lambda: got.append(pair.fused.translate(inputs, host, defer=True)))
     assert got[0] is pair.last  # steady
@@ -305,18 +317,9 @@ STEADY_PATH_PY_FUNCTIONS = {0: 18, 3: 21}
 
 @pytest.mark.parametrize("window", [0, 3])
 def test_a_steady_step_runs_few_distinct_python_functions(window: int) -> None:
-    import sys
-
-    from kvcanary.adapters.transformers_cb.host_batch import History
-
-    pair = Pair(window)
-    pair.step(dict.fromkeys(pair.eng.tables, 6))
-    for _ in range(2):
-        pair.step(dict.fromkeys(pair.eng.tables, 1))
-    kwargs, host = pair.eng.step(dict.fromkeys(pair.eng.tables, 1))
-    host = growing(host)
-    host = dataclasses.replace(host, truth=tuple(History(list(t), []) for t in host.truth))
-    inputs, ran, got = pair.static.put(kwargs), set(), []
+    pair, inputs, host = _before_a_steady_step(window)
+    ran: set[str] = set()
+    got: list[Translation] = []
 
     def hook(frame: Any, event: str, arg: object) -> None:
         if event == "call":
