@@ -193,22 +193,24 @@ DEMO_NOTES = (
     "us: a steady step there still costs 120-170 us of cold Python (the truth's plan per row, the engine tensors' "
     "sizes and addresses, the staging). The device figures are to be measured.",
     "",
-    "c714279 -> aed3177 (issue 14, part 2; again no device, so measured on the sandbox's CPU only): what a steady "
+    "c714279 -> 073b90e (issue 14, part 2; again no device, so measured on the sandbox's CPU only): what a steady "
     "step costs cold is close to how many distinct functions and builtins it touches (each costs microseconds the "
     "first time after a forward: a lone `max(...)` took 6 us there), not how much it computes. So the steady path "
     "is tried first, in one function (`translate.StepTranslator._again`) that reads the engine's tensors once "
-    "(`steady_step.engine_reading`: addresses, dtypes, index sizes) and leaves every unusual step to the full "
-    "path; the truth plan's usual row makes no call and keeps the window it built; the shape class is looked up, "
-    "the truth update, `RowPlan` and `HostBatch` are plain classes, the store's rows are reused by a stamp, a "
-    "sliding model stages no mask where no query overflows its window, and the region rewrites table rows and "
-    "padding only where rows came or went. `bench_translate.py --cold --kernel-path` "
-    "(`results/cpu-translate/cpu-{c714279,e85d84f}-cold-steady*`, one and two buffer sets, two rounds): a steady "
-    "step at batch 1, 32, 64 and 256 takes 69-74, 113-127, 180-207 and 506-654 us against 98-104, 165-180, "
-    "257-311 and 804-883. The demo's workloads (`steady_coverage.py`, `results/cpu-dry-run-{c714279,d18b539}-"
-    "steady.json`, caches cold after the interpreter's work): the translation phase's mean 117 -> 91 us (dense), "
-    "173 -> 151 (hybrid) and 141 -> 118 (sliding), the capture 19 -> 16, 29 -> 26 and 21 -> 18 us; one run each, "
-    "and a run moves by about 10 us (the hybrid read 141 at 2d4b35a). The device figures "
-    "(and whether the dense model's 150 us are met) are to be measured.",
+    "(`steady_step.engine_reading`: addresses, dtypes, index sizes), finds the kept state in one call "
+    "(`KeptSteps.find`) and leaves every unusual step to the full path; the truth plan's usual row makes no call "
+    "and keeps the window it built; the shape class is looked up; the truth update, `RowPlan`, `HostBatch` and "
+    "`Translation` are plain or slotted classes; the store's rows are reused by a stamp; a sliding model builds "
+    "its trash masks only when a query overflows a window; and the region rewrites table rows and padding only "
+    "where rows came or went. A test pins the distinct Python functions a steady step runs (18 dense, 21 with a "
+    "window). `bench_translate.py --cold --kernel-path` (`results/cpu-translate/cpu-{c714279,e85d84f,073b90e}-"
+    "cold-steady*`, one and two buffer sets, two rounds): a steady step at batch 1, 32, 64 and 256 takes 70-77, "
+    "116-134, 169-210 and 552-647 us at 073b90e (69-74, 113-127, 180-207 and 506-654 at e85d84f) against 98-104, "
+    "165-180, 257-311 and 804-883 at c714279. The demo's workloads (`steady_coverage.py`, "
+    "`results/cpu-dry-run-{c714279,073b90e}-steady.json`, caches cold after the interpreter's work): the "
+    "translation phase's mean 117 -> 91 us (dense), 173 -> 137 (hybrid) and 141 -> 115 (sliding), the capture "
+    "19 -> 17, 29 -> 26 and 21 -> 19 us; one run each, and a run moves by about 10 us. The device figures (and "
+    "whether the dense model's 150 us are met) are to be measured.",
 )
 
 
