@@ -99,7 +99,7 @@ class StepTranslator:
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
         self._kept = KeptSteps()  # by shape class: what a steady step reuses
-        self._classes: dict[tuple[int, int], tuple[int, int]] = {}  # (rows, tokens) -> their shape class
+        self._classes: dict[tuple[int, int, bool, int], tuple[int, int]] = {}  # (rows, tokens, ...) -> their class
         self.steady_steps = 0  # steps that did
         self.max_tokens = max_tokens or 0
 
@@ -286,12 +286,13 @@ class StepTranslator:
     def _shape_class(self, b: int, n_tok: int) -> tuple[int, int]:
         """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded
         (remembered: one lookup a step, no calls)."""
-        got = self._classes.get((b, n_tok))
+        key = (b, n_tok, self.bucket, self.max_tokens)  # both settable after construction
+        got = self._classes.get(key)
         if got is None:
             if len(self._classes) >= 4096:
                 self._classes.clear()
             got = shape_class(b, n_tok, self.max_batch, self.max_tokens) if self.bucket else (b, n_tok)
-            self._classes[b, n_tok] = got
+            self._classes[key] = got
         return got
 
     def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
