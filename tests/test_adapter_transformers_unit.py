@@ -336,3 +336,28 @@ def test_forwards_run_while_the_engine_captures_a_graph_are_not_counted_as_misse
     for _ in range(3):
         tap.pre_hook(None, (), paged)
     assert tap.forwards_seen == 3 and tap.hook_misses == 2
+
+
+def test_the_writes_to_the_trash_by_design_are_each_rows_first_query_minus_window_tokens() -> None:
+    import random
+
+    import numpy as np
+
+    from kvcanary.adapters.transformers_cb import step_plan
+
+    rng = random.Random(4)
+    g = geometry(3)
+    for _ in range(200):
+        query = tuple(rng.randrange(0, 9) for _ in range(rng.randrange(1, 6)))
+        rows = step_plan.RowPlan((0,) * len(query), query, (True,) * len(query))
+        n = rng.randrange(0, sum(query) + 3)  # the write entries translated: fewer, as many or more than the tokens
+        want = [k < q - 3 for q in query for k in range(q)][:n]
+        want += [False] * (n - len(want))
+        got = step_plan.trash_writes(g, rows, n)
+        if not any(want) and max(query) <= 3:
+            assert got is None and step_plan.trash_mask(g, rows, n, n + 5) is None
+            continue
+        assert got is not None and got.tolist() == want, (query, n)
+        padded = step_plan.trash_bytes(g, rows, n, n + 5)
+        assert np.frombuffer(padded, dtype=np.bool_).tolist() == want + [False] * 5
+    assert step_plan.trash_writes(geometry(0), step_plan.RowPlan((0,), (9,), (True,)), 9) is None  # full attention

@@ -142,32 +142,37 @@ def group_entries(g: GroupGeometry, rows: RowPlan, width: int) -> GroupEntries:
 def trash_writes(g: GroupGeometry, rows: RowPlan, n: int) -> npt.NDArray[np.bool_] | None:
     """Mask over the first ``n`` write entries: the first ``query - W`` tokens of each row of a sliding
     group, which transformers sends to the write trash by design; None when there is none."""
-    if not g.is_sliding or max(rows.query_lens, default=0) <= g.sliding_window:
-        return None
-    mask = rows.token_offsets() < (rows.query - g.sliding_window)[rows.token_rows()]
-    out = np.zeros(n, dtype=np.bool_)
-    k = min(n, int(mask.shape[0]))
-    out[:k] = mask[:k]
-    return out
+    flags = _trash_flags(g, rows, n, n)
+    return None if flags is None else np.frombuffer(flags, dtype=np.bool_)
 
 
 def trash_bytes(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryview:
-    """:func:`trash_writes` as ``length`` bools (``length`` >= ``n``; the rest False), built without numpy where no
-    query overflows the window: the one-launch path stages it at a fixed size, so a step with trash and one without
-    bind the same launch."""
+    """:func:`trash_writes` as ``length`` bools (``length`` >= ``n``; the rest False): the one-launch path stages it
+    at a fixed size, so a step with trash and one without bind the same launch."""
     mask = trash_mask(g, rows, n, length)
     return typing.cast(memoryview, memoryview(bytearray(length)).cast("?")) if mask is None else mask
 
 
 def trash_mask(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> memoryview | None:
     """:func:`trash_bytes`, or None where it is all False (no query overflows the window: most steps)."""
-    if not g.is_sliding or max(rows.query_lens, default=0) <= g.sliding_window:
+    flags = _trash_flags(g, rows, n, length)
+    return None if flags is None else typing.cast(memoryview, memoryview(flags).cast("?"))  # as Pack reads bools
+
+
+def _trash_flags(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> bytearray | None:
+    """:func:`trash_writes` as ``length`` bytes of 0 or 1 (``length`` >= ``n``), or None where there is none; plain
+    Python, no numpy: a steady prefill chunk builds it with the caches cold."""
+    window = g.sliding_window
+    if not g.is_sliding or max(rows.query_lens, default=0) <= window:
         return None
     out = bytearray(length)
-    mask = trash_writes(g, rows, n)
-    if mask is not None:
-        out[: mask.shape[0]] = mask.tobytes()
-    return typing.cast(memoryview, memoryview(out).cast("?"))  # bools, as Pack reads the format
+    start = 0  # the row's first write entry (the rows' tokens in batch order)
+    for q in rows.query_lens:
+        stop = min(start + q - window, n)  # its first q - W entries
+        if stop > start:
+            out[start:stop] = b"\x01" * (stop - start)
+        start += q
+    return out
 
 
 def ring_wraps(windows: Sequence[int], rows: RowPlan) -> int:
