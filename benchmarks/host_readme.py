@@ -209,8 +209,11 @@ DEMO_NOTES = (
     "165-180, 257-311 and 804-883 at c714279. The demo's workloads (`steady_coverage.py`, "
     "`results/cpu-dry-run-{c714279,073b90e}-steady.json`, caches cold after the interpreter's work): the "
     "translation phase's mean 117 -> 91 us (dense), 173 -> 137 (hybrid) and 141 -> 115 (sliding), the capture "
-    "19 -> 17, 29 -> 26 and 21 -> 19 us; one run each, and a run moves by about 10 us. The device figures (and "
-    "whether the dense model's 150 us are met) are to be measured.",
+    "19 -> 17, 29 -> 26 and 21 -> 19 us; one run each, and a run moves by about 10 us. a6d6b9b builds a window's "
+    "trash mask without numpy (a steady prefill chunk of a sliding model touched numpy for it: its median 240 -> "
+    "155 us in the hybrid workload): 97, 123 and 107 us (`results/cpu-dry-run-a6d6b9b-steady.json`; the dense "
+    "code is the same as 073b90e's). The device figures (and whether the dense model's 150 us are met) are to be "
+    "measured.",
 )
 
 
