@@ -61,6 +61,27 @@ def shape_class(b: int, n_tok: int, max_batch: int, max_tokens: int) -> tuple[in
     return bucket(b, max_batch), bucket(n_tok, max(max_tokens, n_tok))
 
 
+class ShapeClasses:
+    """:func:`shape_class` remembered per step shape and bucketing settings: one dict lookup a step and no calls (a
+    steady step runs with the caches cold, see :func:`pad_rows`).  Bounded: cleared when ``limit`` are held."""
+
+    def __init__(self, max_batch: int, limit: int = 4096) -> None:
+        self._max_batch = max_batch
+        self._classes: dict[tuple[int, int, bool, int], tuple[int, int]] = {}
+        self._limit = limit
+
+    def of(self, b: int, n_tok: int, bucketed: bool, max_tokens: int) -> tuple[int, int]:
+        """The rows and tokens of a step's batch tensors: rounded up to a class when ``bucketed``, else as they are."""
+        key = (b, n_tok, bucketed, max_tokens)
+        got = self._classes.get(key)
+        if got is None:
+            if len(self._classes) >= self._limit:
+                self._classes.clear()
+            got = shape_class(b, n_tok, self._max_batch, max_tokens) if bucketed else (b, n_tok)
+            self._classes[key] = got
+        return got
+
+
 def pad_rows(values: Iterable[int], n: int) -> array.array[int]:
     """``values`` as int64, with zeros appended up to ``n`` entries.  A step's per-row arrays are built this
     way, in plain Python, not with numpy: the canary's step runs between two forwards of the model, with

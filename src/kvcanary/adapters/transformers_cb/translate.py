@@ -37,11 +37,11 @@ import torch
 from kvcanary.adapters.transformers_cb import step_plan, torch_path, translate_kernel
 from kvcanary.adapters.transformers_cb.batch_shapes import (
     RecurringViews,
+    ShapeClasses,
     StepShape,
     flat,
     forward_padded,
     forward_tokens,
-    shape_class,
 )
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
@@ -99,7 +99,7 @@ class StepTranslator:
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
         self.bucket = static if bucket is None else bucket
         self._kept = KeptSteps()  # by shape class: what a steady step reuses
-        self._classes: dict[tuple[int, int, bool, int], tuple[int, int]] = {}  # (rows, tokens, ...) -> their class
+        self._classes = ShapeClasses(max_batch)
         self.steady_steps = 0  # steps that did
         self.max_tokens = max_tokens or 0
 
@@ -108,15 +108,15 @@ class StepTranslator:
     def translate(self, kwargs: Mapping[str, Any], host: HostBatch, *, defer: bool = False) -> Translation:
         """The step's batches.  ``defer``: the truth gather (a static store's) and the one-launch groups' launches
         are returned as ``Translation.prelude`` instead of run; the batches are filled once it has run."""
-        if defer and self.kernel and self._truth.static:
-            again = self._again(kwargs, host)
-            if again is not None:
-                return again
+        keeps = defer and self.kernel and self._truth.static  # the layout whose steps may be steady
+        again = self._again(kwargs, host) if keeps else None
+        if again is not None:
+            return again
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         rows = step_plan.RowPlan.of(host, self.width)
         shape_class = self._shape_class(b, n_tok)
-        engine = engine_tensors(kwargs, self.geometries) if defer and self.kernel and self._truth.static else None
+        engine = engine_tensors(kwargs, self.geometries) if keeps else None
         shape = self._shape(b, kwargs, n_tok)
         sizes = index_sizes(kwargs, self.geometries, n_tok)
         truth = self._truth.plan(host, rows.live_rows)  # the store's state moves on
@@ -213,16 +213,17 @@ class StepTranslator:
         if reading is None:
             return None
         signatures, sizes, n_tok = reading
-        shape = self._shape_class(b, n_tok)
+        shape = self._classes.of(b, n_tok, self.bucket, self.max_tokens)  # as _shape_class, one call fewer
         found = None if n_query > n_tok else self._kept.find(shape, signatures)
         if found is None:
             return None
         steady, last = found
-        truth = self._truth.plan(host, (True,) * b)
+        live = (True,) * b  # every row is in the table (checked above)
+        truth = self._truth.plan(host, live)
         rows: step_plan.RowPlan | None = None  # what the windows need
         trash: list[memoryview | None] = []
         if self._windows:
-            rows = step_plan.RowPlan(past, query, (True,) * b)
+            rows = step_plan.RowPlan(past, query, live)
             if longest <= self._narrowest:  # no query overflows a window: no write goes to the trash by design
                 trash = [None] * len(self._windows)
             else:
@@ -284,16 +285,8 @@ class StepTranslator:
         return self._views.get((sizes.data_ptr(), i), lambda: sizes[3 * i : 3 * i + 3])
 
     def _shape_class(self, b: int, n_tok: int) -> tuple[int, int]:
-        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded
-        (remembered: one lookup a step, no calls)."""
-        key = (b, n_tok, self.bucket, self.max_tokens)  # both settable after construction
-        got = self._classes.get(key)
-        if got is None:
-            if len(self._classes) >= 4096:
-                self._classes.clear()
-            got = shape_class(b, n_tok, self.max_batch, self.max_tokens) if self.bucket else (b, n_tok)
-            self._classes[key] = got
-        return got
+        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded."""
+        return self._classes.of(b, n_tok, self.bucket, self.max_tokens)  # both settable after construction
 
     def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
         """The step's rows and token tensors: with the kernel, the translator's own buffers (the launch fills them),
