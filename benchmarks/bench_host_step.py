@@ -188,20 +188,21 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
 
     calls = CudaCalls(torch.cuda.current_device())
     fallback = CudaCalls(torch.cuda.current_device(), bindings=False)
-    step_event, fallback_event = calls.event(), fallback.event()
+    fallback_transfer = fallback.download(host, outbox)
     out = {
         "copy_non_blocking_us": timed(lambda: host.copy_(outbox, non_blocking=True)),
         "event_record_us": timed(lambda: event.record(stream)),
         "event_synchronize_done_us": timed(event.synchronize),
         "is_capturing_us": timed(torch.cuda.is_current_stream_capturing),
         "outbox_bytes": float(outbox.numel() * 8),
-        "pump_record_torch_us": timed(fallback_event.record),
-        "pump_query_us": timed(fallback_event.query),
+        "pump_send_torch_us": timed(lambda: fallback_transfer.send(outbox.nbytes)),
+        "pump_landed_torch_us": timed(fallback_transfer.landed),
     }
-    if calls.through_bindings:  # the pump's path where cuda.bindings is installed
+    if calls.through_bindings:  # the pump's path where cuda.bindings is installed: the copy and its record
+        transfer = calls.download(host, outbox)
         out |= {
-            "pump_copy_bindings_us": timed(calls.copier(host, outbox)),
-            "pump_record_bindings_us": timed(step_event.record),
+            "pump_send_bindings_us": timed(lambda: transfer.send(outbox.nbytes)),
+            "pump_landed_bindings_us": timed(transfer.landed),
         }
     return out
 

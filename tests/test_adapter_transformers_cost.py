@@ -263,6 +263,26 @@ def test_staging_on_cuda_never_overwrites_a_copy_in_flight() -> None:
     assert view.tolist() == [9] and st.host_buffers == first + 2
 
 
+@pytest.mark.gpu
+def test_the_steady_send_on_cuda_never_overwrites_a_copy_in_flight() -> None:
+    """``send_at`` (a steady step's send, its take of a pinned buffer inline) keeps the ring's rule too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    st = Staging(torch.device("cuda"))
+    (view,) = st.send([array.array("q", [0] * 5)])  # the layout the steady sends rewrite
+    torch.cuda.synchronize()
+    first = st.host_buffers
+    got = []
+    with sync_debug("error"):
+        torch.cuda._sleep(100_000_000)  # every copy below waits behind this
+        for k in range(1, first + 3):
+            st.send_at(memoryview(array.array("q", [k] * 5)).cast("B"), (), 40)
+            got.append(view.clone())  # enqueued behind the step's copy: sees this step's bytes, not a later one's
+    torch.cuda.synchronize()
+    assert [g.tolist() for g in got] == [[k] * 5 for k in range(1, first + 3)]
+    assert st.host_buffers > first  # buffers joined the ring instead of waiting or overwriting
+
+
 def _fields(b: StepBatch) -> list[torch.Tensor]:
     fields = (b.rows, b.prefix_lens, b.extend_lens, b.out_cache_loc, b.table, b.truth, b.truth_lens)
     return [t for t in fields if t is not None]

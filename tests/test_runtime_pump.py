@@ -10,6 +10,7 @@ and the counts equal the CPU's (where every copy has landed when taken).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,22 +34,29 @@ class Device:
         self.synchronizes = 0  # calls to synchronize, waiting or not
 
 
-class FakeEvent:
-    def __init__(self, device: Device) -> None:
+class FakeTransfer:
+    """The pump's transfer on the emulated device: the copy is made at once (on the CPU), its event lands by the
+    device clock."""
+
+    def __init__(self, device: Device, copy: Callable[[], object]) -> None:
         self.device = device
+        self.copy = copy
         self.at = -1
         self.step = -1
+        self.sent = False
 
-    def record(self) -> None:
+    def send(self, nbytes: int) -> None:
+        self.copy()
         self.at = self.step = self.device.now
+        self.sent = True
 
-    def query(self) -> bool:
+    def landed(self) -> bool:
         self.device.queries += 1
         return self.device.now - self.at >= self.device.delays[self.step]
 
-    def synchronize(self) -> None:
+    def wait(self) -> None:
         self.device.synchronizes += 1
-        if not self.query():
+        if not self.landed():
             self.device.waits.append(self.step)
 
 
@@ -56,7 +64,7 @@ def lagged_manager(delays: list[int], mode: Mode = Mode.LOG) -> tuple[CanaryMana
     mgr = make_manager(mode)
     device = Device(delays)
     for buf in mgr._pump.buffers:
-        buf.event = FakeEvent(device)  # type: ignore[assignment]
+        buf.transfer = FakeTransfer(device, buf.copy)  # type: ignore[assignment]
     decoded: list[int] = []
     decode = mgr._decoder.decode
 

@@ -47,28 +47,28 @@ def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(bindings: bo
     calls = cuda_calls(bindings)
     src = torch.arange(1000, dtype=torch.int64, device="cuda")
     dst = torch.zeros(1000, dtype=torch.int64, pin_memory=True)
-    copy, event = calls.copier(dst, src), calls.event()
+    transfer = calls.download(dst, src)
+    assert transfer.landed() and not transfer.sent  # nothing sent: nothing to wait for
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with streams.using(side):
         torch.cuda._sleep(100_000_000)  # keeps the side stream busy
         src.add_(1)  # behind the sleep: the copy must see it
-        copy()
-        event.record()
-    assert not event.query()  # recorded behind the sleep on the side stream, not on the idle default one
-    event.synchronize()
-    assert event.query()
+        transfer.send(src.nbytes)
+    assert not transfer.landed()  # recorded behind the sleep on the side stream, not on the idle default one
+    transfer.wait()
+    assert transfer.landed()
     assert torch.equal(dst, torch.arange(1, 1001, dtype=torch.int64))
 
 
 @pytest.mark.gpu
-def test_the_copier_refuses_what_it_cannot_copy() -> None:
+def test_the_download_refuses_what_it_cannot_copy() -> None:
     needs_cuda()
     calls = CudaCalls(torch.cuda.current_device())
     src = torch.zeros(8, dtype=torch.int64, device="cuda")
     with pytest.raises(ValueError, match="pinned host memory"):
-        calls.copier(torch.zeros(8, dtype=torch.int64), src)  # not pinned
+        calls.download(torch.zeros(8, dtype=torch.int64), src)  # not pinned
     with pytest.raises(ValueError, match="pinned host memory"):
-        calls.copier(torch.zeros(4, dtype=torch.int64, pin_memory=True), src)  # too small
+        calls.download(torch.zeros(4, dtype=torch.int64, pin_memory=True), src)  # too small
 
 
 @pytest.mark.gpu
@@ -77,16 +77,18 @@ def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool)
     calls = cuda_calls(bindings)
     dst = torch.zeros(64, dtype=torch.uint8, device="cuda")
     src = torch.arange(64, dtype=torch.uint8).pin_memory()
-    upload = calls.uploader(dst, src)
+    upload = calls.upload(dst, src)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     with streams.using(side):
         torch.cuda._sleep(100_000_000)
         dst.fill_(255)  # behind the sleep: the upload must land after it
-        upload(10)
+        upload.send(10)
         got = dst.clone()
+    assert not upload.landed()  # its event is behind the sleep too
     side.synchronize()  # type: ignore[no-untyped-call]
+    assert upload.landed()
     assert got[:10].tolist() == list(range(10)) and got[10:].tolist() == [255] * 54
     with pytest.raises(ValueError, match="pinned host bytes"):
-        calls.uploader(dst, torch.zeros(64, dtype=torch.uint8))  # not pinned
+        calls.upload(dst, torch.zeros(64, dtype=torch.uint8))  # not pinned
     with pytest.raises(ValueError, match="pinned host bytes"):
-        calls.uploader(dst.view(torch.int64), src.view(torch.int64))  # not bytes
+        calls.upload(dst.view(torch.int64), src.view(torch.int64))  # not bytes

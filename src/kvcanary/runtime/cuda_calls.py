@@ -11,7 +11,8 @@ the same either way measured in a loop; it goes through the bindings too, since 
 a step touches is cold and the step's uploads and records have just warmed this one.  The bindings are used
 where installed, with the stream handle from torch's C entry point (the stream torch would use); elsewhere
 torch's calls do the same thing.  The buffers are the callers' own (pinned, kept), so no allocator needs to
-know about a copy in flight.
+know about a copy in flight.  A :class:`Transfer` makes a copy and its record in one Python call: in a serving
+loop the step runs with every cache cold, and each distinct function it runs costs microseconds there.
 """
 
 from __future__ import annotations
@@ -48,77 +49,71 @@ class CudaCalls:
     def through_bindings(self) -> bool:
         return self._rt is not None
 
-    def copier(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
-        """A call that copies ``src`` (device) into ``dst`` (pinned host, same size) asynchronously, on the
-        current stream at the time of the call.  Both tensors must outlive it."""
+    def download(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        """Copies of ``src`` (a CUDA tensor) into ``dst`` (pinned host memory of the same size).  Both tensors
+        must outlive it."""
         if dst.nbytes != src.nbytes or not dst.is_pinned() or src.device.type != "cuda":
-            raise ValueError("copier: dst must be pinned host memory of src's size, src a CUDA tensor")
-        if self._rt is None:
+            raise ValueError("download: dst must be pinned host memory of src's size, src a CUDA tensor")
+        return Transfer(self, dst, src, self._d2h if self._rt is not None else None)
 
-            def torch_copy() -> None:
-                dst.copy_(src, non_blocking=True)
-
-            return torch_copy
-        args = (dst.data_ptr(), src.data_ptr(), src.nbytes, self._d2h)
-        return lambda: self._memcpy(*args)
-
-    def uploader(self, dst: torch.Tensor, src: torch.Tensor) -> Callable[[int], None]:
-        """A call that copies the first ``n`` bytes of ``src`` (pinned host, bytes) into ``dst`` (a CUDA byte tensor
-        of the same size) asynchronously, on the current stream at the time of the call."""
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
+        """Copies of the first bytes of ``src`` (pinned host bytes) into ``dst`` (a CUDA byte tensor of the same
+        size).  Both tensors must outlive it."""
         if dst.nbytes != src.nbytes or not src.is_pinned() or dst.device.type != "cuda" or dst.element_size() != 1:
-            raise ValueError("uploader: src must be pinned host bytes of dst's size, dst a CUDA byte tensor")
-        if self._rt is None:
-
-            def torch_upload(n: int) -> None:
-                dst[:n].copy_(src[:n], non_blocking=True)
-
-            return torch_upload
-        d, s, kind = dst.data_ptr(), src.data_ptr(), self._h2d
-        return lambda n: self._memcpy(d, s, n, kind)
-
-    def _memcpy(self, dst: int, src: int, nbytes: int, kind: Any) -> None:
-        assert self._rt is not None
-        (err,) = self._rt.cudaMemcpyAsync(dst, src, nbytes, kind, self._raw_stream(self.device_index))
-        if err != self._ok:
-            raise RuntimeError(f"cudaMemcpyAsync failed: {err!r}")
-
-    def event(self) -> StepEvent:
-        return StepEvent(self)
+            raise ValueError("upload: src must be pinned host bytes of dst's size, dst a CUDA byte tensor")
+        return Transfer(self, dst, src, self._h2d if self._rt is not None else None)
 
 
-class StepEvent:
-    """A CUDA event recorded on the current stream of the calls' device; ``query`` never waits."""
+class Transfer:
+    """Asynchronous copies between two fixed buffers on the current stream, each with an event recorded behind it.
 
-    __slots__ = ("_calls", "_event", "_handle")
+    :meth:`send` makes the copy and the record in one call (on a serving loop's cold step each distinct Python
+    function costs microseconds); :meth:`landed` never waits."""
 
-    def __init__(self, calls: CudaCalls) -> None:
+    __slots__ = ("_args", "_calls", "_dst", "_event", "_handle", "_src", "sent")
+
+    def __init__(self, calls: CudaCalls, dst: torch.Tensor, src: torch.Tensor, kind: Any) -> None:
         self._calls = calls
+        self._dst, self._src = dst.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8)
+        self._args = (dst.data_ptr(), src.data_ptr(), kind)
         self._event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self._event.record(torch.cuda.current_stream(calls.device_index))  # creates it: its handle is valid now
         self._handle = int(self._event.cuda_event)
+        self.sent = False  # no copy yet: nothing to wait for
 
-    def record(self) -> None:
+    def send(self, nbytes: int) -> None:
+        """Copy the first ``nbytes`` and record the event behind the copy, on the current stream."""
+        calls = self._calls
+        rt = calls._rt
+        self.sent = True
+        if rt is None:
+            self._dst[:nbytes].copy_(self._src[:nbytes], non_blocking=True)
+            self._event.record(torch.cuda.current_stream(calls.device_index))
+            return
+        dst, src, kind = self._args
+        stream = calls._raw_stream(calls.device_index)
+        (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)
+        if err == calls._ok:
+            (err,) = rt.cudaEventRecord(self._handle, stream)
+        if err != calls._ok:
+            raise RuntimeError(f"kvcanary: a {nbytes}-byte asynchronous copy or its event record failed: {err!r}")
+
+    def landed(self) -> bool:
+        """Whether the last :meth:`send` has completed (True before the first).  Through the bindings where
+        installed: in a serving loop the step's sends have just run through them, so this path is warm."""
+        if not self.sent:
+            return True
         calls = self._calls
         rt = calls._rt
         if rt is None:
-            self._event.record(torch.cuda.current_stream(calls.device_index))
-            return
-        (err,) = rt.cudaEventRecord(self._handle, calls._raw_stream(calls.device_index))
-        if err != calls._ok:
-            raise RuntimeError(f"cudaEventRecord failed: {err!r}")
-
-    def query(self) -> bool:
-        """Whether the work before the last record has completed.  Through the bindings where installed: in a
-        serving loop the step's copies and records have just run through them, so this call's path is warm."""
-        rt = self._calls._rt
-        if rt is None:
             return bool(self._event.query())
         (err,) = rt.cudaEventQuery(self._handle)
-        if err == self._calls._ok:
+        if err == calls._ok:
             return True
-        if err == self._calls._not_ready:
+        if err == calls._not_ready:
             return False
-        raise RuntimeError(f"cudaEventQuery failed: {err!r}")
+        raise RuntimeError(f"kvcanary: cudaEventQuery failed: {err!r}")
 
-    def synchronize(self) -> None:
-        self._event.synchronize()
+    def wait(self) -> None:
+        if self.sent:
+            self._event.synchronize()

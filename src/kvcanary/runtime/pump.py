@@ -26,27 +26,18 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from kvcanary.runtime.buffers import Layout
-from kvcanary.runtime.cuda_calls import CudaCalls
+from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import ViolationLog
 
 NUM_BUFFERS = 3
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
-
-
-class CopyEvent(Protocol):
-    """What the pump needs of the event behind a copy (:class:`~kvcanary.runtime.cuda_calls.StepEvent` on CUDA)."""
-
-    def record(self) -> None: ...
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -58,8 +49,8 @@ class HostBuffer:
     words: memoryview  # the same memory as plain int64 words: the cheapest scalar reads (no numpy call)
     totals: npt.NDArray[np.int64]  # [G, NUM_COUNTERS]
     logs: list[ViolationLog]  # the snapshot's per-group logs (host views)
-    event: CopyEvent | None
-    copy: Callable[[], object]  # the outbox into ``tensor``: asynchronous on CUDA
+    copy: Callable[[], object]  # the outbox into ``tensor``: CPU (landed when it returns)
+    transfer: Transfer | None  # CUDA: the asynchronous copy and the event behind it
     step: int = -1
     request_ids: tuple[object, ...] | None = None
     known_landed: bool = False  # the copy was seen complete: no second call to the device for it
@@ -67,12 +58,12 @@ class HostBuffer:
     def landed(self) -> bool:
         """Whether the copy has completed (never waits)."""
         if not self.known_landed:
-            self.known_landed = self.event is None or self.event.query()
+            self.known_landed = self.transfer is None or self.transfer.landed()
         return self.known_landed
 
     def wait(self) -> None:
-        if not self.known_landed and self.event is not None:
-            self.event.synchronize()
+        if not self.known_landed and self.transfer is not None:
+            self.transfer.wait()
         self.known_landed = True
 
 
@@ -81,6 +72,7 @@ class LaggedPump:
         self._outbox = outbox
         self._cuda = outbox.device.type == "cuda"
         self._calls = CudaCalls(outbox.device.index or 0) if self._cuda else None
+        self._outbox_bytes = outbox.nbytes
         self.phase_offset = layout.phase_offset
         self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
@@ -89,14 +81,10 @@ class LaggedPump:
         t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
         flat = t.numpy()
         totals = flat[layout.totals_offset : layout.phase_offset].reshape(layout.num_groups, NUM_COUNTERS)
-        event: CopyEvent | None
-        copy: Callable[[], object]
-        if self._calls is None:  # CPU: a plain copy, landed when taken
-            event, copy = None, functools.partial(t.copy_, self._outbox)
-        else:
-            event, copy = self._calls.event(), self._calls.copier(t, self._outbox)
+        copy = functools.partial(t.copy_, self._outbox)  # CPU: a plain copy, landed when taken
+        transfer = None if self._calls is None else self._calls.download(t, self._outbox)
         logs = layout.logs(t)
-        return HostBuffer(tensor=t, flat=flat, words=flat.data, totals=totals, logs=logs, event=event, copy=copy)
+        return HostBuffer(tensor=t, flat=flat, words=flat.data, totals=totals, logs=logs, copy=copy, transfer=transfer)
 
     @property
     def pending_steps(self) -> tuple[int, ...]:
@@ -109,9 +97,10 @@ class LaggedPump:
             raise RuntimeError(f"step {self._pending[0].step} was not decoded before staging step {step}")
         buf = self.buffers[step % NUM_BUFFERS]
         buf.known_landed = False
-        buf.copy()
-        if buf.event is not None:
-            buf.event.record()
+        if buf.transfer is None:
+            buf.copy()
+        else:
+            buf.transfer.send(self._outbox_bytes)
         buf.step = step
         buf.request_ids = request_ids
         self._pending.append(buf)

@@ -24,7 +24,7 @@ Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise poin
 from __future__ import annotations
 
 import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -32,7 +32,7 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
-from kvcanary.runtime.cuda_calls import CudaCalls, StepEvent
+from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
 
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
@@ -50,18 +50,14 @@ _TORCH_DTYPES: dict[tuple[str, int], torch.dtype] = {
 
 
 class _Upload:
-    """One pinned host buffer, its copy into the device buffer, and the event behind that copy."""
+    """One pinned host buffer and its transfer into the device buffer (the copy and the event behind it)."""
 
-    __slots__ = ("bytes", "copy", "event", "tensor")
+    __slots__ = ("bytes", "tensor", "transfer")
 
     def __init__(self, device_buf: torch.Tensor, calls: CudaCalls) -> None:
         self.tensor = torch.empty(device_buf.shape[0], dtype=torch.uint8, pin_memory=True)
         self.bytes = self.tensor.numpy().data
-        self.copy: Callable[[int], None] = calls.uploader(device_buf, self.tensor)
-        self.event: StepEvent | None = None  # until its first copy
-
-    def free(self) -> bool:
-        return self.event is None or self.event.query()
+        self.transfer: Transfer = calls.upload(device_buf, self.tensor)
 
 
 class Staging:
@@ -102,18 +98,24 @@ class Staging:
         if self._calls is None:
             self._on_host = self._device_buf.numpy().data
             return
-        self._retired = [u for u in self._retired + self._ring if not u.free()]
+        self._retired = [u for u in self._retired + self._ring if not u.transfer.landed()]
         self._ring = [_Upload(self._device_buf, self._calls) for _ in range(_RING)]
         self._next = 0
 
     def _take(self) -> _Upload:
-        """The next pinned buffer whose last copy has run; a new one joins the ring when it has not."""
+        """The next pinned buffer whose last copy has run; a new one joins the ring when it has not.  (The steady
+        step's :meth:`send_at` does the same inline.)"""
         up = self._ring[self._next]
-        if not up.free():
-            assert self._calls is not None
-            up = _Upload(self._device_buf, self._calls)
-            self._ring.insert(self._next, up)
+        if not up.transfer.landed():
+            up = self._join_ring()
         self._next = (self._next + 1) % len(self._ring)
+        return up
+
+    def _join_ring(self) -> _Upload:
+        """A new pinned buffer, in the ring at the current place (the one there still has a copy to run)."""
+        assert self._calls is not None
+        up = _Upload(self._device_buf, self._calls)
+        self._ring.insert(self._next, up)
         return up
 
     def layout(self, arrays: Sequence[HostArray | memoryview]) -> tuple[list[int], int]:
@@ -142,7 +144,7 @@ class Staging:
             view = find((m.format, off, m.shape))
             views.append(self._view(m, off) if view is None else view)
         if up is not None and end:
-            self._copied(up, end)
+            up.transfer.send(end)
         return views
 
     def send_at(self, head: memoryview, tail: Sequence[tuple[int, array.array[int]]], end: int) -> None:
@@ -151,23 +153,20 @@ class Staging:
         of the same layout, while :attr:`generation` has not moved)."""
         if end > self._capacity:
             raise ValueError(f"send_at: {end} bytes do not fit the staging's {self._capacity}")
-        up = None if self._calls is None else self._take()
-        host = self._on_host if up is None else up.bytes
+        if self._calls is None:
+            host = self._on_host
+        else:  # _take inline: a steady step runs this every step, cold (each function call costs microseconds)
+            up = self._ring[self._next]
+            if up.transfer.sent and not up.transfer.landed():
+                up = self._join_ring()
+            self._next = (self._next + 1) % len(self._ring)
+            host = up.bytes
         host[: len(head)] = head
         for off, a in tail:
             m = memoryview(a).cast("B")
             host[off : off + len(m)] = m
-        if up is not None:
-            self._copied(up, end)
-
-    def _copied(self, up: _Upload, end: int) -> None:
-        """Copy the first ``end`` bytes of ``up`` to the device and record its event behind the copy."""
-        up.copy(end)
-        if up.event is None:
-            assert self._calls is not None
-            up.event = self._calls.event()  # recorded on creation
-        else:
-            up.event.record()
+        if self._calls is not None:
+            up.transfer.send(end)
 
     def _view(self, m: memoryview, off: int) -> torch.Tensor:
         """The device view that ``m`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""
