@@ -92,3 +92,28 @@ def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool)
         calls.upload(dst, torch.zeros(64, dtype=torch.uint8))  # not pinned
     with pytest.raises(ValueError, match="pinned host bytes"):
         calls.upload(dst.view(torch.int64), src.view(torch.int64))  # not bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bindings", [True, False])
+def test_the_graph_launch_replays_on_the_current_stream(bindings: bool) -> None:
+    calls = cuda_calls(bindings)
+    x = torch.zeros(16, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        x.add_(1)
+        graph.capture_end()
+    torch.cuda.synchronize()
+    launch = calls.graph_launch(graph)
+    other = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with streams.using(other):
+        torch.cuda._sleep(100_000_000)
+        x.mul_(10)  # behind the sleep: each launch must land after it, on this stream
+        launch()
+        launch()
+        got = x.clone()
+    other.synchronize()  # type: ignore[no-untyped-call]
+    assert got.tolist() == [2] * 16  # captured, not run: 0 * 10 + 1 + 1

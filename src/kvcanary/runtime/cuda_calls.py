@@ -17,6 +17,7 @@ loop the step runs with every cache cold, and each distinct function it runs cos
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -62,6 +63,22 @@ class CudaCalls:
         if dst.nbytes != src.nbytes or not src.is_pinned() or dst.device.type != "cuda" or dst.element_size() != 1:
             raise ValueError("upload: src must be pinned host bytes of dst's size, dst a CUDA byte tensor")
         return Transfer(self, dst, src, self._h2d if self._rt is not None else None)
+
+    def graph_launch(self, graph: Any) -> Callable[[], None]:
+        """A launch of ``graph`` (a captured ``torch.cuda.CUDAGraph``, kept alive by the caller) on the current
+        stream.  Through the bindings where installed: torch's replay also guards the device, brings the random
+        number generators' state up to date and asks the driver its version on every call, none of which a graph
+        of the canary's kernels (no random numbers) needs."""
+        raw = getattr(graph, "raw_cuda_graph_exec", None)
+        if self._rt is None or raw is None:
+            return graph.replay  # type: ignore[no-any-return]
+        return functools.partial(self._launch, self._rt.cudaGraphExec_t(init_value=raw()))
+
+    def _launch(self, graph_exec: Any) -> None:
+        assert self._rt is not None
+        (err,) = self._rt.cudaGraphLaunch(graph_exec, self._raw_stream(self.device_index))
+        if err != self._ok:
+            raise RuntimeError(f"kvcanary: cudaGraphLaunch failed: {err!r}")
 
 
 class Transfer:

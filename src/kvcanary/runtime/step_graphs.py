@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from kvcanary.batch import StepBatch
+from kvcanary.runtime.cuda_calls import CudaCalls
 
 MAX_GRAPHS = 64
 MAX_SEEN = 4096  # keys seen once and remembered (bounded state)
@@ -178,7 +179,7 @@ class CudaStepGraph:
     mode is thread-local: the engine may use CUDA from other threads meanwhile.
     """
 
-    def __init__(self, work: Callable[[], None], pool: Any) -> None:
+    def __init__(self, work: Callable[[], None], pool: Any, calls: CudaCalls) -> None:
         self._graph = torch.cuda.CUDAGraph()
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -190,6 +191,7 @@ class CudaStepGraph:
             finally:
                 self._graph.capture_end()
         current.wait_stream(side)
+        self.replay = calls.graph_launch(self._graph)  # type: ignore[method-assign]
 
     def replay(self) -> None:
         self._graph.replay()
@@ -197,4 +199,5 @@ class CudaStepGraph:
 
 def cuda_step_graphs() -> StepGraphs:
     pool = torch.cuda.graph_pool_handle()
-    return StepGraphs(lambda work: CudaStepGraph(work, pool))
+    calls = CudaCalls(torch.cuda.current_device())
+    return StepGraphs(lambda work: CudaStepGraph(work, pool, calls))
