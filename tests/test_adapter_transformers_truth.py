@@ -126,6 +126,29 @@ def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> Non
     assert step()[0] == 32
 
 
+def test_a_rewind_past_the_window_compared_last_resends_the_window_even_where_the_tail_agrees() -> None:
+    """A token rewritten outside the compared window (not sent, by design), then a rewind that brings it back into
+    the window: the history's tail as last read agrees with it, the store's row does not, so the window is sent."""
+    store = TruthStore(1, 200, torch.device("cpu"))
+    prompt, generated = list(range(100, 140)), [1]
+
+    def step(check: bool) -> int:
+        up = store.plan(HostBatch(("a",), (0,), (1,), (History(prompt, generated),)), [True])
+        got = store.apply(up, *on_device(up))
+        n = len(prompt) + len(generated)
+        if check:
+            assert got[1, :n].tolist() == prompt + generated
+        return len(up.cells)
+
+    for k in range(40):  # one token a step up to 80: the window compared is the last 32 before the newest
+        assert step(check=True) == (41 if k == 0 else 1)
+        generated.append(k)
+    generated[0] = 999  # position 40, outside the window: the next step does not send it (not checked there)
+    assert step(check=False) == 1
+    del generated[20:]  # a rewind to 60 tokens: position 40 is inside the window [28, 60) again
+    assert step(check=True) == 32
+
+
 def test_the_truth_scatter_bound_once_writes_every_later_step_like_the_store_write() -> None:
     """What replaying the step graph does with the truth's write: one launch, bound at the first step, writes each
     later step's tokens, however many, found through the offsets staged with them."""

@@ -106,18 +106,30 @@ class TruthStore:
             n = h.size if h.size < width else width
             stop = entry.n if entry.n < n else n  # the compared window: REFRESH positions before stop
             start = stop - refresh if stop > refresh else 0
-            at = h.tail_start
-            new = h.tail[start - at : n - at] if start >= at else h.tokens(start, n)
-            m, off = stop - start, start - entry.start
-            if m > 0 and off >= 0 and new[:m] == entry.sent[off : off + m]:
-                skip = m  # the usual step: nothing resent
-            else:
+            at, row_at = h.tail_start, entry.row * width
+            if start >= at:  # the usual row: the window and the new tokens are in the history's tail, no copy kept
+                tail, lo = h.tail, start - at
+                m, off = stop - start, start - entry.base
+                if m > 0 and start >= entry.start and tail[lo : lo + m] == entry.sent[off : off + m]:
+                    skip = m  # the usual step: nothing resent
+                else:
+                    skip = entry.same_prefix(start, stop, tail[lo : n - at])
+                first = start + skip
+                if n - first == 1:  # one new token (a decode step): no slice, no range
+                    tokens.append(tail[n - at - 1])
+                    cells.append(row_at + first)
+                else:
+                    tokens += tail[first - at : n - at]
+                    cells += range(row_at + first, row_at + n)
+                entry.n, entry.start, entry.base, entry.sent = n, start, at, tail
+            else:  # a long first send, or a window older than the tail: read from the engine's lists
+                new = h.tokens(start, n)
                 skip = entry.same_prefix(start, stop, new)
-            tokens += new[skip:] if skip else new
-            cells += range(entry.row * width + start + skip, entry.row * width + n)
-            if n - start > _KEPT:  # a long first send: keep its last REFRESH only
-                start, new = n - refresh, new[-refresh:]
-            entry.n, entry.start, entry.sent = n, start, new
+                tokens += new[skip:] if skip else new
+                cells += range(row_at + start + skip, row_at + n)
+                if n - start > _KEPT:  # keep its last REFRESH only
+                    start, new = n - refresh, new[-refresh:]
+                entry.n, entry.start, entry.base, entry.sent = n, start, start, new
             gather.append(entry.row)
             lens.append(n)
             widest = n if n > widest else widest
@@ -227,19 +239,20 @@ class TruthScatter:
 
 
 class _Sent:
-    """A request's store row, how many of its tokens the row holds, and the tokens last compared or sent: positions
-    ``start ..`` up to ``n`` (the step's whole window, kept as the step built it: no copy)."""
+    """A request's store row, how many of its tokens the row holds, and the tokens last compared or sent: ``sent``
+    holds positions ``base ..`` (the history's tail as the step read it, kept as it is: no copy), of which
+    ``start`` up to ``n`` are the window the row was last compared with or sent."""
 
-    __slots__ = ("n", "row", "sent", "start", "used")
+    __slots__ = ("base", "n", "row", "sent", "start", "used")
 
     def __init__(self, row: int) -> None:
-        self.row, self.n, self.start, self.used = row, 0, 0, 0
+        self.row, self.n, self.start, self.base, self.used = row, 0, 0, 0, 0
         self.sent: list[int] = []
 
     def same_prefix(self, start: int, stop: int, tokens: list[int]) -> int:
         """How many of ``tokens`` (positions ``start ..``) before ``stop`` the row already holds as they are."""
-        m, off = stop - start, start - self.start
-        if m <= 0 or off < 0:  # off < 0: a rewind past the window kept here; send everything
+        m, off = stop - start, start - self.base
+        if m <= 0 or start < self.start:  # before the window compared last: a rewind past it; send everything
             return 0
         if tokens[:m] == self.sent[off : off + m]:
             return m
