@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.layout import RecordStore
+from test_adapter_transformers_cost import sync_debug
 from transformers_helpers import PAGE, geometry
 
 BYTES_PER_BLOCK = 16
@@ -126,3 +128,26 @@ def test_a_restore_from_bytes_of_unknown_origin_restores_no_record() -> None:
     assert seen.writes[0].source_host_blocks is None
     mirror.apply_block_write(g, rec, seen.writes[0])
     assert links(g, rec, 2) == [0] * PAGE and len(host) == 0
+
+
+@pytest.mark.gpu
+def test_an_offload_and_restore_mirrored_on_cuda_never_wait_for_the_device() -> None:
+    """The host block numbers reach the device without a synchronous copy: the engine's forward queued before
+    them keeps running while the host goes on (a wait here cost the GPU demo its CPU/GPU overlap)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = geometry()
+    gpu = torch.device("cuda")
+    rec = RecordStore.allocate(g.num_slots, gpu)
+    for dst, src in zip(rec.fields(), stamped(g, [2, 3, 4]).fields(), strict=True):
+        dst.copy_(src)
+    want = [links(g, rec, b) for b in (3, 4, 2)]
+    host = mirror.HostRecords()
+    with sync_debug("error"):
+        torch.cuda._sleep(50_000_000)  # the forward still running
+        save = byte_moves.HostSave((NAME,), (5, 6, 7), torch.tensor([2, 3, 4]).pin_memory().to(gpu, non_blocking=True))
+        host.save(g, rec, save, 8)
+        dest = torch.tensor([8, 9, 10]).pin_memory().to(gpu, non_blocking=True)
+        host.restore(g, rec, byte_moves.BlockWrite((NAME,), dest, None, (6, 7, 5)))
+        mirror.copy_blocks(g, rec, [8], [11])
+    assert [links(g, rec, b) for b in (8, 9, 10)] == want and links(g, rec, 11) == want[0]
