@@ -23,8 +23,9 @@ from kvcanary.layout import RecordStore
 def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host block numbers as an int64 index on ``device``, without waiting for it.  A tensor built from a list
     straight onto CUDA is a synchronous copy from pageable memory: it waits for every kernel queued before it,
-    the engine's forward too.  One per offload and restore cost the hybrid GPU demo its CPU/GPU overlap (486
-    waits a run, 0.4 s of 3.3).  Through pinned memory the copy is queued on the stream like the work after it."""
+    the engine's forward too.  The hybrid GPU demo made 486 of them a run (one per mirrored offload or restore
+    copy), the only synchronising calls the canary added.  Through pinned memory the copy is queued on the stream
+    like the work after it."""
     t = torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return t.to(device)
