@@ -214,6 +214,25 @@ DEMO_NOTES = (
     "155 us in the hybrid workload): 97, 123 and 107 us (`results/cpu-dry-run-a6d6b9b-steady.json`; the dense "
     "code is the same as 073b90e's). The device figures (and whether the dense model's 150 us are met) are to be "
     "measured.",
+    "",
+    "1560e54 -> 2842a39 (issue 14, part 2; the first device calls since c714279). At 1560e54 "
+    "(`results/gpu-demo/nvidia-h200-1560e54-*`): dense 0.23 ms a step (median 0.20; translation 135 us, "
+    "plan/verify/stamp 41, host step 38, capture 18), hybrid 0.36 (203, 82, 47, 32), sliding 0.28; 716 of 720, 347 "
+    "of 352 and 556 of 560 steps steady; shares 2.8, 20.1 and 3.8 %. On CUDA a steady step ran eight more distinct "
+    "Python functions than on the CPU (the GPU tests' count, 26 against 18: the staging's take of a pinned buffer, "
+    "its free check and event query, the copy's lambda and memcpy, the record). ca9ccf7 makes a copy and its "
+    "event record one call (`runtime/cuda_calls.py`'s `Transfer`, for the pump and the staging), 3365fc1 launches "
+    "the canary's step graphs through cuda-python (`CudaCalls.graph_launch`), 2842a39 trims the truth plan's usual "
+    "row (warm 282 -> 189 us at 256 rows on the sandbox; cold, unchanged within noise). At 2842a39 "
+    "(`results/gpu-demo/nvidia-h200-2842a39-*`, another machine of the same kind): dense 0.20 ms (median 0.18; "
+    "translation 119, plan/verify/stamp 31, host step 33, capture 16), hybrid 0.32 (183, 67, 40, 30), sliding "
+    "0.27; shares 11.9 % (pairs 11.9, 0.0, 31.9), 16.0 % (12.2, 23.4, 16.0) and 0.0 % (4.9, 0.0, 0.0): the "
+    "engine's run time still varies more than the canary costs. Where the hybrid's share goes beyond the tap's host "
+    "time (`scripts/gpu/share_probe.py`, `results/gpu-demo/nvidia-h200-2842a39-share-probe-hybrid.txt`): the engine "
+    "synchronises about eight times a step itself; the only synchronising calls the canary added were 486 a run, "
+    "the host block numbers of mirrored offloads and restores built straight onto CUDA (queued through pinned "
+    "memory since 0c843f1, not yet measured on a device); mirroring a run's 338 offload copies one by one took "
+    "0.09 s under the profiler. The goals (150 and 250 us, at most 5 %) are not met.",
 )
 
 
