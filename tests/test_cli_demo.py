@@ -73,6 +73,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == cli.EXIT_USAGE
     assert cli.main(["demo", "--requests", "0"]) == cli.EXIT_USAGE
     assert "requests >= 1" in capsys.readouterr().err
+    assert cli.main(["demo", "--baseline", "--rounds", "0"]) == cli.EXIT_USAGE
+    assert "rounds" in capsys.readouterr().err
+    assert cli.main(["demo", "--rounds", "5"]) == cli.EXIT_USAGE  # timed pairs without --baseline: nothing to time
+    assert "needs baseline" in capsys.readouterr().err
 
 
 def test_unsupported_engine_exits_3(monkeypatch: pytest.MonkeyPatch) -> None:

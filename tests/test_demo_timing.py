@@ -55,3 +55,26 @@ def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> N
     assert host_time_lines(stats, {"steady_steps": 0}) == ["  host time in the canary: 0.30 ms per step"]
     lines = host_time_lines(stats, {"steady_steps": 448})
     assert lines[1] == "  steady steps (a kept translation of their shape class reused): 448 of 720"
+
+
+def test_the_demo_times_as_many_pairs_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("transformers")
+    from kvcanary import demo
+
+    asked: list[int] = []
+
+    class Stop(Exception):
+        pass
+
+    def share(run_with: object, run_without: object, rounds: int) -> None:
+        asked.append(rounds)
+        raise Stop
+
+    monkeypatch.setattr(demo, "time_share", share)
+    monkeypatch.setattr(demo, "time_baseline", lambda *a: 1.0)  # no engine run: only the wiring is under test
+    monkeypatch.setattr(demo, "run_workload", lambda *a, **k: None)
+    monkeypatch.setattr(demo, "build_model", lambda *a: None)
+    for rounds in (5, demo.ROUNDS):
+        with pytest.raises(Stop):
+            demo.run_demo(demo.DemoOptions(baseline=True, rounds=rounds), progress=None)
+    assert asked == [5, 3]

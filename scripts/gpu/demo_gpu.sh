@@ -3,8 +3,9 @@
 # forks, CPU offload) on the lent H200, with the canary's GPU path (Backend.AUTO -> Triton kernels), for
 # the three model kinds, plus runs with the engine's asynchronous batching and its CUDA graphs (padded
 # batches, warm-up forwards, graph replays the canary reads after).  The three main runs also time the
-# same workload with the canary off (--baseline: three alternating pairs of timed runs) and print the canary's
-# share of step time (the median of the pairs').
+# same workload with the canary off (--baseline --rounds ROUNDS, default 5 here: alternating pairs of timed
+# runs; three moved the share by tens of points between calls) and print the canary's share of step time (the
+# median of the pairs').
 #
 # Not run by CI.  The transformers 5.24.0 wheel travels in .whl (scripts/gpu/transformers_wheel.sh says how);
 #   device call: carry [".whl"], command: bash scripts/gpu/demo_gpu.sh
@@ -22,7 +23,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.
 rc=0
 for model in dense hybrid sliding; do
   echo "=== $model" >&2
-  python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline 2>"$OUT/demo_${model}.progress" \
+  python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" 2>"$OUT/demo_${model}.progress" \
     | tee "$OUT/demo_${model}.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 done

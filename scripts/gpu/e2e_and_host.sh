@@ -43,7 +43,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
            scripts/gpu/cb_qwen3_workload.py --out "$OUT" --name cb_qwen3_old --runs b32_graphs,b1_graphs,b32_eager \
            >>"$OUT/run.log" 2>&1 ;;
     demo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
-            timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --quiet \
+            timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
     olddemo) for model in dense hybrid; do

@@ -35,7 +35,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share
+from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -65,6 +65,7 @@ class DemoOptions:
     device: str = "cpu"
     backend: Backend = Backend.AUTO
     baseline: bool = False  # also time the workload without the canary (the canary's share of step time)
+    rounds: int = ROUNDS  # with baseline: pairs of timed runs (the engine's run time varies more than the canary costs)
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
@@ -83,6 +84,8 @@ class DemoOptions:
                 f"need requests >= 1, follow_up >= 0 and new_tokens >= 2, got {self.requests}, {self.follow_up} "
                 f"and {self.new_tokens}"
             )
+        if self.rounds < 1 or (self.rounds != ROUNDS and not self.baseline):
+            raise ValueError(f"rounds (pairs of timed runs) needs baseline and must be >= 1, got {self.rounds}")
         if self.digest_budget is not None:
             DigestConfig(self.digest_budget)  # a budget outside (0, 1] is refused here, before any run
 
@@ -256,7 +259,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
             runs.append(run_workload(model, prompts, options, label=label, progress=shown))
             return runs[-1].seconds, runs[-1].stats["violations"]
 
-        timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options))
+        timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options), options.rounds)
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]))
 

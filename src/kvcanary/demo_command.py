@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvcanary.adapters.transformers_cb.selftest.workload import MODEL_KINDS
     from kvcanary.cli_checks import add_device_options, add_output_options
     from kvcanary.demo import DEFAULT_FAULTS
+    from kvcanary.demo_timing import ROUNDS
 
     p.add_argument("--model", choices=MODEL_KINDS, default="dense", help="model kind (default: dense)")
     p.add_argument(
@@ -40,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time the workload with the canary off: alternating pairs of timed runs, the share their median",
     )
     p.add_argument(
+        "--rounds", type=int, default=ROUNDS, metavar="N",
+        help=f"with --baseline: pairs of timed runs (default: {ROUNDS}); more steady the share where runs vary",
+    )  # fmt: skip
+    p.add_argument(
         "--digest", type=float, default=None, metavar="BUDGET",
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
     )  # fmt: skip
@@ -59,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             backend=Backend(args.backend),
             baseline=args.baseline,
+            rounds=args.rounds,
             async_batching=args.async_batching,
             cuda_graphs=args.cuda_graphs,
             digest_budget=args.digest,
