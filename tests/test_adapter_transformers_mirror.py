@@ -95,8 +95,7 @@ def offload_then_restore(read_from: list[int]) -> tuple[GroupGeometry, RecordSto
     views = {NAME: byte_moves.block_view(a)}
     with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
         engine_offload(a, pool, [2, 3, 4], [5, 6, 7])
-    for save in seen.host_saves:
-        host.save(g, rec, save, 8)
+    host.save_all(g, rec, seen.host_saves, 8)
     rec.clear_slots(torch.arange(g.num_slots))
     with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
         engine_restore(a, pool, read_from, [8, 9, 10])
@@ -116,6 +115,47 @@ def test_a_restore_brings_the_records_of_the_host_blocks_it_reads() -> None:
 def test_a_restore_from_a_host_block_never_saved_restores_no_record() -> None:
     g, rec = offload_then_restore([5, 6, 0])  # host block 0 holds nothing the canary saw
     assert links(g, rec, 10) == [0] * PAGE and links(g, rec, 9) != [0] * PAGE
+
+
+def offloaded_links(gpu: list[int], cpu: list[int]) -> tuple[list[list[int]], int]:
+    """Offload device blocks ``gpu`` into host blocks ``cpu`` (one copy a block), mirrored with :meth:`save_all`;
+    the links each host block then holds, and how many index writes the mirror made."""
+    g = geometry()
+    a = allocator(g)
+    pool = torch.zeros(8 * BYTES_PER_BLOCK, dtype=torch.uint8)
+    rec = stamped(g, sorted(set(gpu)))
+    host = mirror.HostRecords()
+    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}, host_pool=pool) as seen:
+        engine_offload(a, pool, gpu, cpu)
+    with CountedOps() as counted:
+        host.save_all(g, rec, seen.host_saves, 8)
+    back = RecordStore.allocate(g.num_slots)
+    host.restore(g, back, byte_moves.BlockWrite((NAME,), torch.tensor(sorted(set(cpu))), None, tuple(sorted(set(cpu)))))
+    return [links(g, back, h) for h in sorted(set(cpu))], counted.index_puts
+
+
+class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[misc]
+    """Counts the index writes (``host[dst] = dev[src]``) made inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index_puts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.index_puts += func is torch.ops.aten.index_put_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_offload_of_many_runs_is_mirrored_in_one_write_a_field_and_a_repeated_host_block_keeps_the_last() -> None:
+    g = geometry()
+    original = stamped(g, [1, 2, 3, 4])
+    got, writes = offloaded_links([1, 2, 3, 4], [4, 5, 6, 7])  # four runs, four distinct host blocks
+    assert got == [links(g, original, b) for b in (1, 2, 3, 4)]
+    fields = len(original.fields())
+    assert writes == fields  # one scatter a field, not one a run
+    got, writes = offloaded_links([1, 2, 3], [5, 6, 5])  # host block 5 written twice: the later copy (block 3) wins
+    assert got == [links(g, original, b) for b in (3, 2)]
+    assert writes == 2 * fields
 
 
 def test_a_restore_from_bytes_of_unknown_origin_restores_no_record() -> None:
@@ -146,7 +186,7 @@ def test_an_offload_and_restore_mirrored_on_cuda_never_wait_for_the_device() -> 
     with sync_debug("error"):
         torch.cuda._sleep(50_000_000)  # the forward still running
         save = byte_moves.HostSave((NAME,), (5, 6, 7), torch.tensor([2, 3, 4]).pin_memory().to(gpu, non_blocking=True))
-        host.save(g, rec, save, 8)
+        host.save_all(g, rec, [save], 8)
         dest = torch.tensor([8, 9, 10]).pin_memory().to(gpu, non_blocking=True)
         host.restore(g, rec, byte_moves.BlockWrite((NAME,), dest, None, (6, 7, 5)))
         mirror.copy_blocks(g, rec, [8], [11])

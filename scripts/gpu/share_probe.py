@@ -6,7 +6,8 @@ model and prompts) alternately with the canary off (mode ``off``, as ``--baselin
 each run reports:
 - its wall time, split into the engine loop's thread (cProfile on that thread alone: Python 3.12 allows one
   profiler at a time) and everything else (the caller's thread: manager set-up, the canary's install);
-- the engine thread's top functions by own time, so the two sides can be compared line by line;
+- the engine thread's top functions by own time, so the two sides can be compared line by line, and the
+  canary's functions by cumulative time (every hook, the offload mirror and fork copies too, not only the tap);
 - the synchronising CUDA calls each side makes, by Python call site (torch's sync debug mode, ``warn``).
 
 Usage: PYTHONPATH=src python scripts/gpu/share_probe.py [--model hybrid] [--top 25]
@@ -87,9 +88,13 @@ def one_run(
             demo.generate_waves(model, prompts, opts)
             steps = c.stats()["steps"] if canary else 0
         total = time.perf_counter() - start
-    out = io.StringIO()
+    out, own = io.StringIO(), io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return {"total": total, "loop": sum(loop_s), "steps": steps, "sites": sites, "profile": out.getvalue()}
+    pstats.Stats(prof, stream=own).sort_stats("cumulative").print_stats("kvcanary", top)
+    return {
+        "total": total, "loop": sum(loop_s), "steps": steps, "sites": sites, "profile": out.getvalue(),
+        "canary": own.getvalue() if canary else "",
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -111,6 +116,9 @@ def main() -> None:
         print("synchronising calls by site:", dict(r["sites"].most_common(15)))
         if i >= 2:  # the second run of each side in full (warmer)
             print(r["profile"])
+            if r["canary"]:
+                print("the canary's own functions by cumulative time (its hooks in and around the step):")
+                print(r["canary"])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
-from kvcanary.adapters.transformers_cb.step_tap import stream_context
+from kvcanary.runtime import streams
 
 
 class BulkMoveWrappers:
@@ -51,11 +51,11 @@ class BulkMoveWrappers:
                 return original(om, victims, victim_block_tables)
             with _observer(b, om) as seen:
                 done = original(om, victims, victim_block_tables)
-            with stream_context(om._compute_stream):
-                for save in seen.host_saves:
-                    for name in save.groups:
-                        rows = int(om._cpu_views[name].shape[0])
-                        b.host.save(b.geometries[name], b.records(name), save, rows)
+            with streams.StreamSwitch(om._compute_stream):
+                for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
+                    saves = [save for save in seen.host_saves if name in save.groups]
+                    rows = int(om._cpu_views[name].shape[0])
+                    b.host.save_all(b.geometries[name], b.records(name), saves, rows)
             self._features.offloads += len(done)
             self._features.soft_resets += len(victims) - len(done)
             return done
@@ -71,7 +71,7 @@ class BulkMoveWrappers:
                 return original(om, requests_in_batch)
             with _observer(b, om) as seen:
                 out = original(om, requests_in_batch)
-            with stream_context(om._compute_stream):
+            with streams.StreamSwitch(om._compute_stream):
                 for write in seen.writes:
                     for name in write.groups:
                         if write.source_host_blocks is not None:

@@ -83,16 +83,24 @@ class HostRecords:
             store.enable_digests()
         return store
 
-    def save(self, geometry: GroupGeometry, records: RecordStore, save: HostSave, host_blocks: int) -> None:
-        """Mirror one copy into the host pool (``host_blocks``: the rows of the group's host view)."""
+    def save_all(
+        self, geometry: GroupGeometry, records: RecordStore, saves: Sequence[HostSave], host_blocks: int
+    ) -> None:
+        """Mirror one offload's copies into the host pool (``host_blocks``: the rows of the group's host view).
+
+        The engine copies an offload run by run (hundreds a demo run); mirrored one by one that was a dozen small
+        device ops each.  Here consecutive runs are joined into one scatter until a host block repeats: a later
+        copy into a block must land after the earlier one, which one scatter would not order."""
         store = self._store_like(geometry, host_blocks, records)
-        dst = geometry.block_slots(device_index(save.host_blocks, records.device))
-        if save.source_blocks is None:
-            store.clear_slots(dst)
-            return
-        src = geometry.block_slots(save.source_blocks.to(records.device, non_blocking=True))
-        for host, dev in zip(store.fields(), records.fields(), strict=True):
-            host[dst] = dev[src]
+        batch: list[HostSave] = []
+        blocks: set[int] = set()
+        for save in saves:
+            if not blocks.isdisjoint(save.host_blocks):
+                _save_batch(geometry, store, records, batch)
+                batch, blocks = [], set()
+            batch.append(save)
+            blocks.update(save.host_blocks)
+        _save_batch(geometry, store, records, batch)
 
     def restore(self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
         """Mirror one restore write: each written device block gets the records of the host block it was read
@@ -112,3 +120,19 @@ class HostRecords:
 
     def clear(self) -> None:
         self._stores.clear()
+
+
+def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStore, batch: list[HostSave]) -> None:
+    """Copies into distinct host blocks: the blocks of no known source cleared, the others copied, one op each."""
+    device = records.device
+    cleared = [h for save in batch if save.source_blocks is None for h in save.host_blocks]
+    if cleared:
+        store.clear_slots(geometry.block_slots(device_index(cleared, device)))
+    copied = [save for save in batch if save.source_blocks is not None]
+    if not copied:
+        return
+    dst = geometry.block_slots(device_index([h for save in copied for h in save.host_blocks], device))
+    sources = [save.source_blocks for save in copied if save.source_blocks is not None]
+    src = geometry.block_slots((sources[0] if len(sources) == 1 else torch.cat(sources)).to(device, non_blocking=True))
+    for host, dev in zip(store.fields(), records.fields(), strict=True):
+        host[dst] = dev[src]
