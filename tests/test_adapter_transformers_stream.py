@@ -17,15 +17,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvcanary.adapters.transformers_cb import step_tap as tap_module
-from kvcanary.runtime import CanaryManager
+from kvcanary.runtime import CanaryManager, streams
 from transformers_helpers import demo_run
 
 
 def test_every_host_step_is_issued_inside_the_engine_stream_context(monkeypatch: pytest.MonkeyPatch) -> None:
     depth = [0]
     seen: list[int] = []
-    real_stream = tap_module.stream_context
+    real_stream = streams.StreamSwitch
     real_host_step = CanaryManager.host_step
 
     @contextlib.contextmanager
@@ -41,7 +40,7 @@ def test_every_host_step_is_issued_inside_the_engine_stream_context(monkeypatch:
         seen.append(depth[0])
         return real_host_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(tap_module, "stream_context", stream)
+    monkeypatch.setattr(streams, "StreamSwitch", stream)
     monkeypatch.setattr(CanaryManager, "host_step", host_step)
     result = demo_run("dense", requests=6)
     assert result.stats["steps"] == len(seen) > 0

@@ -29,14 +29,14 @@ def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
     needs_cuda()
     before = torch.cuda.current_stream()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    with streams.using(side):
+    with streams.StreamSwitch(side):
         assert torch.cuda.current_stream() == side
-        with streams.using(side):  # already current: nothing to switch
+        with streams.StreamSwitch(side):  # already current: nothing to switch
             assert torch.cuda.current_stream() == side
-        with streams.using(None):
+        with streams.StreamSwitch(None):
             assert torch.cuda.current_stream() == side
     assert torch.cuda.current_stream() == before
-    with pytest.raises(ValueError), streams.using(side):
+    with pytest.raises(ValueError), streams.StreamSwitch(side):
         raise ValueError("restored on the way out")
     assert torch.cuda.current_stream() == before
 
@@ -50,7 +50,7 @@ def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(bindings: bo
     transfer = calls.download(dst, src)
     assert transfer.landed() and not transfer.sent  # nothing sent: nothing to wait for
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    with streams.using(side):
+    with streams.StreamSwitch(side):
         torch.cuda._sleep(100_000_000)  # keeps the side stream busy
         src.add_(1)  # behind the sleep: the copy must see it
         transfer.send(src.nbytes)
@@ -79,7 +79,7 @@ def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool)
     src = torch.arange(64, dtype=torch.uint8).pin_memory()
     upload = calls.upload(dst, src)
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    with streams.using(side):
+    with streams.StreamSwitch(side):
         torch.cuda._sleep(100_000_000)
         dst.fill_(255)  # behind the sleep: the upload must land after it
         upload.send(10)
@@ -109,7 +109,7 @@ def test_the_graph_launch_replays_on_the_current_stream(bindings: bool) -> None:
     torch.cuda.synchronize()
     launch = calls.graph_launch(graph)
     other = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    with streams.using(other):
+    with streams.StreamSwitch(other):
         torch.cuda._sleep(100_000_000)
         x.mul_(10)  # behind the sleep: each launch must land after it, on this stream
         launch()

@@ -123,7 +123,7 @@ class StepTap:
         # asynchronous batching) and before the next step rewrites the static buffers.  The host step too:
         # its copy of the step's counters must queue behind the canary's work, not race it on another
         # stream (the engine's streams do not synchronise with the default one).
-        with stream_context(getattr(runner.inputs_and_outputs, "compute_stream", None)):
+        with streams.StreamSwitch(getattr(runner.inputs_and_outputs, "compute_stream", None)):
             tr = self._verify_step(runner, batch_data, pending)
             binding = self._bindings.current  # bound by _verify_step
             if tr is None or binding is None:
@@ -206,8 +206,3 @@ class StepTap:
             "taps": self.taps,
             **self.timer.stats(),
         }
-
-
-def stream_context(stream: Any) -> Any:
-    """The engine's compute stream current for the block (a no-op without one)."""
-    return streams.using(stream)
