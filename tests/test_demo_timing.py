@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share
+from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share, timed_host_line
 
 
 def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
@@ -55,6 +55,13 @@ def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> N
     assert host_time_lines(stats, {"steady_steps": 0}) == ["  host time in the canary: 0.30 ms per step"]
     lines = host_time_lines(stats, {"steady_steps": 448})
     assert lines[1] == "  steady steps (a kept translation of their shape class reused): 448 of 720"
+
+
+def test_the_timed_runs_line_gives_each_runs_host_time_per_step_and_their_median() -> None:
+    runs = [{"steps": 100, "tap_us": 100 * 660}, {"steps": 100, "tap_us": 100 * 410}, {"steps": 50, "tap_us": 50 * 430}]
+    line = timed_host_line(runs)
+    assert line == "  host time per step of each timed run: 0.66, 0.41, 0.43 ms (median 0.43 ms)"
+    assert timed_host_line(runs[:1]) is None and timed_host_line([*runs[:1], {"steps": 0, "tap_us": 0}]) is None
 
 
 def test_the_demo_times_as_many_pairs_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:

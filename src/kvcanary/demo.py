@@ -35,7 +35,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share
+from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share, timed_host_line
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -127,6 +127,7 @@ class DemoResult:
     faulted: RunResult
     timing: ShareTiming | None = None  # --baseline: the runs timed with and without the canary
     timed_violations: int = 0  # raised by the timed canary runs after the first (each a clean run too)
+    timed_stats: tuple[dict[str, int], ...] = ()  # every timed canary run's stats, the clean run first
 
     @property
     def passed(self) -> bool:
@@ -261,7 +262,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
 
         timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options), options.rounds)
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
-    return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]))
+    return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]), tuple(r.stats for r in runs))
 
 
 # ---------------------------------------------------------------------------- the summary
@@ -300,6 +301,8 @@ def summary(result: DemoResult) -> str:
     ]
     if c.stats["steps"]:
         lines.extend(host_time_lines(c.stats, c.features))
+    if (timed := timed_host_line(result.timed_stats)) is not None:
+        lines.append(timed)
     if result.timing is not None:
         lines.append("  " + result.timing.line())
     lines.append("")

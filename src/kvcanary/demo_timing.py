@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 ROUNDS = 3  # pairs of timed runs
 
@@ -38,6 +38,17 @@ def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str
         reused = f"{features['steady_steps']:,} of {steps:,}"
         lines.append(f"  steady steps (a kept translation of their shape class reused): {reused}")
     return lines
+
+
+def timed_host_line(stats: Sequence[dict[str, int]]) -> str | None:
+    """Host time per step of each timed canary run, and their median (None without two runs that verified steps).
+    The first run's mean carries what the warm-up left to do (kernels of shape classes it never met compile then);
+    each run also captures its own step graphs (a new install), which one long-lived install would not repeat."""
+    per_run = [s["tap_us"] / s["steps"] / 1000 for s in stats if s.get("steps")]
+    if len(per_run) < 2:
+        return None
+    runs = ", ".join(f"{v:.2f}" for v in per_run)
+    return f"  host time per step of each timed run: {runs} ms (median {statistics.median(per_run):.2f} ms)"
 
 
 @dataclasses.dataclass(frozen=True)
