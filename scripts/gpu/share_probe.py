@@ -8,7 +8,9 @@ each run reports:
   profiler at a time) and everything else (the caller's thread: manager set-up, the canary's install);
 - the engine thread's top functions by own time, so the two sides can be compared line by line, and the
   canary's functions by cumulative time (every hook, the offload mirror and fork copies too, not only the tap);
-- the synchronising CUDA calls each side makes, by Python call site (torch's sync debug mode, ``warn``).
+- the synchronising CUDA calls each side makes, by Python call site (torch's sync debug mode, ``warn``);
+- the garbage collections each side triggers, by generation: a full collection walks every object the process
+  tracks (the engine's and the model's too), so objects the canary allocates a step cost the engine's time.
 
 Usage: PYTHONPATH=src python scripts/gpu/share_probe.py [--model hybrid] [--top 25]
 """
@@ -19,6 +21,7 @@ import argparse
 import collections
 import contextlib
 import cProfile
+import gc
 import io
 import pstats
 import time
@@ -82,17 +85,20 @@ def one_run(
 
     prof = cProfile.Profile()
     mode = Mode.LOG if canary else Mode.OFF
+    collections_before = [g["collections"] for g in gc.get_stats()]
     with profiled_engine_loop(prof) as loop_s, sync_sites(opts.device == "cuda") as sites:
         start = time.perf_counter()
         with install(model, CanaryConfig(mode=mode)) as c:
             demo.generate_waves(model, prompts, opts)
             steps = c.stats()["steps"] if canary else 0
         total = time.perf_counter() - start
+    collections = [g["collections"] - b for g, b in zip(gc.get_stats(), collections_before, strict=True)]
     out, own = io.StringIO(), io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     pstats.Stats(prof, stream=own).sort_stats("cumulative").print_stats("kvcanary", top)
     return {
         "total": total, "loop": sum(loop_s), "steps": steps, "sites": sites, "profile": out.getvalue(),
+        "collections": collections,
         "canary": own.getvalue() if canary else "",
     }  # fmt: skip
 
@@ -114,6 +120,7 @@ def main() -> None:
         name = "with the canary" if side else "canary off"
         print(f"=== {name}: {r['total']:.3f} s in all, engine loop {r['loop']:.3f} s, steps {r['steps']}")
         print("synchronising calls by site:", dict(r["sites"].most_common(15)))
+        print("garbage collections by generation:", r["collections"])
         if i >= 2:  # the second run of each side in full (warmer)
             print(r["profile"])
             if r["canary"]:
