@@ -191,3 +191,35 @@ def test_an_offload_and_restore_mirrored_on_cuda_never_wait_for_the_device() -> 
         host.restore(g, rec, byte_moves.BlockWrite((NAME,), dest, None, (6, 7, 5)))
         mirror.copy_blocks(g, rec, [8], [11])
     assert [links(g, rec, b) for b in (8, 9, 10)] == want and links(g, rec, 11) == want[0]
+
+
+class _Row:
+    """A batch row whose offload flag may not be read (the wrapper must not scan rows when nothing is offloaded)."""
+
+    def __init__(self, offloaded: bool, readable: bool) -> None:
+        self._offloaded, self._readable = offloaded, readable
+
+    @property
+    def is_cpu_offloaded(self) -> bool:
+        assert self._readable, "a row was scanned with no request in the swap pool"
+        return self._offloaded
+
+
+def test_the_restore_wrapper_scans_the_batch_only_when_the_swap_pool_holds_a_request() -> None:
+    from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
+    from kvcanary.adapters.transformers_cb.features import FeatureCounters
+
+    cache = types.SimpleNamespace(cache_allocators={})
+    binding = types.SimpleNamespace(is_for=lambda c: c is cache, geometries={})
+    features = FeatureCounters()
+    calls: list[int] = []
+    wrapped = BulkMoveWrappers(lambda: binding, features).restore(lambda om, batch: calls.append(len(batch)))  # type: ignore[arg-type]
+    om = types.SimpleNamespace(
+        cache=cache, _cpu_pool=object(), _cpu_tensor=torch.zeros(4), _compute_stream=None, _request_id_to_cpu_blocks={}
+    )
+    wrapped(om, [types.SimpleNamespace(state=_Row(False, readable=False)) for _ in range(3)])
+    assert calls == [3] and features.restores == 0  # the engine's own restore ran; no row read
+    om._request_id_to_cpu_blocks = {"a": {}}
+    rows = [types.SimpleNamespace(state=_Row(i == 1, readable=True)) for i in range(3)]
+    wrapped(om, rows)
+    assert calls == [3, 3] and features.restores == 1  # one request came back: counted, its copies observed

@@ -66,7 +66,10 @@ class BulkMoveWrappers:
         def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
             b = self._binding()
             mine = b is not None and b.is_for(om.cache) and getattr(om, "_cpu_pool", None) is not None
-            restored = sum(1 for fs in requests_in_batch if fs.state.is_cpu_offloaded) if mine else 0
+            # Called every step: with no request in the swap pool (the engine's map empty) no row is scanned.
+            restored = 0
+            if mine and getattr(om, "_request_id_to_cpu_blocks", True):
+                restored = sum(1 for fs in requests_in_batch if fs.state.is_cpu_offloaded)
             if b is None or not restored:
                 return original(om, requests_in_batch)
             with _observer(b, om) as seen:
