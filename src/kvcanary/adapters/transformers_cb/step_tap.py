@@ -63,6 +63,7 @@ class StepTap:
         self.adapter_errors = 0
         self.hook_misses = 0
         self.timer = TapTimer()  # host time of verified steps (the device work is asynchronous on GPU)
+        self._marks = (0, 0, 0, 0)  # the verified step's clock readings, for the timer (see TapTimer.commit)
         # Asked before every forward: torch's wrappers read the environment and look the device up each call.
         self._capturing = stream_capturing_probe() if torch.cuda.is_available() else None
         self._warned_long_rows = False
@@ -73,8 +74,7 @@ class StepTap:
             if self._mode is not Mode.OFF:
                 start = time.perf_counter_ns()
                 self.pending = (io.cache, HostBatch.from_future_states(requests_in_batch))
-                self.timer.discard()  # a step prepared but never tapped is not timed
-                self.timer.add("capture", time.perf_counter_ns() - start)
+                self.timer.capture_ns = time.perf_counter_ns() - start
             return original(io, requests_in_batch, *args, **kwargs)
 
         return prepare_batch_tensors
@@ -127,14 +127,11 @@ class StepTap:
             tr = self._verify_step(runner, batch_data, pending)
             binding = self._bindings.current  # bound by _verify_step
             if tr is None or binding is None:
-                self.timer.discard()
                 return
             start = time.perf_counter_ns()
-            report = binding.manager.host_step(list(tr.request_ids))
+            report = binding.manager.host_step(tr.request_ids)  # a tuple: handed on as it is
         binding.steps += 1
-        self.timer.add("host_step", time.perf_counter_ns() - start)
-        self.timer.stop_cpu()
-        self.timer.commit()
+        self.timer.commit(self._marks, start, time.perf_counter_ns(), time.thread_time_ns())
         self._collect(report)
         if self._on_step is not None:
             self._on_step(binding.steps, tr)
@@ -150,8 +147,8 @@ class StepTap:
                 return None
             binding = self._bind(runner)
             steady = binding.translator.steady_steps
+            cpu = time.thread_time_ns()  # the tap thread's CPU time is counted from here
             start = time.perf_counter_ns()
-            self.timer.start_cpu()
             tr = binding.translator.translate(batch_data, host, defer=True)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
@@ -164,8 +161,7 @@ class StepTap:
             binding.translator.forget_truth()  # the prelude, and the truth's write in it, may not have run
             self._adapter_error("the canary refused the step's batch", exc)
             return None
-        self.timer.add("translate", translated - start)
-        self.timer.add("launch", time.perf_counter_ns() - translated)
+        self._marks = (start, translated, time.perf_counter_ns(), cpu)
         self._features.steady_steps += binding.translator.steady_steps - steady
         self._count(tr)
         return tr

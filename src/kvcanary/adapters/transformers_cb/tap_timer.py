@@ -13,59 +13,56 @@ from __future__ import annotations
 
 import collections
 import statistics
-import time
 
 PHASES = ("capture", "translate", "launch", "host_step")
 RECENT_STEPS = 4096
 
 
 class TapTimer:
+    """The phases' totals and recent values.  Per step it takes one attribute write (:attr:`capture_ns`) and one
+    :meth:`commit` of the tap's clock readings: the tap runs every step with the CPU caches cold, where each call
+    and loop of its own costs microseconds (the timer's too)."""
+
     def __init__(self) -> None:
         self.total_ns = 0
-        self.phase_ns = dict.fromkeys(PHASES, 0)
+        self.capture_ns = 0  # the last prepared step's capture; a step prepared but never tapped is overwritten
+        self._sums = [0] * len(PHASES)
         self._recent: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
-        self._recent_phase = {k: collections.deque[int](maxlen=RECENT_STEPS) for k in PHASES}
-        self._step = dict.fromkeys(PHASES, 0)  # the step being timed
+        self._recent_phase = tuple(collections.deque[int](maxlen=RECENT_STEPS) for _ in PHASES)
         self.cpu_ns = 0
-        self._step_cpu = 0
-        self._cpu_mark = 0
         self._recent_cpu: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
 
-    def add(self, phase: str, ns: int) -> None:
-        self._step[phase] += ns
+    @property
+    def phase_ns(self) -> dict[str, int]:
+        return dict(zip(PHASES, self._sums, strict=True))
 
-    def start_cpu(self) -> None:
-        """The tap's own work starts (translate): its thread's CPU time is counted from here."""
-        self._cpu_mark = time.thread_time_ns()
-
-    def stop_cpu(self) -> None:
-        """The tap's own work ends (after the host step)."""
-        self._step_cpu += time.thread_time_ns() - self._cpu_mark
-
-    def discard(self) -> None:
-        """Forget the step being timed (it was not verified)."""
-        for k in self._step:
-            self._step[k] = 0
-        self._step_cpu = 0
-
-    def commit(self) -> None:
-        """The step being timed was verified: add it to the totals."""
-        total = 0
-        for k, ns in self._step.items():
-            self.phase_ns[k] += ns
-            self._recent_phase[k].append(ns)
-            total += ns
-            self._step[k] = 0
+    def commit(self, marks: tuple[int, int, int, int], host_start: int, end: int, cpu_end: int) -> None:
+        """A verified step: ``marks`` = (translation start, its end, the launches' end, the tap thread's CPU clock at
+        the start), then the host step's start and end (``time.perf_counter_ns``) and the CPU clock at the end
+        (``time.thread_time_ns``)."""
+        start, translated, launched, cpu_start = marks
+        capture, self.capture_ns = self.capture_ns, 0
+        translate, launch, host_step = translated - start, launched - translated, end - host_start
+        sums, recent = self._sums, self._recent_phase
+        sums[0] += capture
+        sums[1] += translate
+        sums[2] += launch
+        sums[3] += host_step
+        recent[0].append(capture)
+        recent[1].append(translate)
+        recent[2].append(launch)
+        recent[3].append(host_step)
+        total = capture + translate + launch + host_step
         self.total_ns += total
         self._recent.append(total)
-        self.cpu_ns += self._step_cpu
-        self._recent_cpu.append(self._step_cpu)
-        self._step_cpu = 0
+        cpu = cpu_end - cpu_start
+        self.cpu_ns += cpu
+        self._recent_cpu.append(cpu)
 
     def stats(self) -> dict[str, int]:
         out = {"tap_us": self.total_ns // 1000, "tap_median_us": _median_us(self._recent)}
-        out.update({f"tap_{k}_us": ns // 1000 for k, ns in self.phase_ns.items()})
-        out.update({f"tap_median_{k}_us": _median_us(d) for k, d in self._recent_phase.items()})
+        out.update({f"tap_{k}_us": ns // 1000 for k, ns in zip(PHASES, self._sums, strict=True)})
+        out.update({f"tap_median_{k}_us": _median_us(d) for k, d in zip(PHASES, self._recent_phase, strict=True)})
         out.update(tap_cpu_us=self.cpu_ns // 1000, tap_median_cpu_us=_median_us(self._recent_cpu))
         return out
 

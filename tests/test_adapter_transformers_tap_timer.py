@@ -1,0 +1,22 @@
+"""The tap's timer: one verified step's clock readings -> the phases' totals, medians and the thread's CPU time."""
+
+from __future__ import annotations
+
+from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
+
+
+def test_a_step_is_split_into_its_phases_and_an_untapped_capture_is_not_counted() -> None:
+    timer = TapTimer()
+    timer.capture_ns = 99_000  # a step prepared but never tapped: the next prepare overwrites it
+    timer.capture_ns = 5_000
+    timer.commit((1_000_000, 1_020_000, 1_023_000, 400_000), 1_030_000, 1_034_000, 428_000)
+    stats = timer.stats()
+    assert (stats["tap_capture_us"], stats["tap_translate_us"], stats["tap_launch_us"]) == (5, 20, 3)
+    assert (stats["tap_host_step_us"], stats["tap_us"], stats["tap_cpu_us"]) == (4, 32, 28)
+    assert timer.capture_ns == 0  # taken by the step
+    timer.capture_ns = 1_000
+    timer.commit((0, 10_000, 11_000, 0), 20_000, 21_000, 12_000)
+    stats = timer.stats()
+    assert stats["tap_us"] == 32 + 13 and stats["tap_capture_us"] == 6
+    assert stats["tap_median_us"] == (32_000 + 13_000) // 2 // 1000 and stats["tap_median_translate_us"] == 15
+    assert timer.phase_ns == {"capture": 6_000, "translate": 30_000, "launch": 4_000, "host_step": 5_000}
