@@ -19,6 +19,7 @@ DEMO_LINE = re.compile(
     r"host step (?P<host_step>[\d.]+)\)"
 )
 DEMO_SHARE = re.compile(r"the canary's share of step time: (?P<share>[\d.]+)%")
+DEMO_TIMED = re.compile(r"host time per step of each timed run: [\d., ]+ ms \(median (?P<median>[\d.]+) ms\)")
 
 
 # What changed between the stored runs of the demo table, oldest first (rendered under it).
@@ -248,11 +249,12 @@ def demo_section() -> list[str]:
     rows = []
     for f in sorted(HERE.glob("results/gpu-demo/*-demo_*.txt")):
         text = f.read_text()
-        m, share = DEMO_LINE.search(text), DEMO_SHARE.search(text)
+        m, share, timed = DEMO_LINE.search(text), DEMO_SHARE.search(text), DEMO_TIMED.search(text)
         if m is None:
             continue
-        commit, model = f.stem.split("-")[-2], f.stem.split("demo_")[-1]
-        rows.append((model, commit, m, "-" if share is None else share["share"], f))
+        gpu, commit, model = f.stem.rsplit("-", 2)[0], f.stem.split("-")[-2], f.stem.split("demo_")[-1]
+        runs = "-" if timed is None else f"{float(timed['median']) * 1000:.0f}"
+        rows.append((model, commit, m, "-" if share is None else share["share"], f, gpu, runs))
     if not rows:
         return []
     lines = ["", "## Host time per step on the GPU demo (`scripts/gpu/demo_gpu.sh`)", ""]
@@ -260,15 +262,18 @@ def demo_section() -> list[str]:
         "The canary's host (Python) time per verified step of `kvcanary demo --device cuda --baseline` (2-layer "
         "random-weight models, 64 + 8 prompts x 2 sequences), mean by phase in microseconds, and its share of the "
         "step time against the same workload with the canary off. Goals (issue 14): at most 150 us (dense) and "
-        "250 us (hybrid) per step, a share of at most 5 % on every model."
+        "250 us (hybrid) per step, a share of at most 5 % on every model. `total` and the phases are the clean run's "
+        "means; `timed runs` the median of the timed canary runs' means (from 229a3f6; each run a new install, so "
+        "each captures its own step graphs). The host CPU differs with the machine: compare rows of one GPU and call."
     )
-    lines += ["", "| model | commit | total us | median us | capture | translation | plan/verify/stamp | host step "
-              "| share % | source |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for model, commit, m, share, f in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
+    lines += ["", "| model | gpu | commit | total us | median us | capture | translation | plan/verify/stamp "
+              "| host step | timed runs us | share % | source |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for model, commit, m, share, f, gpu, runs in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
         us = {k: float(v) * 1000 for k, v in m.groupdict().items()}
         lines.append(
-            f"| {model} | {commit} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "
-            f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {share} "
+            f"| {model} | {gpu} | {commit} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "
+            f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {runs} | {share} "
             f"| `{f.relative_to(HERE)}` |"
         )
     lines += DEMO_NOTES
