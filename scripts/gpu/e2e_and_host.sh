@@ -13,6 +13,7 @@
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
 #   keys      scripts/gpu/graph_keys.py on the dense and hybrid demo (which key parts vary among eager steps)
 #   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
+#   captures  scripts/gpu/capture_costs.py (a step graph's capture piece by piece, the GPU idle and busy)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
 #             graphs against eager launches) and the translation kernel's and the step close's suites compiled
 #             (gputests.log)
@@ -71,6 +72,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
     keys) for model in dense hybrid; do
             timeout "${T_KEYS:-60}" python3 scripts/gpu/graph_keys.py --model "$model" >>"$OUT/keys.txt" 2>&1
           done ;;
+    captures) timeout "${T_CAPT:-60}" python3 scripts/gpu/capture_costs.py >"$OUT/capture_costs.txt" 2>&1 ;;
     opcosts) timeout 60 python3 scripts/gpu/op_costs.py >"$OUT/op_costs.txt" 2>&1 ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
