@@ -234,6 +234,21 @@ DEMO_NOTES = (
     "the host block numbers of mirrored offloads and restores built straight onto CUDA (queued through pinned "
     "memory since 0c843f1, not yet measured on a device); mirroring a run's 338 offload copies one by one took "
     "0.09 s under the profiler. The goals (150 and 250 us, at most 5 %) are not met.",
+    "",
+    "70d657b (one call on an H100, `results/gpu-demo/nvidia-h100-80gb-hbm3-70d657b-*`): the GPU tests passed (13, "
+    "and 50 with 2 skipped), the mirror's among them; dense 0.33 ms a step (median 0.30), hybrid 0.66 (0.44), "
+    "sliding 0.37 (0.33), shares 1.8, 10.3 and 7.7 % over five pairs. That machine's host CPU ran the same code "
+    "about 1.6 times slower than the H200 machines' (translation 193 against 119 us on dense), so its rows compare "
+    "with each other, not with the H200's. The share probe (`...-share-probe-{hybrid,dense}.txt`) counts the same "
+    "synchronising calls with the canary as without it: 0c843f1 removed the last ones the canary made. Under the "
+    "probe's profiler the engine's own calls ran about 10-20 % longer in the canary's runs (its linear layers 0.48 "
+    "against 0.43 s on dense) while the canary made no call between them: the tap's host time does not account for "
+    "the whole share, and what does is not yet known (the caches the tap's cold Python evicts is the lead). After "
+    "that call (no device was lent again): an offload's mirror is one scatter a field instead of a dozen device ops "
+    "per copied run (430151e), the stream switch a slotted class (35241c3), the restore wrapper skips its per-row "
+    "scan while nothing is offloaded (207320c), the tap timer one commit a step (35a5053), the demo prints each "
+    "timed run's host time (229a3f6) and `scripts/gpu/capture_costs.py` times a step graph's capture piece by "
+    "piece (9be51f9): to be measured. The goals (150 and 250 us, at most 5 %) are not met.",
 )
 
 
