@@ -52,6 +52,9 @@ def test_clean_workload_exercised_the_engine_features(clean: tuple[str, RunResul
     f = run.features
     assert f["forks"] > 0 and f["fork_block_copies"] > 0
     assert f["offloads"] > 0 and f["restores"] > 0
+    # The canary's own host time outside the steps: the cache's canary set up once, the moves mirrored.
+    assert run.stats["setup_us"] > 0 and run.stats["mirror_us"] > 0
+    assert run.stats["setup_us"] + run.stats["mirror_us"] < run.seconds * 1e6
     if kind == "dense":
         assert f["prefix_hits"] > 0 and f["cached_block_reuse"] > 0 and f["dedup_swaps"] > 0
         assert f["ring_wraps"] == 0  # no sliding group

@@ -7,7 +7,14 @@ import dataclasses
 
 import pytest
 
-from kvcanary.demo_timing import ShareTiming, host_time_lines, time_share, timed_host_line
+from kvcanary.demo_timing import (
+    ShareTiming,
+    added_time_line,
+    host_time_lines,
+    time_share,
+    timed_host_line,
+    timing_lines,
+)
 
 
 def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
@@ -62,6 +69,19 @@ def test_the_timed_runs_line_gives_each_runs_host_time_per_step_and_their_median
     line = timed_host_line(runs)
     assert line == "  host time per step of each timed run: 0.66, 0.41, 0.43 ms (median 0.43 ms)"
     assert timed_host_line(runs[:1]) is None and timed_host_line([*runs[:1], {"steps": 0, "tap_us": 0}]) is None
+
+
+def test_the_added_time_is_split_into_the_canarys_timed_work_and_the_rest() -> None:
+    timing = ShareTiming((4.0, 4.2, 4.1), (4.5, 4.6, 4.9))  # added 0.5, 0.4, 0.8 s
+    run = {"steps": 500, "tap_us": 500 * 400, "setup_us": 20_000, "mirror_us": 10_000}  # per step 0.40, 0.04, 0.02
+    line = added_time_line(timing, [run, run, run])
+    assert line is not None and line.startswith("  time added per step (medians of the pairs): 1.000 ms;")
+    assert "host time in the step 0.400, each cache's set-up 0.040, mirroring the engine's block moves 0.020" in line
+    assert "the rest 0.540 " in line  # 1.000 - 0.460
+    assert added_time_line(timing, [run, run]) is None  # a run's stats missing: nothing to split
+    lines = timing_lines(timing, [run, run, run])
+    assert len(lines) == 3 and "share of step time" in lines[1] and lines[2] == line
+    assert timing_lines(None, [run]) == []
 
 
 def test_the_demo_times_as_many_pairs_as_asked(monkeypatch: pytest.MonkeyPatch) -> None:

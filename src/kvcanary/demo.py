@@ -35,7 +35,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share, timed_host_line
+from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share, timing_lines
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -301,10 +301,7 @@ def summary(result: DemoResult) -> str:
     ]
     if c.stats["steps"]:
         lines.extend(host_time_lines(c.stats, c.features))
-    if (timed := timed_host_line(result.timed_stats)) is not None:
-        lines.append(timed)
-    if result.timing is not None:
-        lines.append("  " + result.timing.line())
+    lines.extend(timing_lines(result.timing, result.timed_stats))
     lines.append("")
     inj = x.injected
     if inj is None:

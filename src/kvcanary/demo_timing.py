@@ -76,6 +76,39 @@ class ShareTiming:
         )
 
 
+def added_time_line(timing: ShareTiming, stats: Sequence[dict[str, int]]) -> str | None:
+    """Where the time a canary run added per step went, median of the pairs: the canary's own timed host work (the
+    tap's, each cache's set-up, mirroring the engine's block moves) and the rest, which none of it accounts for.
+    ``stats``: each timed canary run's, in the order of ``timing.with_canary``."""
+    if len(stats) != len(timing.with_canary) or not stats or not all(s.get("steps") for s in stats):
+        return None
+    parts: dict[str, list[float]] = {"added": [], "tap": [], "setup": [], "mirror": [], "rest": []}
+    for before, after, s in zip(timing.without, timing.with_canary, stats, strict=True):
+        ms = 1000 / s["steps"]
+        added, tap = (after - before) * ms, s["tap_us"] / 1000 * ms / 1000
+        setup, mirror = s.get("setup_us", 0) / 1000 * ms / 1000, s.get("mirror_us", 0) / 1000 * ms / 1000
+        for key, value in zip(parts, (added, tap, setup, mirror, added - tap - setup - mirror), strict=True):
+            parts[key].append(value)
+    m = {k: statistics.median(v) for k, v in parts.items()}
+    return (
+        f"  time added per step (medians of the pairs): {m['added']:.3f} ms; the canary's host time in the step "
+        f"{m['tap']:.3f}, each cache's set-up {m['setup']:.3f}, mirroring the engine's block moves {m['mirror']:.3f}, "
+        f"the rest {m['rest']:.3f} (none of the canary's timed work: the engine's own work ran longer, or waited for "
+        "the canary's device work)"
+    )
+
+
+def timing_lines(timing: ShareTiming | None, stats: Sequence[dict[str, int]]) -> list[str]:
+    """The summary's timing lines after the clean run's host time: each timed run's host time, the share, where the
+    added time went (``stats``: the timed canary runs', in order)."""
+    lines = [] if (timed := timed_host_line(stats)) is None else [timed]
+    if timing is not None:
+        lines.append("  " + timing.line())
+        if (added := added_time_line(timing, stats)) is not None:
+            lines.append(added)
+    return lines
+
+
 def time_share(
     run_with: Callable[[int], tuple[float, int]], run_without: Callable[[], float], rounds: int = ROUNDS
 ) -> tuple[ShareTiming, list[int]]:

@@ -89,6 +89,7 @@ class TransformersCBAdapter:
         self._tap = StepTap(
             model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step
         )
+        self._moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
 
     # ------------------------------------------------------------------ install / uninstall
 
@@ -148,7 +149,10 @@ class TransformersCBAdapter:
             )
 
     def stats(self) -> dict[str, int]:
-        return {**self._bindings.stats(), "reports": self._reports.total, **self._tap.stats()}
+        return {
+            **self._bindings.stats(), "reports": self._reports.total, **self._tap.stats(),
+            "mirror_us": self._moves.mirror_ns // 1000,
+        }  # fmt: skip
 
     def features(self) -> dict[str, int]:
         return self._features.as_dict()
@@ -200,7 +204,7 @@ class TransformersCBAdapter:
 
     def _wrappers(self) -> dict[tuple[str, str], Wrapper]:
         """The wrapper factory of each patch in :data:`~.patches.PATCHES`, by (class, method)."""
-        moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
+        moves = self._moves
         watch = FeatureWatch(lambda: self._bindings.current, self._features)
         return {
             ("ContinuousBatchingIOs", "prepare_batch_tensors"): self._tap.wrap_prepare,

@@ -4,6 +4,7 @@ succession of caches one install sees."""
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,13 +142,16 @@ class Bindings:
         self._collect = collect  # where the last report of a retired binding goes
         self.current: Binding | None = None
         self._retired: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+        self.setup_ns = 0  # host time spent making bindings (allocations, the canary's set-up): once per cache
 
     def bind(self, runner: Any) -> tuple[Binding, bool]:
         """The binding for ``runner``'s cache, and whether it was created by this call."""
         if self.current is not None and self.current.is_for(runner.cache):
             return self.current, False
         self.retire()
+        start = time.perf_counter_ns()
         self.current = self._make(runner)
+        self.setup_ns += time.perf_counter_ns() - start
         return self.current, True
 
     def retire(self) -> None:
@@ -165,6 +169,7 @@ class Bindings:
 
     def stats(self) -> dict[str, int]:
         out = dict(self._retired)
+        out["setup_us"] = self.setup_ns // 1000
         if self.current is not None:
             for k, v in self.current.manager.stats().items():
                 out[k] = out.get(k, 0) + v

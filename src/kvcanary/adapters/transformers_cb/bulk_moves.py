@@ -10,6 +10,7 @@ bytes go astray on either side leaves records that the next read of those blocks
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ class BulkMoveWrappers:
     def __init__(self, binding: Callable[[], Binding | None], features: FeatureCounters) -> None:
         self._binding = binding
         self._features = features
+        self.mirror_ns = 0  # host time spent mirroring the moves into the records (the engine's own move left out)
 
     def copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
@@ -36,9 +38,11 @@ class BulkMoveWrappers:
             name = str(allocator.layer_type)
             with byte_moves.BlockWriteObserver({name: byte_moves.block_view(allocator)}) as seen:
                 out = original(allocator, source_block_ids, dest_block_ids)
+            start = time.perf_counter_ns()
             for write in seen.writes:
                 mirror.apply_block_write(b.geometries[name], b.records(name), write)
                 _digest_moved(b, name, write)
+            self.mirror_ns += time.perf_counter_ns() - start
             self._features.fork_block_copies += len(source_block_ids)
             return out
 
@@ -51,11 +55,13 @@ class BulkMoveWrappers:
                 return original(om, victims, victim_block_tables)
             with _observer(b, om) as seen:
                 done = original(om, victims, victim_block_tables)
+            start = time.perf_counter_ns()
             with streams.StreamSwitch(om._compute_stream):
                 for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
                     saves = [save for save in seen.host_saves if name in save.groups]
                     rows = int(om._cpu_views[name].shape[0])
                     b.host.save_all(b.geometries[name], b.records(name), saves, rows)
+            self.mirror_ns += time.perf_counter_ns() - start
             self._features.offloads += len(done)
             self._features.soft_resets += len(victims) - len(done)
             return done
@@ -74,6 +80,7 @@ class BulkMoveWrappers:
                 return original(om, requests_in_batch)
             with _observer(b, om) as seen:
                 out = original(om, requests_in_batch)
+            start = time.perf_counter_ns()
             with streams.StreamSwitch(om._compute_stream):
                 for write in seen.writes:
                     for name in write.groups:
@@ -82,6 +89,7 @@ class BulkMoveWrappers:
                         else:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write)
                         _digest_moved(b, name, write, om)
+            self.mirror_ns += time.perf_counter_ns() - start
             self._features.restores += restored
             return out
 
