@@ -125,14 +125,20 @@ class HostRecords:
 def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStore, batch: list[HostSave]) -> None:
     """Copies into distinct host blocks: the blocks of no known source cleared, the others copied, one op each."""
     device = records.device
-    cleared = [h for save in batch if save.source_blocks is None for h in save.host_blocks]
+    cleared: list[int] = []
+    copied: list[int] = []  # the host blocks of the copies with a source, in the order of ``sources``
+    sources: list[torch.Tensor] = []
+    for save in batch:
+        if save.source_blocks is None:
+            cleared += save.host_blocks
+        else:
+            copied += save.host_blocks
+            sources.append(save.source_blocks)
     if cleared:
         store.clear_slots(geometry.block_slots(device_index(cleared, device)))
-    copied = [save for save in batch if save.source_blocks is not None]
-    if not copied:
+    if not sources:
         return
-    dst = geometry.block_slots(device_index([h for save in copied for h in save.host_blocks], device))
-    sources = [save.source_blocks for save in copied if save.source_blocks is not None]
+    dst = geometry.block_slots(device_index(copied, device))
     src = geometry.block_slots((sources[0] if len(sources) == 1 else torch.cat(sources)).to(device, non_blocking=True))
     for host, dev in zip(store.fields(), records.fields(), strict=True):
         host[dst] = dev[src]
