@@ -63,7 +63,6 @@ class StepTap:
         self.adapter_errors = 0
         self.hook_misses = 0
         self.timer = TapTimer()  # host time of verified steps (the device work is asynchronous on GPU)
-        self._marks = (0, 0, 0, 0)  # the verified step's clock readings, for the timer (see TapTimer.commit)
         # Asked before every forward: torch's wrappers read the environment and look the device up each call.
         self._capturing = stream_capturing_probe() if torch.cuda.is_available() else None
         self._warned_long_rows = False
@@ -124,20 +123,24 @@ class StepTap:
         # its copy of the step's counters must queue behind the canary's work, not race it on another
         # stream (the engine's streams do not synchronise with the default one).
         with streams.StreamSwitch(getattr(runner.inputs_and_outputs, "compute_stream", None)):
-            tr = self._verify_step(runner, batch_data, pending)
+            verified = self._verify_step(runner, batch_data, pending)
             binding = self._bindings.current  # bound by _verify_step
-            if tr is None or binding is None:
+            if verified is None or binding is None:
                 return
+            tr, marks = verified
             start = time.perf_counter_ns()
             report = binding.manager.host_step(tr.request_ids)  # a tuple: handed on as it is
         binding.steps += 1
-        self.timer.commit(self._marks, start, time.perf_counter_ns(), time.thread_time_ns())
+        self.timer.commit(marks, start, time.perf_counter_ns(), time.thread_time_ns())
         self._collect(report)
         if self._on_step is not None:
             self._on_step(binding.steps, tr)
 
-    def _verify_step(self, runner: Any, batch_data: dict[str, Any], pending: Any) -> Translation | None:
-        """Translate the step and run plan/verify/stamp; None when the step is not verified."""
+    def _verify_step(
+        self, runner: Any, batch_data: dict[str, Any], pending: Any
+    ) -> tuple[Translation, tuple[int, int, int, int]] | None:
+        """Translate the step and run plan/verify/stamp; None when the step is not verified, else the translation and
+        the clock readings the timer takes (:meth:`TapTimer.commit`'s ``marks``)."""
         try:
             if pending is None or pending[0] is not runner.cache:
                 raise RuntimeError("the forward ran without a host batch prepared for its cache")
@@ -161,10 +164,10 @@ class StepTap:
             binding.translator.forget_truth()  # the prelude, and the truth's write in it, may not have run
             self._adapter_error("the canary refused the step's batch", exc)
             return None
-        self._marks = (start, translated, time.perf_counter_ns(), cpu)
+        marks = (start, translated, time.perf_counter_ns(), cpu)
         self._features.steady_steps += binding.translator.steady_steps - steady
         self._count(tr)
-        return tr
+        return tr, marks
 
     def _bind(self, runner: Any) -> Binding:
         binding, created = self._bindings.bind(runner)

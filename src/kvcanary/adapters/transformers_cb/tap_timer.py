@@ -32,10 +32,6 @@ class TapTimer:
         self.cpu_ns = 0
         self._recent_cpu: collections.deque[int] = collections.deque(maxlen=RECENT_STEPS)
 
-    @property
-    def phase_ns(self) -> dict[str, int]:
-        return dict(zip(PHASES, self._sums, strict=True))
-
     def commit(self, marks: tuple[int, int, int, int], host_start: int, end: int, cpu_end: int) -> None:
         """A verified step: ``marks`` = (translation start, its end, the launches' end, the tap thread's CPU clock at
         the start), then the host step's start and end (``time.perf_counter_ns``) and the CPU clock at the end
