@@ -42,9 +42,14 @@ class KernelHealth:
         self.every = every
         self.warmup = warmup
         self._calls = [0] * num_groups
+        self.next_due = warmup if every > 0 else 1 << 62  # no step before it is due: one compare a step
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step >= self.warmup and (step - self.warmup) % self.every == 0
+        """Whether ``step`` is checked; steps come in increasing order (:attr:`next_due` moves past it)."""
+        if self.every <= 0 or step < self.warmup:
+            return False
+        self.next_due = step - (step - self.warmup) % self.every + self.every
+        return (step - self.warmup) % self.every == 0
 
     def stale_groups(self, calls: list[int]) -> list[int]:
         """Indices of groups whose counter did not advance since the previous check."""

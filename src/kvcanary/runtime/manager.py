@@ -280,13 +280,14 @@ class CanaryManager:
         """
         if not self._enabled:
             return None
-        self._check_host_call("host_step")
+        if self._open:
+            self._check_host_call("host_step")
         if self._eager_forwards == 0 and not self._graph_captured:
             raise RuntimeError(
                 "host_step called without a forward: call before_forward(...) and after_forward() "
                 "first (or replay a CUDA graph captured with them)"
             )
-        ids = request_id_tuple(request_ids)
+        ids = request_ids if type(request_ids) is tuple else request_id_tuple(request_ids)
         self._eager_forwards = 0
         step = self._step
         prev = self._pump.take_due(step)  # the oldest undecoded step whose copy landed (or is two steps old)
