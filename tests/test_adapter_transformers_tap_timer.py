@@ -1,4 +1,5 @@
-"""The tap's timer: one verified step's clock readings -> the phases' totals, medians and the thread's CPU time."""
+"""The tap's timer: one verified step's clock readings -> the phases' totals, medians and the thread's CPU time
+(read on one step in CPU_EVERY)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,19 @@ def test_a_step_is_split_into_its_phases_and_an_untapped_capture_is_not_counted(
     assert stats["tap_median_us"] == (32_000 + 13_000) // 2 // 1000 and stats["tap_median_translate_us"] == 15
     totals = {k: stats[f"tap_{k}_us"] for k in ("capture", "translate", "launch", "host_step")}
     assert totals == {"capture": 6, "translate": 30, "launch": 4, "host_step": 5}
+
+
+def test_the_cpu_clock_is_read_on_one_step_in_cpu_every_and_scaled_to_every_step() -> None:
+    from kvcanary.adapters.transformers_cb.tap_timer import CPU_EVERY
+
+    timer = TapTimer()
+    read = []
+    for k in range(2 * CPU_EVERY + 1):
+        read.append(timer.cpu_next)
+        cpu = (1_000_000 * k, 1_000_000 * k + 7_000) if timer.cpu_next else (-1, -1)
+        timer.commit((0, 1_000, 2_000, cpu[0]), 3_000, 4_000, cpu[1])
+    assert [k for k, r in enumerate(read) if r] == [0, CPU_EVERY, 2 * CPU_EVERY]
+    stats = timer.stats()
+    assert stats["tap_cpu_steps"] == 3 and stats["tap_median_cpu_us"] == 7
+    assert stats["tap_cpu_us"] == 7 * (2 * CPU_EVERY + 1)  # 7 us a sampled step, scaled to every step
+    assert stats["tap_us"] == 3 * (2 * CPU_EVERY + 1)  # the wall clock is read on every step: 3 us each

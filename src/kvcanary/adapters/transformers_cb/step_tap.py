@@ -131,7 +131,7 @@ class StepTap:
             start = time.perf_counter_ns()
             report = binding.manager.host_step(tr.request_ids)  # a tuple: handed on as it is
         binding.steps += 1
-        self.timer.commit(marks, start, time.perf_counter_ns(), time.thread_time_ns())
+        self.timer.commit(marks, start, time.perf_counter_ns(), time.thread_time_ns() if marks[3] >= 0 else -1)
         self._collect(report)
         if self._on_step is not None:
             self._on_step(binding.steps, tr)
@@ -150,7 +150,7 @@ class StepTap:
                 return None
             binding = self._bind(runner)
             steady = binding.translator.steady_steps
-            cpu = time.thread_time_ns()  # the tap thread's CPU time is counted from here
+            cpu = time.thread_time_ns() if self.timer.cpu_next else -1  # the CPU time is counted from here
             start = time.perf_counter_ns()
             tr = binding.translator.translate(batch_data, host, defer=True)
         except Exception as exc:
