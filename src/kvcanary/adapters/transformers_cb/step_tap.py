@@ -118,6 +118,10 @@ class StepTap:
         pending, self.pending = self.pending, None
         if self._mode is Mode.OFF:
             return
+        # The timed phases cover the whole tap (its stream switch and checks counted in the translation and the
+        # host step), so that what the timer reports is what the tap costs, not only its main calls.
+        cpu = time.thread_time_ns() if self.timer.cpu_next else -1  # the CPU time is counted from here
+        entered = time.perf_counter_ns()
         # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
         # asynchronous batching) and before the next step rewrites the static buffers.  The host step too:
         # its copy of the step's counters must queue behind the canary's work, not race it on another
@@ -127,20 +131,21 @@ class StepTap:
             binding = self._bindings.current  # bound by _verify_step
             if verified is None or binding is None:
                 return
-            tr, marks = verified
+            tr, (translated, launched) = verified
             start = time.perf_counter_ns()
             report = binding.manager.host_step(tr.request_ids)  # a tuple: handed on as it is
         binding.steps += 1
-        self.timer.commit(marks, start, time.perf_counter_ns(), time.thread_time_ns() if marks[3] >= 0 else -1)
+        end = time.perf_counter_ns()
+        self.timer.commit((entered, translated, launched, cpu), start, end, time.thread_time_ns() if cpu >= 0 else -1)
         self._collect(report)
         if self._on_step is not None:
             self._on_step(binding.steps, tr)
 
     def _verify_step(
         self, runner: Any, batch_data: dict[str, Any], pending: Any
-    ) -> tuple[Translation, tuple[int, int, int, int]] | None:
+    ) -> tuple[Translation, tuple[int, int]] | None:
         """Translate the step and run plan/verify/stamp; None when the step is not verified, else the translation and
-        the clock readings the timer takes (:meth:`TapTimer.commit`'s ``marks``)."""
+        the clock's readings at the translation's end and the launches' end."""
         try:
             if pending is None or pending[0] is not runner.cache:
                 raise RuntimeError("the forward ran without a host batch prepared for its cache")
@@ -150,8 +155,6 @@ class StepTap:
                 return None
             binding = self._bind(runner)
             steady = binding.translator.steady_steps
-            cpu = time.thread_time_ns() if self.timer.cpu_next else -1  # the CPU time is counted from here
-            start = time.perf_counter_ns()
             tr = binding.translator.translate(batch_data, host, defer=True)
         except Exception as exc:
             self._adapter_error("could not translate the step", exc)
@@ -164,10 +167,9 @@ class StepTap:
             binding.translator.forget_truth()  # the prelude, and the truth's write in it, may not have run
             self._adapter_error("the canary refused the step's batch", exc)
             return None
-        marks = (start, translated, time.perf_counter_ns(), cpu)
         self._features.steady_steps += binding.translator.steady_steps - steady
         self._count(tr)
-        return tr, marks
+        return tr, (translated, time.perf_counter_ns())
 
     def _bind(self, runner: Any) -> Binding:
         binding, created = self._bindings.bind(runner)
