@@ -56,6 +56,15 @@ def scenario(window: int) -> tuple[FakeEngine, StepTranslator, GroupCanary, Viol
 # ---------------------------------------------------------------------------- geometry
 
 
+def test_a_batch_of_transformers_warm_up_requests_is_told_from_a_served_one() -> None:
+    def batch(*ids: str) -> HostBatch:
+        return HostBatch(ids, (0,) * len(ids), (1,) * len(ids), tuple([1] for _ in ids))
+
+    assert batch("__warmup_DECODING_0__", "__warmup_DECODING_1__").is_warmup
+    assert not batch("req_0", "req_1").is_warmup
+    assert not batch("req__warmup_0").is_warmup and not batch("__warm").is_warmup and not batch().is_warmup
+
+
 def test_geometry_maps_physical_indices_compactly_and_rejects_other_layers_rows() -> None:
     g = geometry()
     idx = torch.tensor([0, 1, 3, 4, STRIDE * 5 + 2, -3, STRIDE * g.num_blocks, STRIDE * BPS])

@@ -15,6 +15,7 @@ from kvcanary.schema import UNKNOWN_TOKEN
 
 _TAIL = 64  # History.TAIL, as a module constant for its initialiser (no class attribute lookup)
 WARMUP_PREFIX = "__warmup_"  # request ids of transformers' warm-up batches (fake requests, never-written KV)
+_WARMUP_LEN = len(WARMUP_PREFIX)
 
 
 class History(Sequence[int]):
@@ -99,4 +100,8 @@ class HostBatch:  # dataclass's initialiser takes a path nothing else on the ste
 
     @property
     def is_warmup(self) -> bool:
-        return any(rid.startswith(WARMUP_PREFIX) for rid in self.request_ids)
+        """A batch of transformers' warm-up requests (fake ones, whose KV is never written).  The engine builds those
+        batches of warm-up requests only, so the first id tells: one slice compared, not a scan of every row with
+        a method call each (this runs on every step with the CPU caches cold: 6-11 us against about 4 measured)."""
+        ids = self.request_ids
+        return bool(ids) and ids[0][:_WARMUP_LEN] == WARMUP_PREFIX

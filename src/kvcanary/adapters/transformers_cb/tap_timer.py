@@ -1,14 +1,15 @@
 """Host time the adapter spends on each verified step, by phase (its own overhead, reported in stats).
 
-Phases: ``capture`` (the scheduler's view of the batch, read while the engine prepares it),
-``translate`` (from the tap's entry: its checks, the binding and the switch to the engine's stream, then forward
-kwargs -> StepBatches), ``launch`` (plan/verify/stamp issued by the manager; on GPU the device work itself runs
-asynchronously) and ``host_step`` (the lagged report of the previous step, and the switch back).  Medians (of the step and of each phase) are taken over the last :data:`RECENT_STEPS` steps,
-so a one-off cost (kernel compilation on first use) shows in the mean but not in the median.  ``cpu`` is the
-tap thread's CPU time over translate, launch and host step: wall time above it is time the thread waited (for
-the GIL, a blocking CUDA call, or a CPU other threads kept busy).  It is read on one step in :data:`CPU_EVERY`
-(its total scaled up to every step): the thread's CPU clock is a system call, about 3 us each with the caches cold
-on this project's CPUs, and a step reading it twice paid that every step for a diagnostic.
+Phases: ``capture`` (the scheduler's view of the batch, read while the engine prepares it), ``translate`` (from the
+tap's entry: its checks, the binding and the switch to the engine's stream, then forward kwargs -> StepBatches),
+``launch`` (plan/verify/stamp issued by the manager; on GPU the device work itself runs asynchronously) and
+``host_step`` (the lagged report of the previous step, and the switch back). Medians (of the step and of each phase)
+are taken over the last :data:`RECENT_STEPS` steps, so a one-off cost (kernel compilation on first use) shows in the
+mean but not in the median. ``cpu`` is the tap thread's CPU time over translate, launch and host step: wall time
+above it is time the thread waited (for the GIL, a blocking CUDA call, or a CPU other threads kept busy). It is read
+on one step in :data:`CPU_EVERY` (its total scaled up to every step): the thread's CPU clock is a system call, about
+3 us each with the caches cold on this project's CPUs, and a step reading it twice paid that every step for a
+diagnostic.
 """
 
 from __future__ import annotations
