@@ -82,11 +82,11 @@ class HostBatch:  # dataclass's initialiser takes a path nothing else on the ste
     @classmethod
     def from_future_states(cls, future_states: Sequence[Any]) -> HostBatch:
         ids, past, query, truth = [], [], [], []
-        for fs in future_states:
+        for fs in future_states:  # per request, every step, cold: the engine's lengths are ints already (no int())
             state = fs.state
             ids.append(str(state.request_id))
-            past.append(int(state.position_offset))
-            query.append(int(fs.query_length))
+            past.append(state.position_offset)
+            query.append(fs.query_length)
             truth.append(History(state.initial_tokens, state.generated_tokens))
         return cls(tuple(ids), tuple(past), tuple(query), tuple(truth))
 
