@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 
 
@@ -38,3 +41,34 @@ def test_the_cpu_clock_is_read_on_one_step_in_cpu_every_and_scaled_to_every_step
     assert stats["tap_cpu_steps"] == 3 and stats["tap_median_cpu_us"] == 7
     assert stats["tap_cpu_us"] == 7 * (2 * CPU_EVERY + 1)  # 7 us a sampled step, scaled to every step
     assert stats["tap_us"] == 3 * (2 * CPU_EVERY + 1)  # the wall clock is read on every step: 3 us each
+
+
+def test_a_binding_made_by_a_step_is_counted_as_set_up_not_as_that_steps_translation() -> None:
+    """On the real engine: the tap's phases start at its entry, but a binding it makes (the canary's set-up for a new
+    cache, reported as ``setup_us``) is taken out of the translation phase.  The set-up is slowed by 0.5 s here."""
+    import time
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from kvcanary.adapters.transformers_cb import binding, install
+    from kvcanary.demo import build_model
+    from transformers_helpers import tiny_generate
+
+    original = binding.Bindings.__init__
+
+    def slow_set_up(self: binding.Bindings, make: Callable[[Any], binding.Binding], *args: Any) -> None:
+        def slow_make(runner: Any) -> binding.Binding:
+            time.sleep(0.5)
+            return make(runner)
+
+        original(self, slow_make, *args)
+
+    model = build_model("dense")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(binding.Bindings, "__init__", slow_set_up)
+        with install(model) as canary:
+            tiny_generate(model)
+            stats = canary.stats()
+    assert stats["steps"] > 0 and stats["setup_us"] >= 500_000
+    assert stats["tap_translate_us"] < 250_000 and stats["tap_us"] < 500_000

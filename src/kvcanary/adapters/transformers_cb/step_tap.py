@@ -121,6 +121,7 @@ class StepTap:
         # The timed phases cover the whole tap (its stream switch and checks counted in the translation and the
         # host step), so that what the timer reports is what the tap costs, not only its main calls.
         cpu = time.thread_time_ns() if self.timer.cpu_next else -1  # the CPU time is counted from here
+        setup = self._bindings.setup_ns
         entered = time.perf_counter_ns()
         # Everything runs on the engine's compute stream: ordered after the forward (and the carry-over of
         # asynchronous batching) and before the next step rewrites the static buffers.  The host step too:
@@ -132,6 +133,7 @@ class StepTap:
             if verified is None or binding is None:
                 return
             tr, (translated, launched) = verified
+            entered += self._bindings.setup_ns - setup  # a binding made by this step: set-up, counted apart (setup_us)
             start = time.perf_counter_ns()
             report = binding.manager.host_step(tr.request_ids)  # a tuple: handed on as it is
         binding.steps += 1
