@@ -56,13 +56,14 @@ class Requests:
         self.prompts = [rng.integers(1, 150_000, past).tolist() for _ in range(batch)]
         self.generated: list[list[int]] = [[] for _ in range(batch)]
         self.past = past
+        self.last_past = past + steps  # the longest a request gets: what the buffer sets must hold
         self.device = device
         self.buffer_sets: list[dict[str, torch.Tensor]] = []
 
     def use_buffer_sets(self, n: int) -> None:
         """Hand the index tensors as views of ``n`` sets of fixed buffers used in turn, as transformers does (its
         static tensors; async batching alternates two sets): what lets the translator reuse a steady step's."""
-        size = 2 * len(self.ids) * (self.past + 64)
+        size = 2 * len(self.ids) * (self.last_past + 64)
         self.buffer_sets = [{} for _ in range(n)]
         for bufs in self.buffer_sets:
             for name in ("input_ids", "position_ids", "cu_seq_lens_k", "read_index", "write_index"):
