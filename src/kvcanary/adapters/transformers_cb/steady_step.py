@@ -54,10 +54,11 @@ def engine_tensors(kwargs: Mapping[str, Any], geometries: Sequence[GroupGeometry
 
 
 def _signatures(engine: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
-    """What a launch bound to ``engine`` depends on (see the module docstring): each tensor's address and dtype."""
-    out = []
+    """What a launch bound to ``engine`` depends on (see the module docstring): each tensor's address and dtype, in one
+    flat tuple (address, dtype, address, dtype, ...): hashed and compared every step, nested tuples cost more."""
+    out: list[object] = []
     for t in engine:  # a loop, not a comprehension: one function less run on every step
-        out.append((t.data_ptr(), t.dtype))
+        out += (t.data_ptr(), t.dtype)
     return tuple(out)
 
 
@@ -71,14 +72,18 @@ def engine_reading(
     engine = engine_tensors(kwargs, geometries)
     if engine is None:
         return None
-    n_tok = engine[0].numel()
+    ids, pos = engine[0], engine[1]
+    n_tok = ids.numel()
+    signatures: list[object] = [ids.data_ptr(), ids.dtype, pos.data_ptr(), pos.dtype]  # as _signatures, one pass
     sizes: list[int] = []
-    for write, read, keys in zip(engine[2::3], engine[3::3], engine[4::3], strict=True):
+    for i in range(2, len(engine), 3):
+        write, read, keys = engine[i], engine[i + 1], engine[i + 2]
         n_read = read.numel()
         if n_read == 0 or keys.numel() < rows + 1:
             return None
         sizes += (group_writes(write.numel(), n_tok), n_read, n_tok)
-    return _signatures(engine), array.array("q", sizes), n_tok
+        signatures += (write.data_ptr(), write.dtype, read.data_ptr(), read.dtype, keys.data_ptr(), keys.dtype)
+    return tuple(signatures), array.array("q", sizes), n_tok
 
 
 def bindable(tensors: Sequence[torch.Tensor]) -> bool:
