@@ -337,3 +337,22 @@ def test_a_steady_step_runs_few_distinct_python_functions(window: int) -> None:
         sys.setprofile(None)
     assert got[0] is pair.last  # steady
     assert len(ran) <= STEADY_PATH_PY_FUNCTIONS[window], sorted(ran)
+
+
+def test_kept_classes_drop_the_least_recently_found_one_first() -> None:
+    from kvcanary.adapters.transformers_cb.steady_step import MAX_CLASSES, KeptSteps, SteadyStep
+
+    def kept_step(shape: tuple[int, int]) -> SteadyStep:
+        translations: dict[Any, Any] = {("sig",): f"translation {shape}"}
+        return SteadyStep(shape=shape, views=(), translations=translations, pending=None, region=object())  # type: ignore[arg-type]
+
+    kept = KeptSteps()
+    shapes = [(i, 16 * i) for i in range(1, MAX_CLASSES + 1)]
+    for shape in shapes:
+        kept.keep(kept_step(shape))
+    for _ in range(2):  # the oldest class found again (twice: the second time it is the newest already)
+        found = kept.find(shapes[0], ("sig",))
+        assert found is not None and found[1] == f"translation {shapes[0]}"
+    assert kept.find(shapes[1], ("other",)) is None  # a class found without a translation for these tensors
+    kept.keep(kept_step((99, 99)))  # one class too many: the least recently used one goes
+    assert kept.get(shapes[0]) is not None and kept.get(shapes[1]) is None and kept.get((99, 99)) is not None
