@@ -47,7 +47,9 @@ Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped mo
 `bench_host_step.py` (host time of `host_step` and of an eager `before_forward` + `after_forward`),
 `bench_translate.py` (host time of the transformers adapter's translation per step, by batch shape),
 `steady_coverage.py` (how many of the demo's steps reuse a kept translation, the translator laid out as on
-CUDA, on any device),
+CUDA, on any device), `step_instructions.py` (a steady translation step's instructions and simulated cache-line
+misses under cachegrind: counts that repeat exactly, for host-path changes where wall-clock times are too noisy;
+`results/cpu-instructions/`),
 `bench_vllm_host.py` (the vLLM adapter's host time per step on the CPU engine), `bench_digest.py` (the KV
 digest, below), `kernel_sweep.py` (the goal scenarios under every combination of a grid of `KernelTuning`
 fields, or a hand-picked list: `results/*-kernel-sweep.txt`, older runs `*-sweep.txt`), `digest_sweep.py`
