@@ -228,4 +228,24 @@ DEMO_NOTES = (
     "scan while nothing is offloaded (207320c), the tap timer one commit a step (35a5053), the demo prints each "
     "timed run's host time (229a3f6) and `scripts/gpu/capture_costs.py` times a step graph's capture piece by "
     "piece (9be51f9): to be measured. The goals (150 and 250 us, at most 5 %) are not met.",
+    "",
+    "4b4c430 -> c764719 (no device lent in that stop either: measured on the sandbox's CPU only, so the device "
+    "figures are to be measured). The host step's clean decode makes four calls fewer (5ca2cf8: the phase check's "
+    "clean case inline, the violation totals read by one itemgetter, the health check and stats line compared against"
+    " their next step). `bench_host_step.py --cpu-dry-run` at 32 x 1024, alternating runs of the two trees: 10.3-11.0"
+    " -> 9.0-9.2 us (one group) and 13.0-14.9 -> 11.4-12.1 us (two groups) in one hour; an hour later, with the CPU "
+    "noisier and one thread, 19.8-20.8 -> 14.2-19.2 and 25.0-26.0 -> 22.4-23.4 us (`results/cpu-host/`). The tap read"
+    " the thread's CPU clock twice a step, a system call of 3-4 us each with the caches cold, outside the timed "
+    "phases (so in the share's unexplained rest): now one step in 16 (35f0257). The timed phases cover the whole tap,"
+    " its checks, binding and stream switch (e2552d0; a binding a step makes counts as set-up, 3179e4d), so the "
+    "translation phase reads higher than before for the same work: on the dense dry run the translator took a mean 97"
+    " us and the phase 115. A warm-up batch is told by its first id (dae269a), the capture takes the engine's lengths"
+    " as the ints they are (ad315db) and the engine tensors' signatures are one flat tuple (44a8294). Wall-clock "
+    "times on this CPU moved by 10-50 % between runs of the same code, so `step_instructions.py` (new) counts a "
+    "steady translation step under cachegrind, where counts repeat to the instruction: 105,247 -> 98,525 instructions"
+    " and 21,161 -> 19,779 simulated line misses a step at batch 1, 256,779 -> 250,149 and 42,857 -> 41,469 at batch "
+    "16 (`results/cpu-instructions/`). The demo's workloads at c764719 (`results/cpu-dry-run-c764719-steady.json`): "
+    "the same steady steps (716, 347 and 556) and no violation; capture, translation (from the tap's entry) and host "
+    "step 16, 104 and 23 us (dense), 27, 143 and 27 (hybrid), 19, 125 and 24 (sliding). The goals (150 and 250 us, at"
+    " most 5 %) are not met.",
 )
