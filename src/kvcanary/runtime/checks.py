@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+NEVER = 1 << 62  # a step no run reaches
+
 
 class PhaseCheck:
     def __init__(self) -> None:
@@ -42,14 +44,15 @@ class KernelHealth:
         self.every = every
         self.warmup = warmup
         self._calls = [0] * num_groups
-        self.next_due = warmup if every > 0 else 1 << 62  # no step before it is due: one compare a step
+        self.next_due = warmup if every > 0 else NEVER  # no step before it is due: one compare a step
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is checked; steps come in increasing order (:attr:`next_due` moves past it)."""
         if self.every <= 0 or step < self.warmup:
             return False
-        self.next_due = step - (step - self.warmup) % self.every + self.every
-        return (step - self.warmup) % self.every == 0
+        past_due = (step - self.warmup) % self.every
+        self.next_due = step - past_due + self.every
+        return past_due == 0
 
     def stale_groups(self, calls: list[int]) -> list[int]:
         """Indices of groups whose counter did not advance since the previous check."""

@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.runtime.buffers import PHASE_AFTER, PHASE_BEFORE, Layout
-from kvcanary.runtime.checks import KernelHealth, PhaseCheck, RateLimiter
+from kvcanary.runtime.checks import NEVER, KernelHealth, PhaseCheck, RateLimiter
 from kvcanary.runtime.culprit import annotate
 from kvcanary.runtime.events import EventLog
 from kvcanary.runtime.metrics import GroupTotals, MetricsView
@@ -38,7 +38,6 @@ logger = logging.getLogger("kvcanary")
 
 Problem = tuple[str, str | None, str]  # a failed check: (check, group or None, detail)
 Decoded = tuple[StepReport | None, list[Problem]]
-NEVER = 1 << 62  # a step no run reaches
 LOCATED_PER_REPORT = 4  # digest mismatches per report whose layer is looked for (each re-reads one slot)
 
 EMPTY_STATS = {
