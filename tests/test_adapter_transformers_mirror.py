@@ -135,14 +135,19 @@ def offloaded_links(gpu: list[int], cpu: list[int]) -> tuple[list[list[int]], in
 
 
 class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[misc]
-    """Counts the index writes (``host[dst] = dev[src]``) made inside the block."""
+    """Counts the device ops made inside the block, and among them the index writes of records."""
+
+    aten = torch.ops.aten
+    WRITES = (aten.index_put_.default, aten.index_copy_.default, aten.index_fill_.int_Scalar)
 
     def __init__(self) -> None:
         super().__init__()
         self.index_puts = 0
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.index_puts += func is torch.ops.aten.index_put_.default
+        self.index_puts += func in self.WRITES
+        self.ops += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -223,3 +228,30 @@ def test_the_restore_wrapper_scans_the_batch_only_when_the_swap_pool_holds_a_req
     rows = [types.SimpleNamespace(state=_Row(i == 1, readable=True)) for i in range(3)]
     wrapped(om, rows)
     assert calls == [3, 3] and features.restores == 1  # one request came back: counted, its copies observed
+
+
+def test_a_mirrored_move_is_one_gather_and_one_write_a_field() -> None:
+    """Each op is a launch of host time on CUDA: a fork copy's or a restore's mirror stays at one gather and one
+    write a record field (the index of host block numbers built once), whatever the number of blocks."""
+    g = geometry()
+    a = allocator(g)
+    fields = len(stamped(g, []).fields())
+    for blocks in ([4], [4, 5, 6]):
+        rec = stamped(g, blocks)
+        with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+            engine_copy(a._copy_view, blocks, [b + 5 for b in blocks])
+        mirror.apply_block_write(g, rec, seen.writes[0])  # the first move builds the records' block views
+        with CountedOps() as counted:
+            mirror.apply_block_write(g, rec, seen.writes[0])
+        assert (counted.ops, counted.index_puts) == (2 * fields, fields)
+        assert [links(g, rec, b + 5) for b in blocks] == [links(g, rec, b) for b in blocks]
+    host = mirror.HostRecords()
+    rec = stamped(g, [2, 3])
+    host.save_all(g, rec, [byte_moves.HostSave((NAME,), (5, 6), torch.tensor([2, 3]))], 8)
+    back = RecordStore.allocate(g.num_slots)
+    restore = byte_moves.BlockWrite((NAME,), torch.tensor([8, 9]), None, (5, 6))
+    host.restore(g, back, restore)
+    with CountedOps() as counted:
+        host.restore(g, back, restore)
+    assert (counted.ops, counted.index_puts) == (2 * fields + 1, fields)  # + the host block numbers' tensor
+    assert [links(g, back, b) for b in (8, 9)] == [links(g, rec, b) for b in (2, 3)]

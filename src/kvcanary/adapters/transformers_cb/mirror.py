@@ -37,19 +37,17 @@ def copy_blocks(geometry: GroupGeometry, records: RecordStore, src_blocks: list[
     if not src_blocks:
         return
     dev = records.device
-    src = geometry.block_slots(device_index(src_blocks, dev))
-    dst = geometry.block_slots(device_index(dst_blocks, dev))
-    records.copy_slots(src, dst)
+    records.copy_blocks(device_index(src_blocks, dev), device_index(dst_blocks, dev), geometry.page_size)
 
 
 def apply_block_write(geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
     """Mirror one observed block write of a copy: records of the gathered blocks follow the bytes; bytes of
     unknown origin leave their destination blocks with no record (a later read is reported)."""
-    dst = geometry.block_slots(write.dest.to(records.device, non_blocking=True))
+    dst = _blocks(write.dest, records.device)
     if write.source_blocks is None:
-        records.clear_slots(dst)
+        records.clear_blocks(dst, geometry.page_size)
     else:
-        records.copy_slots(geometry.block_slots(write.source_blocks.to(records.device, non_blocking=True)), dst)
+        records.copy_blocks(_blocks(write.source_blocks, records.device), dst, geometry.page_size)
 
 
 class HostRecords:
@@ -105,18 +103,16 @@ class HostRecords:
     def restore(self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
         """Mirror one restore write: each written device block gets the records of the host block it was read
         from; blocks read from no known host block (or from a pool never saved into) get no record."""
-        dst = geometry.block_slots(write.dest.to(records.device, non_blocking=True))
+        dst, page = _blocks(write.dest, records.device), geometry.page_size
         hosts = write.source_host_blocks or ()
         store = self._stores.get(geometry.name)
-        if store is None or not hosts or min(hosts) < 0 or max(hosts) * geometry.page_size >= store.num_slots:
-            records.clear_slots(dst)
+        if store is None or not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
+            records.clear_blocks(dst, page)
             return
-        src = geometry.block_slots(device_index(hosts, records.device))
         if (store.digests is None) != (records.digests is None):  # digests turned on after this store was made
-            records.clear_slots(dst)
+            records.clear_blocks(dst, page)
             return
-        for dev, host in zip(records.fields(), store.fields(), strict=True):
-            dev[dst] = host[src]
+        records.copy_blocks(device_index(hosts, records.device), dst, page, source=store)
 
     def clear(self) -> None:
         self._stores.clear()
@@ -134,11 +130,15 @@ def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStor
         else:
             copied += save.host_blocks
             sources.append(save.source_blocks)
+    page = geometry.page_size
     if cleared:
-        store.clear_slots(geometry.block_slots(device_index(cleared, device)))
+        store.clear_blocks(device_index(cleared, device), page)
     if not sources:
         return
-    dst = geometry.block_slots(device_index(copied, device))
-    src = geometry.block_slots((sources[0] if len(sources) == 1 else torch.cat(sources)).to(device, non_blocking=True))
-    for host, dev in zip(store.fields(), records.fields(), strict=True):
-        host[dst] = dev[src]
+    src = _blocks(sources[0] if len(sources) == 1 else torch.cat(sources), device)
+    store.copy_blocks(src, device_index(copied, device), page, source=records)
+
+
+def _blocks(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Block numbers the engine indexed with, as the int64 index on the records' device that the moves take."""
+    return ids.to(device, torch.int64, non_blocking=True)

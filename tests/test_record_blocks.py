@@ -1,0 +1,63 @@
+"""RecordStore's moves of whole blocks against the per-slot moves they replace (random, awkward page sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcanary.layout import RecordStore
+
+
+def filled(num_slots: int, seed: int, digests: bool) -> RecordStore:
+    g = torch.Generator().manual_seed(seed)
+    rec = RecordStore.allocate(num_slots)
+    if digests:
+        rec.enable_digests()
+    for t in rec.fields():
+        t.copy_(torch.randint(-(2**31), 2**31 - 1, (num_slots,), generator=g, dtype=t.dtype))
+    return rec
+
+
+def slots(blocks: torch.Tensor, page: int) -> torch.Tensor:
+    return (blocks.reshape(-1, 1) * page + torch.arange(page)).reshape(-1)
+
+
+@pytest.mark.parametrize("page", [1, 3, 7, 16])
+@pytest.mark.parametrize("digests", [False, True])
+def test_block_moves_match_the_slot_moves(page: int, digests: bool) -> None:
+    blocks = 11
+    num_slots = blocks * page + 1  # a reserved slot past the last whole block, as the adapters lay them out
+    g = torch.Generator().manual_seed(page)
+    for trial in range(4):
+        src = torch.randperm(blocks, generator=g)[: 1 + trial * 2]
+        dst = torch.randperm(blocks, generator=g)[: src.numel()]  # distinct destinations, may overlap the sources
+        mine, spec = filled(num_slots, trial, digests), filled(num_slots, trial, digests)
+        other, other_spec = filled(blocks * page, 100 + trial, digests), filled(blocks * page, 100 + trial, digests)
+        mine.copy_blocks(src, dst, page)
+        spec.copy_slots(slots(src, page), slots(dst, page))
+        mine.copy_blocks(src, dst, page, source=other)  # from another store (the host pool's)
+        for to, of in zip(spec.fields(), other_spec.fields(), strict=True):
+            to[slots(dst, page)] = of[slots(src, page)]
+        mine.clear_blocks(src[:1], page)
+        spec.clear_slots(slots(src[:1], page))
+        for a, b in zip(mine.fields(), spec.fields(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_digests_turned_on_after_a_move_move_too() -> None:
+    rec = filled(9, 0, digests=False)
+    rec.copy_blocks(torch.tensor([0]), torch.tensor([1]), 4)  # the block views are built without digests
+    rec.enable_digests()
+    assert rec.digests is not None
+    rec.digests[:4] = 7
+    rec.copy_blocks(torch.tensor([0]), torch.tensor([1]), 4)
+    assert rec.digests.tolist() == [7] * 8 + [0]
+    assert torch.equal(rec.links[4:8], rec.links[:4])
+
+
+def test_a_block_past_the_whole_blocks_is_refused() -> None:
+    rec = filled(9, 0, digests=False)  # two whole blocks of 4 and the reserved slot 8
+    before = [t.clone() for t in rec.fields()]
+    with pytest.raises(IndexError):
+        rec.copy_blocks(torch.tensor([0]), torch.tensor([2]), 4)
+    assert all(torch.equal(a, b) for a, b in zip(before, rec.fields(), strict=True))  # nothing written
