@@ -26,10 +26,9 @@ def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     the engine's forward too.  The hybrid GPU demo made 486 of them a run (one per mirrored offload or restore
     copy), the only synchronising calls the canary added.  Through pinned memory the copy is queued on the stream
     like the work after it."""
-    t = torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)  # built pinned
 
 
 def copy_blocks(geometry: GroupGeometry, records: RecordStore, src_blocks: list[int], dst_blocks: list[int]) -> None:
