@@ -5,6 +5,7 @@ step graph has four to eight nodes).  Not run by CI.  Usage: PYTHONPATH=src pyth
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ def pieces(work: Callable[[], None], pool: object, calls: CudaCalls, busy: bool)
     marks.append(time.perf_counter_ns())
     names = ("graph and side stream", "capture_begin", "work", "capture_end", "launch bound", "first launch",
              "second launch")  # fmt: skip
-    return {n: (b - a) / 1000 for n, a, b in zip(names, marks, marks[1:], strict=True)}
+    return {n: (b - a) / 1000 for n, (a, b) in zip(names, itertools.pairwise(marks), strict=True)}
 
 
 def main() -> None:
