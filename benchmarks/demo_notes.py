@@ -248,4 +248,18 @@ DEMO_NOTES = (
     "the same steady steps (716, 347 and 556) and no violation; capture, translation (from the tap's entry) and host "
     "step 16, 104 and 23 us (dense), 27, 143 and 27 (hybrid), 19, 125 and 24 (sliding). The goals (150 and 250 us, at"
     " most 5 %) are not met.",
+    "",
+    "5fcfd8d (one call on an H200 whose host CPU ran the engine about 1.5 times slower than 2842a39's: without the "
+    "canary the dense workload took 4.91 s against 3.31; `results/gpu-demo/nvidia-h200-5fcfd8d-*`, five pairs): the "
+    "GPU tests passed (13, and 51 with 2 skipped) and issue 14's workload ran clean at batch 1 and 32, graphs on and "
+    "off (`results/cb-qwen3/nvidia-h200-5fcfd8d-*`: no health failure, verified slots equal to what attention read). "
+    "Dense 0.28 ms a step (median 0.24; capture 20, translation 171, plan/verify/stamp 47, host step 38 us), hybrid "
+    "0.43 (0.33; 36, 246, 100, 44), sliding 0.32 (0.28); shares 5.1, 7.1 and 5.3 %. The demo's split of the time "
+    "added per step (medians of the pairs) named the engine's block moves as the next cost: mirroring them took 0.107"
+    " ms a step on dense and 0.330 on hybrid, beside the tap's 0.276 and 0.432. Each mirrored move was sixteen device"
+    " ops a group (slot indices built per move, then a gather and a write a field); since 89cb656 a move is one "
+    "gather and one write a field over cached `[blocks, page]` views of the records (a test pins the count): on the "
+    "sandbox's CPU the hybrid demo's mirror ops went from 10,596 to 4,404 a run and its mirror time from 65 to 36-41 "
+    "us a step (dense 24-25 -> 15-17), on the device to be measured. `bench_host_step.py` in the same call: 10.4 us "
+    "(one group) and 9.4 (two; goals 8 and 12). The host-time goals (150 and 250 us) and the 5 % share are not met.",
 )
