@@ -37,7 +37,7 @@ def apply_zeroing(group: VllmGroup, records: RecordStore, blocks: Sequence[int])
         return 0
     ids = _in_pool(blocks, group)
     if ids:
-        records.clear_slots(block_slots(ids, group.block_size, records.device))
+        records.clear_blocks(torch.as_tensor(ids, dtype=torch.int64, device=records.device), group.block_size)
     return len(ids)
 
 
@@ -45,22 +45,28 @@ def copied_slots(
     group: VllmGroup, copies: Sequence[tuple[int, int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(source slots, destination slots) of the in-pool (src, dst) block pairs, or None when there are none."""
-    pairs = [(int(s), int(d)) for s, d in copies]
-    limit = group.canary.num_slots // group.block_size
-    pairs = [(s, d) for s, d in pairs if 0 <= s < limit and 0 <= d < limit]
+    pairs = _pairs_in_pool(group, copies)
     if not pairs:
         return None
     src = block_slots([s for s, _ in pairs], group.block_size, device)
     return src, block_slots([d for _, d in pairs], group.block_size, device)
 
 
+def _pairs_in_pool(group: VllmGroup, copies: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    limit = group.canary.num_slots // group.block_size
+    pairs = [(int(s), int(d)) for s, d in copies]
+    return [(s, d) for s, d in pairs if 0 <= s < limit and 0 <= d < limit]
+
+
 def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[int, int]]) -> int:
-    """Copy the records of (src, dst) block pairs, all sources read before any destination is written."""
-    moved = copied_slots(group, copies, records.device)
-    if moved is None:
+    """Copy the records of (src, dst) block pairs, all sources read before any destination is written (whole blocks:
+    one gather and one write a field, :meth:`~kvcanary.layout.RecordStore.copy_blocks`)."""
+    pairs = _pairs_in_pool(group, copies)
+    if not pairs:
         return 0
-    records.copy_slots(*moved)
-    return int(moved[0].shape[0]) // group.block_size
+    src, dst = (torch.as_tensor(ids, dtype=torch.int64, device=records.device) for ids in zip(*pairs, strict=True))
+    records.copy_blocks(src, dst, group.block_size)
+    return len(pairs)
 
 
 def fresh_blocks(so: Any, group: VllmGroup) -> list[int]:
