@@ -10,6 +10,7 @@ import pytest
 from kvcanary.demo_timing import (
     ShareTiming,
     added_time_line,
+    graph_line,
     host_time_lines,
     time_share,
     timed_host_line,
@@ -62,6 +63,18 @@ def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> N
     assert host_time_lines(stats, {"steady_steps": 0}) == ["  host time in the canary: 0.30 ms per step"]
     lines = host_time_lines(stats, {"steady_steps": 448})
     assert lines[1] == "  steady steps (a kept translation of their shape class reused): 448 of 720"
+
+
+def test_the_step_graph_line_says_what_captures_and_eager_steps_cost_a_step_where_graphs_ran() -> None:
+    stats = {"steps": 720, "tap_us": 720 * 300, "graph_replays": 0, "graph_captures": 0}
+    assert graph_line(stats) is None and len(host_time_lines(stats, {})) == 1  # the CPU: no graph
+    stats |= {"graph_replays": 712, "graph_captures": 4, "graph_capture_us": 18_000, "graph_eager_steps": 8,
+              "graph_eager_us": 9_000}  # fmt: skip
+    want = (
+        "  canary step graphs: 712 steps replayed, 4 captured (4.5 ms each), 8 run eagerly (1.12 ms each): "
+        "captures and eager steps 0.037 ms a step"
+    )
+    assert graph_line(stats) == want and host_time_lines(stats, {})[-1] == want
 
 
 def test_the_timed_runs_line_gives_each_runs_host_time_per_step_and_their_median() -> None:

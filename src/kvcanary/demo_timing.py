@@ -37,7 +37,29 @@ def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str
     if features.get("steady_steps"):
         reused = f"{features['steady_steps']:,} of {steps:,}"
         lines.append(f"  steady steps (a kept translation of their shape class reused): {reused}")
+    if (graphs := graph_line(stats)) is not None:
+        lines.append(graphs)
     return lines
+
+
+def graph_line(stats: dict[str, int]) -> str | None:
+    """The canary's own step graphs (CUDA): steps replayed, graphs captured and steps run eagerly, and what the
+    captures and eager steps cost per step of the run (most of the plan/verify/stamp phase's mean: a replay is one
+    launch); None where no graph was used."""
+    replays, captures, eager = (
+        stats.get("graph_replays", 0),
+        stats.get("graph_captures", 0),
+        stats.get("graph_eager_steps", 0),
+    )
+    if not replays and not captures:
+        return None
+    capture_ms, eager_ms = stats.get("graph_capture_us", 0) / 1000, stats.get("graph_eager_us", 0) / 1000
+    per_step = (capture_ms + eager_ms) / stats["steps"]
+    each = f" ({capture_ms / captures:.1f} ms each)" if captures else ""
+    return (
+        f"  canary step graphs: {replays:,} steps replayed, {captures} captured{each}, {eager} run eagerly "
+        f"({eager_ms / max(eager, 1):.2f} ms each): captures and eager steps {per_step:.3f} ms a step"
+    )
 
 
 def timed_host_line(stats: Sequence[dict[str, int]]) -> str | None:

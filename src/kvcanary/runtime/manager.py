@@ -36,7 +36,7 @@ from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
 from kvcanary.runtime.pump import LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
-from kvcanary.runtime.step_graphs import Prelude, StepGraphs, StepKeys, cuda_step_graphs
+from kvcanary.runtime.step_graphs import GRAPH_STAT_KEYS, Prelude, StepGraphs, StepKeys, cuda_step_graphs
 from kvcanary.runtime.validation import (
     caps_by_name,
     checked_groups,
@@ -231,6 +231,7 @@ class CanaryManager:
         if graphs.replay(key):
             self._eager_forwards += 1
             return
+        started = time.perf_counter_ns()
         if prelude is not None:
             prelude.run()
         self.before_forward(batches)
@@ -244,15 +245,15 @@ class CanaryManager:
             work.after()
 
         try:
-            graphs.ran_eagerly(key, step_work)
+            graphs.ran_eagerly(key, step_work, started)
         except Exception:  # a capture the driver refused: the step ran eagerly already; stay eager from now on
             logger.exception("kvcanary: capturing the canary's step graph failed; the canary runs eagerly from now on")
             self._graphs = None
 
     def graph_stats(self) -> dict[str, int]:
-        """Steps replayed from the canary's own graphs and graphs captured (zero where not in use)."""
-        g = self._graphs
-        return {"graph_replays": 0 if g is None else g.replays, "graph_captures": 0 if g is None else g.captures}
+        """The canary's own graphs: steps replayed, captured and run eagerly (:meth:`StepGraphs.stats`; zero where
+        not in use)."""
+        return dict.fromkeys(GRAPH_STAT_KEYS, 0) if self._graphs is None else self._graphs.stats()
 
     def abandon_forward(self) -> None:
         """Close a before_forward whose model forward raised, so the next step starts clean.

@@ -22,6 +22,7 @@ transformers translation).  It runs first, joins the graph, and its key joins th
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -143,6 +144,9 @@ class StepGraphs:
         self._seen: collections.OrderedDict[Hashable, None] = collections.OrderedDict()
         self.replays = 0
         self.captures = 0
+        self.capture_ns = 0  # host time in captures
+        self.eager_steps = 0  # steps that ran eagerly (every step whose key has no graph yet)
+        self.eager_ns = 0  # their host time, captures left out
 
     def replay(self, key: Hashable) -> bool:
         """Replay the graph captured for ``key``; False (nothing run) when there is none."""
@@ -154,15 +158,21 @@ class StepGraphs:
         self.replays += 1
         return True
 
-    def ran_eagerly(self, key: Hashable, work: Callable[[], None]) -> None:
-        """``key``'s step just ran eagerly: capture ``work`` for it if it was seen before."""
+    def ran_eagerly(self, key: Hashable, work: Callable[[], None], started_ns: int | None = None) -> None:
+        """``key``'s step just ran eagerly (from ``started_ns``, a ``perf_counter_ns`` reading, when given): capture
+        ``work`` for it if it was seen before."""
+        self.eager_steps += 1
+        if started_ns is not None:
+            self.eager_ns += time.perf_counter_ns() - started_ns
         if key not in self._seen:
             self._seen[key] = None
             if len(self._seen) > MAX_SEEN:
                 self._seen.popitem(last=False)
             return
         del self._seen[key]
+        start = time.perf_counter_ns()
         self._graphs[key] = self._factory(work)
+        self.capture_ns += time.perf_counter_ns() - start
         self.captures += 1
         if len(self._graphs) > self._max:
             self._graphs.popitem(last=False)
@@ -170,6 +180,15 @@ class StepGraphs:
     def clear(self) -> None:
         self._graphs.clear()
         self._seen.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Steps replayed, graphs captured and steps run eagerly, with the host time of the captures and of the eager
+        steps (where a steady serving loop's mean time in the canary's launches goes: replays are cheap)."""
+        counts = (self.replays, self.captures, self.capture_ns // 1000, self.eager_steps, self.eager_ns // 1000)
+        return dict(zip(GRAPH_STAT_KEYS, counts, strict=True))
+
+
+GRAPH_STAT_KEYS = ("graph_replays", "graph_captures", "graph_capture_us", "graph_eager_steps", "graph_eager_us")
 
 
 class CudaStepGraph:

@@ -162,7 +162,7 @@ class Bindings:
         try:
             self._collect(b.manager.flush())
         finally:
-            for k, v in b.manager.stats().items():
+            for k, v in _manager_stats(b.manager).items():
                 self._retired[k] = self._retired.get(k, 0) + v
             b.manager.close()
             self.current = None
@@ -171,6 +171,11 @@ class Bindings:
         out = dict(self._retired)
         out["setup_us"] = self.setup_ns // 1000
         if self.current is not None:
-            for k, v in self.current.manager.stats().items():
+            for k, v in _manager_stats(self.current.manager).items():
                 out[k] = out.get(k, 0) + v
         return out
+
+
+def _manager_stats(manager: CanaryManager) -> dict[str, int]:
+    """A manager's counts and its step graphs' (captures and eager steps: where the launch phase's time goes)."""
+    return {**manager.stats(), **manager.graph_stats()}
