@@ -100,32 +100,44 @@ class TruthStore:
                 continue
             entry = find(rid)
             if entry is None:
-                entry = sent_map[rid] = _Sent(self._take_row(host.request_ids))
+                entry = sent_map[rid] = _Sent(self._take_row(host.request_ids), width)
             entry.used = stamp
             h = hist if type(hist) is History else History([int(t) for t in hist], ())
-            n = h.size if h.size < width else width
-            stop = entry.n if entry.n < n else n  # the compared window: REFRESH positions before stop
+            # Plain statements, no tuple assignments or conditional expressions: fewer bytecodes in the usual row.
+            n = h.size
+            if n > width:
+                n = width
+            stop = entry.n  # the compared window: REFRESH positions before stop
+            if stop > n:
+                stop = n
             start = stop - refresh if stop > refresh else 0
-            at, row_at = h.tail_start, entry.row * width
+            at = h.tail_start
             if start >= at:  # the usual row: the window and the new tokens are in the history's tail, no copy kept
-                tail, lo = h.tail, start - at
-                m, off = stop - start, start - entry.base
-                if m > 0 and start >= entry.start and tail[lo : lo + m] == entry.sent[off : off + m]:
-                    skip = m  # the usual step: nothing resent
+                tail = h.tail
+                base = entry.base
+                if (
+                    stop > start
+                    and start >= entry.start
+                    and tail[start - at : stop - at] == entry.sent[start - base : stop - base]
+                ):
+                    first = stop  # the usual step: nothing resent
                 else:
-                    skip = entry.same_prefix(start, stop, tail[lo : n - at])
-                first = start + skip
+                    first = start + entry.same_prefix(start, stop, tail[start - at : n - at])
                 if n - first == 1:  # one new token (a decode step): no slice, no range
                     tokens.append(tail[n - at - 1])
-                    cells.append(row_at + first)
+                    cells.append(entry.cell0 + first)
                 else:
                     tokens += tail[first - at : n - at]
-                    cells += range(row_at + first, row_at + n)
-                entry.n, entry.start, entry.base, entry.sent = n, start, at, tail
+                    cells += range(entry.cell0 + first, entry.cell0 + n)
+                entry.n = n
+                entry.start = start
+                entry.base = at
+                entry.sent = tail
             else:  # a long first send, or a window older than the tail: read from the engine's lists
                 new = h.tokens(start, n)
                 skip = entry.same_prefix(start, stop, new)
                 tokens += new[skip:] if skip else new
+                row_at = entry.cell0
                 cells += range(row_at + start + skip, row_at + n)
                 if n - start > _KEPT:  # keep its last REFRESH only
                     start, new = n - refresh, new[-refresh:]
@@ -243,10 +255,11 @@ class _Sent:
     holds positions ``base ..`` (the history's tail as the step read it, kept as it is: no copy), of which
     ``start`` up to ``n`` are the window the row was last compared with or sent."""
 
-    __slots__ = ("base", "n", "row", "sent", "start", "used")
+    __slots__ = ("base", "cell0", "n", "row", "sent", "start", "used")
 
-    def __init__(self, row: int) -> None:
+    def __init__(self, row: int, width: int) -> None:
         self.row, self.n, self.start, self.base, self.used = row, 0, 0, 0, 0
+        self.cell0 = row * width  # the store's flat cell of the row's position 0
         self.sent: list[int] = []
 
     def same_prefix(self, start: int, stop: int, tokens: list[int]) -> int:
