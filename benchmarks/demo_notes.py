@@ -261,5 +261,11 @@ DEMO_NOTES = (
     "gather and one write a field over cached `[blocks, page]` views of the records (a test pins the count): on the "
     "sandbox's CPU the hybrid demo's mirror ops went from 10,596 to 4,404 a run and its mirror time from 65 to 36-41 "
     "us a step (dense 24-25 -> 15-17), on the device to be measured. `bench_host_step.py` in the same call: 10.4 us "
-    "(one group) and 9.4 (two; goals 8 and 12). The host-time goals (150 and 250 us) and the 5 % share are not met.",
+    "(one group) and 9.4 (two; goals 8 and 12). The host-time goals (150 and 250 us) and the 5 % share are not met. "
+    "Also after that call (no device lent again in that stop): vLLM's block moves go through the same methods "
+    "(7ca1707); the demo prints what the canary's step-graph captures and eager steps cost a step (7616850: under the "
+    "profiler most of the hybrid's plan/verify/stamp mean was its 8 eager steps, 4 of them captured, against 344 "
+    "replays); the truth plan's usual row runs fewer bytecodes (592b225: a steady translation step counted 98,156 -> "
+    "97,300 instructions at batch 1 and 249,528 -> 234,423 at batch 16, per row about 10,100 -> 9,100; "
+    "`results/cpu-instructions/cpu-dry-run-{7616850,592b225}-instructions.json`).",
 )
