@@ -193,7 +193,7 @@ def test_moved_slots_are_verified_after_the_move(bytes_ok: bool) -> None:
         src = torch.tensor([engine.slot_at(1, p) for p in range(3)])
         moved.extend(src.tolist())
         dst = torch.tensor([60, 61, 62])  # free slots at the top of the pool, never handed out here
-        mgr.canaries["full"].records.copy_slots(src, dst)
+        mgr.canaries["full"].records.copy_blocks(src, dst, 1)  # blocks of one slot: these three slots
         for t in pools.full:
             t[dst] = t[src] if bytes_ok else t[src.flip(0)]
         if not bytes_ok:

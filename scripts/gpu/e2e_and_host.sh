@@ -15,8 +15,8 @@
 #   opcosts   scripts/gpu/op_costs.py (host time of the small CUDA calls the translation makes)
 #   captures  scripts/gpu/capture_costs.py (a step graph's capture piece by piece, the GPU idle and busy)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
-#             graphs against eager launches, the mirror of offloads and restores never waits) and the translation kernel's and the step close's suites compiled
-#             (gputests.log)
+#             graphs against eager launches, the mirror of offloads and restores never waits) and the
+#             translation kernel's and the step close's suites compiled (gputests.log)
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
 # finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail

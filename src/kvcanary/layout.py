@@ -132,11 +132,6 @@ class RecordStore:
             self.digests = torch.zeros(self.num_slots, dtype=torch.int64, device=self.device)
             self._block_views.clear()
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Mirror an engine's KV block copy (fork, offload restore): records (and digests) move with the bytes."""
-        for t in self.fields():
-            t[dst] = t[src]
-
     def clear_slots(self, slots: torch.Tensor) -> None:
         for t in self.fields():
             t[slots] = 0
