@@ -40,8 +40,10 @@ class History(Sequence[int]):
         self.tail_start = start = n - _TAIL if n > _TAIL else 0
         if start >= k:
             tail = generated[start - k :]
-        else:
-            tail = list(initial[start:])
+        else:  # a list's slice is a new list already: extended in place, not copied again
+            tail = initial[start:]
+            if type(tail) is not list:
+                tail = list(tail)
             tail += generated
         self.tail = tail if type(tail) is list else list(tail)
 
