@@ -194,7 +194,8 @@ def test_an_offload_and_restore_mirrored_on_cuda_never_wait_for_the_device() -> 
         host.save_all(g, rec, [save], 8)
         dest = torch.tensor([8, 9, 10]).pin_memory().to(gpu, non_blocking=True)
         host.restore(g, rec, byte_moves.BlockWrite((NAME,), dest, None, (6, 7, 5)))
-        mirror.copy_blocks(g, rec, [8], [11])
+        fork = byte_moves.BlockWrite((NAME,), torch.tensor([11]).pin_memory().to(gpu, non_blocking=True), dest[:1])
+        mirror.apply_block_write(g, rec, fork)  # a fork copy of block 8
     assert [links(g, rec, b) for b in (8, 9, 10)] == want and links(g, rec, 11) == want[0]
 
 

@@ -18,7 +18,7 @@ import torch
 from kvcanary import Capacities, GroupCanary, Reason, ViolationLog
 from kvcanary.adapters import ADAPTERS, UnsupportedEngineVersion, load_adapter
 from kvcanary.adapters.patching import AlreadyPatched, PatchSet
-from kvcanary.adapters.transformers_cb import cpu_offload, mirror, patches
+from kvcanary.adapters.transformers_cb import byte_moves, cpu_offload, mirror, patches
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
@@ -215,7 +215,7 @@ def test_block_copies_move_records_with_the_blocks() -> None:
     g = geometry()
     rec = RecordStore.allocate(g.num_slots)
     rec.links[g.block_slots(torch.tensor([4]))] = torch.tensor([11, 13, 15, 17])
-    mirror.copy_blocks(g, rec, [4], [7])
+    mirror.apply_block_write(g, rec, byte_moves.BlockWrite((g.name,), torch.tensor([7]), torch.tensor([4])))
     assert rec.links[g.block_slots(torch.tensor([7]))].tolist() == [11, 13, 15, 17]
 
 

@@ -31,14 +31,6 @@ def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)  # built pinned
 
 
-def copy_blocks(geometry: GroupGeometry, records: RecordStore, src_blocks: list[int], dst_blocks: list[int]) -> None:
-    """Mirror ``CacheAllocator.copy_blocks``: whole blocks, src[i] -> dst[i]."""
-    if not src_blocks:
-        return
-    dev = records.device
-    records.copy_blocks(device_index(src_blocks, dev), device_index(dst_blocks, dev), geometry.page_size)
-
-
 def apply_block_write(geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
     """Mirror one observed block write of a copy: records of the gathered blocks follow the bytes; bytes of
     unknown origin leave their destination blocks with no record (a later read is reported)."""
