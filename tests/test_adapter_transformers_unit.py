@@ -135,6 +135,33 @@ def test_write_to_the_trash_in_a_full_group_is_a_reserved_slot_violation() -> No
 # ---------------------------------------------------------------------------- translation, sliding group
 
 
+def _wraps_by_rule(windows: list[int], past: list[int], query: list[int], live: list[bool]) -> int:
+    """Each stored write at a position >= W overwrote the ring slot of position - W; a row stores its query's last W."""
+    wraps = 0
+    for w in windows:
+        for p, q, ok in zip(past, query, live, strict=True):
+            stored = range(max(p + q - min(q, w), w), p + q)
+            wraps += len(stored) if ok else 0
+    return wraps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ring_wraps_count_every_overwritten_slot_on_decode_and_mixed_steps(seed: int) -> None:
+    from kvcanary.adapters.transformers_cb.step_plan import RowPlan, ring_wraps
+
+    gen = torch.Generator().manual_seed(seed)
+    windows = [int(w) for w in torch.randint(2, 40, (1 + seed % 3,), generator=gen)]
+    for b in (1, 7, 31):
+        past = [int(p) for p in torch.randint(0, 80, (b,), generator=gen)]
+        decode = [1] * b  # the counted-in-C case
+        mixed = [int(q) for q in torch.randint(0, 50, (b,), generator=gen)]
+        some_out = [bool(x) for x in torch.rand(b, generator=gen) < 0.8]
+        for query, live in ((decode, [True] * b), (mixed, [True] * b), (decode, some_out), (mixed, some_out)):
+            got = ring_wraps(windows, RowPlan(tuple(past), tuple(query), tuple(live)))
+            assert got == _wraps_by_rule(windows, past, query, live), (windows, past, query, live)
+    assert ring_wraps([4], RowPlan((3, 4, 9), (1, 1, 1), (True, True, True))) == 2  # rows at past 4 and 9
+
+
 def test_sliding_group_wraps_its_ring_silently_and_keeps_long_queries_out_of_the_pool() -> None:
     eng, tr, canary, log = scenario(3)  # ring of 3, canary window 2
     t = run(tr, canary, log, *eng.step({"a": 7, "b": 2}))  # a: 4 trash writes, then positions 4..6

@@ -9,6 +9,7 @@ device.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import typing
@@ -178,7 +179,12 @@ def _trash_flags(g: GroupGeometry, rows: RowPlan, n: int, length: int) -> bytear
 def ring_wraps(windows: Sequence[int], rows: RowPlan) -> int:
     """Over the sliding groups' ``windows`` W, the stored writes at positions >= W: each overwrote the ring slot of
     position - W.  A row stores its query's last W writes, ``[end - min(q, W), end)``.  Plain Python with no
-    calls: it runs every step of a sliding model, per row."""
+    calls: it runs every step of a sliding model, per row.  A decode step (every row in the table, one token each)
+    counts in C: there a row wraps once a window exactly when its past reaches the window."""
+    past, query = rows.past_lens, rows.query_lens
+    if past and min(query) == 1 == max(query) and all(rows.live_rows):
+        ordered = sorted(past)  # windows are at least 2 tokens, so a token's write is always stored
+        return sum(len(ordered) - bisect.bisect_left(ordered, window) for window in windows)
     wraps = 0
     for window in windows:
         for p, q, ok in zip(rows.past_lens, rows.query_lens, rows.live_rows, strict=True):
