@@ -24,6 +24,8 @@ def test_history_reads_prompt_then_generated_and_freezes_its_length_and_tail() -
     prompt, gen = list(range(100, 100 + 2 * History.TAIL)), [7, 8, 9]
     h = History(prompt, gen)
     n = len(prompt) + 3
+    assert prompt == list(range(100, 100 + 2 * History.TAIL)) and gen == [7, 8, 9]  # the tail joined a copy
+    assert History(tuple(prompt), tuple(gen)).tail == h.tail == prompt[n - History.TAIL :] + gen
     assert len(h) == n and h[0] == 100 and h[n - 4] == 99 + len(prompt) and h[n - 3] == 7 and h[-1] == 9
     assert h.tokens(n - 5, n) == [98 + len(prompt), 99 + len(prompt), 7, 8, 9] and list(h[:3]) == [100, 101, 102]
     assert h.tokens(0, n) == prompt + gen and h.tokens(n + 7, n + 17) == []

@@ -41,10 +41,9 @@ class History(Sequence[int]):
         if start >= k:
             tail = generated[start - k :]
         else:  # a list's slice is a new list already: extended in place, not copied again
-            tail = initial[start:]
-            if type(tail) is not list:
-                tail = list(tail)
-            tail += generated
+            joined: list[int] = initial[start:] if type(initial) is list else list(initial[start:])
+            joined += generated
+            tail = joined
         self.tail = tail if type(tail) is list else list(tail)
 
     def __len__(self) -> int:
