@@ -268,4 +268,20 @@ DEMO_NOTES = (
     "replays); the truth plan's usual row runs fewer bytecodes (592b225: a steady translation step counted 98,156 -> "
     "97,300 instructions at batch 1 and 249,528 -> 234,423 at batch 16, per row about 10,100 -> 9,100; "
     "`results/cpu-instructions/cpu-dry-run-{7616850,592b225}-instructions.json`).",
+    "",
+    "fda4f0d (one call on an H100 whose host CPU ran the engine between 2842a39's and 5fcfd8d's: without the canary "
+    "the dense workload took 3.95 s, against 3.31 and 4.91; `results/gpu-demo/nvidia-h100-80gb-hbm3-fda4f0d-*`, five "
+    "pairs): the first GPU "
+    "run of 89cb656's block moves. The GPU tests passed (14, the mirror's among them, and 51 with 2 skipped) and issue "
+    "14's workload ran clean at batch 1 and 32, graphs on and off (`results/cb-qwen3/nvidia-h100-80gb-hbm3-fda4f0d-*`: "
+    "no health failure, verified slots equal to what attention read). Mirroring the engine's block moves now takes "
+    "0.051 ms a step on dense and 0.111 on hybrid (0.107 and 0.330 at 5fcfd8d), 0.010 on sliding. Dense 0.27 ms a "
+    "step (median 0.25; capture 17, translation 171, plan/verify/stamp 47, host step 37 us), hybrid 0.33 (0.26; 23, "
+    "198, 71, 35), sliding 0.26 (0.23; 16, 169, 44, 34). Shares 3.8, 4.7 and 0.0 %, each the median of five pairs "
+    "that spread over 0.0-16.7, 0.0-9.4 and 0.0-9.7 %: within 5 % in this call, by a margin smaller than the pairs' "
+    "spread. `bench_host_step.py`: 6.3 us (one group) and 6.4 (two), within issue 18's 8 and 12 on this machine (10.4"
+    " and 9.4 at 5fcfd8d on the H200). The demo's graph line: captures and eager steps cost 0.014 (dense), 0.040 "
+    "(hybrid) and 0.016 ms (sliding) a step: each key recurring in the run ran eagerly twice before its capture. "
+    "`capture_costs.py` failed inside torch's graph capture (a caching allocator assertion on a reused pool); not "
+    "yet looked into. The host-time goals (150 and 250 us) are not met.",
 )
