@@ -123,6 +123,36 @@ def test_uninstall_restores_every_patched_function_and_the_hook() -> None:
     assert canary.stats()["steps"] > 0 and canary.stats()["violations"] == 0
 
 
+@pytest.mark.parametrize("cuda_layout", [False, True])
+def test_the_canary_captures_its_step_graphs_at_first_sight_when_the_translator_keeps_static_buffers(
+    cuda_layout: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manager is told its batches are static buffers of a bounded set of shapes exactly when the translator
+    makes them so (on CUDA by default; here on the CPU as on CUDA, or not)."""
+    import functools
+
+    from kvcanary.adapters.transformers_cb import binding
+    from kvcanary.adapters.transformers_cb.translate import StepTranslator
+    from kvcanary.runtime import CanaryManager
+
+    told: list[bool] = []
+
+    class Recording(CanaryManager):
+        def __init__(self, *args: object, static_batches: bool = False, **kwargs: object) -> None:
+            told.append(static_batches)
+            super().__init__(*args, static_batches=static_batches, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(binding, "CanaryManager", Recording)
+    if cuda_layout:
+        layout = functools.partial(StepTranslator, static=True, kernel=True, bucket=True)
+        monkeypatch.setattr(binding, "StepTranslator", layout)
+    model = build_model("dense")
+    with install(model) as canary:
+        tiny_generate(model)
+        assert canary.stats()["steps"] > 0 and canary.stats()["violations"] == 0
+    assert told == [cuda_layout]
+
+
 def test_a_bypassed_step_tap_is_noticed() -> None:
     from transformers.generation.continuous_batching import model_runner
 

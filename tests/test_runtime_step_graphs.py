@@ -89,6 +89,20 @@ def test_a_step_is_captured_the_second_time_its_tensors_are_seen_and_replayed_af
     assert manager().graph_stats() == dict.fromkeys(stats, 0)  # no graphs in use: every count zero
 
 
+def test_with_first_sight_a_step_is_captured_after_its_first_eager_run() -> None:
+    mgr = manager()
+    log: list[str] = []
+    mgr._graphs = StepGraphs(lambda work: FakeGraph(work, log), first_sight=True)
+    run(mgr, 6, None, static=True)
+    # step 0 (the prefill, seen once) and step 1 (the first decode) each ran eagerly and were captured right after;
+    # steps 2..5 replay the decode's graph
+    assert log == ["capture", "capture", "replay", "replay", "replay", "replay"]
+    stats = mgr.graph_stats()
+    assert {k: stats[k] for k in ("graph_replays", "graph_captures", "graph_eager_steps")} == {
+        "graph_replays": 4, "graph_captures": 2, "graph_eager_steps": 2,
+    }  # fmt: skip
+
+
 def test_replayed_steps_find_what_launching_every_kernel_finds() -> None:
     plain = manager()
     want = run(plain, 12, fault_at=7, static=True)

@@ -56,7 +56,9 @@ class CanaryManager:
     Everything is allocated here, once: each group's records and plan workspace, the live log, the
     outbox and three host buffers (pinned on CUDA).  In ``off`` mode nothing is allocated, every
     method is a no-op and :attr:`canaries` is empty.  Decoding and acting on a step's copy is
-    :class:`~kvcanary.runtime.decode.StepDecoder`'s job.
+    :class:`~kvcanary.runtime.decode.StepDecoder`'s job.  ``static_batches``: the caller hands
+    :meth:`forward_step` static buffers of a bounded set of shapes, so the canary's step graph of a key is
+    captured the first time it is seen (see :mod:`~kvcanary.runtime.step_graphs`).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class CanaryManager:
         on_fail_request: FailRequestCallback | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        static_batches: bool = False,
     ) -> None:
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"config must be a kvcanary.CanaryConfig, got {type(config).__name__}")
@@ -112,7 +115,7 @@ class CanaryManager:
         self._graphs: StepGraphs | None = None
         self._step_keys = StepKeys(lambda batches: ordered_batches(batches, self.canaries))  # the graphs' keys
         if self._cuda and self._kernels and not config.check_values:
-            self._graphs = cuda_step_graphs()
+            self._graphs = cuda_step_graphs(first_sight=static_batches)
         self.metrics_registry = make_registry(self._decoder.metrics_view)
 
     # ------------------------------------------------------------------ the KV digest

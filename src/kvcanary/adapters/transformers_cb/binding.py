@@ -99,6 +99,9 @@ class Binding:
             log_rows=config.log_rows,
         )
         device = torch.device(cache.device)
+        translator = StepTranslator(
+            geometries, max_batch=max_batch, max_context=width, device=device, max_tokens=max_tokens
+        )
         manager = CanaryManager(
             [g.canary_group(i) for i, g in enumerate(geometries)],
             caps,
@@ -106,13 +109,11 @@ class Binding:
             device=device,
             backend=backend,
             on_fail_request=on_fail_request,
+            static_batches=translator.static and translator.bucket,  # static buffers, one per shape class
         )
         if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
-        translator = StepTranslator(
-            geometries, max_batch=max_batch, max_context=width, device=device, max_tokens=max_tokens
-        )
         return cls(cache, geometries, translator, manager)
 
 
