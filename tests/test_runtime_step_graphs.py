@@ -193,6 +193,22 @@ def test_seen_keys_and_graphs_are_bounded() -> None:
     assert not graphs.replay((0,)) and graphs.replay((4,)) and graphs.replay((3,))
 
 
+def test_captures_after_a_clear_come_from_a_renewed_factory() -> None:
+    made: list[str] = []
+
+    def factory(tag: str) -> Callable[[Callable[[], None]], FakeGraph]:
+        return lambda work: (made.append(tag), FakeGraph(work, []))[1]
+
+    renewals = iter("bc")
+    graphs = StepGraphs(factory("a"), first_sight=True, renew=lambda: factory(next(renewals)))
+    graphs.ran_eagerly((1,), lambda: None)
+    graphs.clear()
+    assert not graphs.replay((1,))  # cleared
+    graphs.ran_eagerly((1,), lambda: None)
+    graphs.ran_eagerly((2,), lambda: None)
+    assert made == ["a", "b", "b"] and graphs.replay((1,)) and graphs.replay((2,))
+
+
 @pytest.mark.gpu
 def test_cuda_step_graphs_match_eager_launches() -> None:
     if not torch.cuda.is_available():
@@ -210,11 +226,39 @@ def test_cuda_step_graphs_match_eager_launches() -> None:
     ]
 
 
-def run_cuda(mgr: CanaryManager, steps: int, fault_at: int) -> list[StepReport | None]:
+@pytest.mark.gpu
+def test_cuda_step_graphs_captured_at_first_sight_and_again_after_a_clear_match_eager_launches() -> None:
+    """A manager with static batches captures at a key's first sight; clearing its graphs (as attaching digests
+    does) and capturing again works on a fresh pool (torch refuses a pool whose graphs were all freed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    eager = manager(Backend.TRITON, "cuda")
+    eager._graphs = None
+    want = run_cuda(eager, 20, fault_at=11)
+    group = CanaryGroup(num_slots=NUM_SLOTS, name="full")
+    mgr = CanaryManager([group], CAPS, CanaryConfig(mode=Mode.LOG), device="cuda", static_batches=True)
+    graphs = mgr._graphs
+    got = run_cuda(mgr, 20, fault_at=11, clear_at=8)
+    # steps 0 (the prefill) and 1 (the first decode) ran eagerly and were captured; 2..7 replayed; the clear at 8:
+    # step 8 ran eagerly and was captured again (on a new pool), 9..19 replayed
+    assert mgr._graphs is graphs is not None
+    assert {k: v for k, v in graphs.stats().items() if not k.endswith("_us")} == {
+        "graph_replays": 17, "graph_captures": 3, "graph_eager_steps": 3,
+    }  # fmt: skip
+    assert mgr.stats() == eager.stats()
+    assert mgr.stats()["violations"] > 0 and mgr.health_failure_counts() == {"kernels_ran": 0, "phase": 0}
+    assert [(r.step, r.total, r.affected_request_ids) for r in got if r is not None] == [
+        (r.step, r.total, r.affected_request_ids) for r in want if r is not None
+    ]
+
+
+def run_cuda(mgr: CanaryManager, steps: int, fault_at: int, clear_at: int | None = None) -> list[StepReport | None]:
     wl, keep = Workload(), StaticBatch()
     table = wl.table.cuda()
     out = []
     for k in range(steps):
+        if k == clear_at and mgr._graphs is not None:
+            mgr._graphs.clear()
         if k == fault_at:
             alias_first_slot(wl, victim=2, owner=1)
         batch = wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)], truth=True)

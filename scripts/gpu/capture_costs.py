@@ -20,8 +20,11 @@ ROUNDS = 20
 BUSY_CYCLES = 20_000_000  # about 10 ms of a spinning kernel queued ahead of the capture
 
 
-def pieces(work: Callable[[], None], pool: object, calls: CudaCalls, busy: bool) -> dict[str, float]:
-    """One capture, as :class:`CudaStepGraph` makes it, timed piece by piece (microseconds)."""
+def pieces(
+    work: Callable[[], None], pool: object, calls: CudaCalls, busy: bool, kept: list[object]
+) -> dict[str, float]:
+    """One capture, as :class:`CudaStepGraph` makes it, timed piece by piece (microseconds); the graph joins ``kept``:
+    torch refuses to capture into a pool whose graphs were all freed."""
     torch.cuda.synchronize()
     if busy:
         torch.cuda._sleep(BUSY_CYCLES)
@@ -39,6 +42,7 @@ def pieces(work: Callable[[], None], pool: object, calls: CudaCalls, busy: bool)
         graph.capture_end()
         marks.append(time.perf_counter_ns())
     current.wait_stream(side)
+    kept.append(graph)
     launch = calls.graph_launch(graph)
     marks.append(time.perf_counter_ns())
     launch()
@@ -59,8 +63,9 @@ def main() -> None:
 
     pool = torch.cuda.graph_pool_handle()
     calls = CudaCalls(torch.cuda.current_device())
+    kept: list[object] = []  # every graph of the pool, alive to the end
     for busy in (False, True):
-        runs = [pieces(work, pool, calls, busy) for _ in range(ROUNDS)]
+        runs = [pieces(work, pool, calls, busy, kept) for _ in range(ROUNDS)]
         print(f"GPU {'busy' if busy else 'idle'}: median of {ROUNDS} captures of {KERNELS} kernels, us")
         for name in runs[0]:
             print(f"  {name:24s} {statistics.median(r[name] for r in runs):10.1f}")
@@ -70,7 +75,7 @@ def main() -> None:
             if busy:
                 torch.cuda._sleep(BUSY_CYCLES)
             start = time.perf_counter_ns()
-            CudaStepGraph(work, pool, calls)
+            kept.append(CudaStepGraph(work, pool, calls))
             totals.append((time.perf_counter_ns() - start) / 1000)
         print(f"  {'CudaStepGraph (whole)':24s} {statistics.median(totals):10.1f}")
     torch.cuda.synchronize()

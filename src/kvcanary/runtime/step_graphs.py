@@ -141,8 +141,14 @@ def _fields(b: StepBatch) -> tuple[torch.Tensor | None, ...]:
 class StepGraphs:
     """Captured step graphs by key (see the module docstring); ``factory`` captures ``work`` into a graph."""
 
-    def __init__(self, factory: GraphFactory, max_graphs: int = MAX_GRAPHS, *, first_sight: bool = False) -> None:
+    def __init__(
+        self, factory: GraphFactory, max_graphs: int = MAX_GRAPHS, *, first_sight: bool = False,
+        renew: Callable[[], GraphFactory] | None = None,
+    ) -> None:  # fmt: skip
+        """``renew``: a new factory for the captures after :meth:`clear` (the CUDA graphs' memory pool: torch refuses
+        to capture into a pool whose graphs were all freed)."""
         self._factory = factory
+        self._renew = renew
         self._max = max_graphs
         self._first_sight = first_sight  # capture after a key's first eager step, not its second
         self._graphs: collections.OrderedDict[Hashable, Graph] = collections.OrderedDict()
@@ -186,6 +192,8 @@ class StepGraphs:
     def clear(self) -> None:
         self._graphs.clear()
         self._seen.clear()
+        if self._renew is not None:
+            self._factory = self._renew()
 
     def stats(self) -> dict[str, int]:
         """Steps replayed, graphs captured and steps run eagerly, with the host time of the captures and of the eager
@@ -221,6 +229,10 @@ class CudaStepGraph:
 
 
 def cuda_step_graphs(*, first_sight: bool = False) -> StepGraphs:
-    pool = torch.cuda.graph_pool_handle()
     calls = CudaCalls(torch.cuda.current_device())
-    return StepGraphs(lambda work: CudaStepGraph(work, pool, calls), first_sight=first_sight)
+
+    def factory() -> GraphFactory:
+        pool = torch.cuda.graph_pool_handle()  # one pool for every graph until the next clear()
+        return lambda work: CudaStepGraph(work, pool, calls)
+
+    return StepGraphs(factory(), first_sight=first_sight, renew=factory)
