@@ -284,4 +284,22 @@ DEMO_NOTES = (
     "(hybrid) and 0.016 ms (sliding) a step: each key recurring in the run ran eagerly twice before its capture. "
     "`capture_costs.py` failed inside torch's graph capture (a caching allocator assertion on a reused pool); not "
     "yet looked into. The host-time goals (150 and 250 us) are not met.",
+    "",
+    "fda4f0d -> 47b0125 (issue 14; one call on an H200, `results/gpu-demo/nvidia-h200-47b0125-*`, five pairs). The "
+    "transformers adapter's manager captures a step graph after a key's first eager step, not its second (a5fc993: "
+    "its batches are static buffers of a bounded set of shape classes, so a key seen once costs one unused capture at "
+    "most), and captures after a clear go into a new memory pool (47b0125: torch asserted on a reused pool whose graphs"
+    " were all freed; `capture_costs.py` hit it at fda4f0d). Steps run eagerly fell from 7, 8 and 6 to 4, 4 and 3 a "
+    "demo run (dense, hybrid, sliding) and from 17 to 9 in issue 14's batch-32 graph run (its eager steps and captures"
+    " 36.2 ms a run at fda4f0d on the H100, 14.3 ms here). The GPU tests passed (15, among them a new one that checks "
+    "first-sight captures and a clear against eager launches, and 51 with 2 skipped); issue 14's workload ran clean at"
+    " batch 1 and 32, graphs on and off (`results/cb-qwen3/nvidia-h200-47b0125-*`: no health failure, verified slots "
+    "equal to what attention read; the tap's median 176 and 315 us with graphs, 254 and 379 eagerly). Dense 0.26 ms a"
+    " step (median 0.24; capture 17, translation 167, plan/verify/stamp 38, host step 38 us), hybrid 0.39 (0.31; 29, "
+    "239, 81, 42), sliding 0.32 (0.29; 21, 211, 48, 43). Shares 11.3, 0.0 and 12.4 %, medians of pairs that spread "
+    "over 0.0-31.9, 0.0-27.5 and 0.0-18.1 %: at fda4f0d the same workloads read 3.8, 4.7 and 0.0 %. The engine's own "
+    "run time moves by more than the canary costs from run to run, so five pairs do not pin the share to a point. "
+    "`bench_host_step.py`: 9.2 us (one group, p20-p80 5.7-11.5) and 6.0 (two). A step graph's capture (the fixed "
+    "`capture_costs.py`): 121 us with the GPU idle, 205 with it busy. The host-time goals (150 and 250 us) and the 5 "
+    "% share are not met.",
 )
