@@ -20,14 +20,24 @@ from kvcanary.adapters.vllm.groups import VllmGroup
 from kvcanary.layout import RecordStore
 
 
+def block_ids(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Scheduler block ids as the int64 index on ``device`` that the record moves take."""
+    return torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
+
+
 def block_slots(blocks: Sequence[int], block_size: int, device: torch.device) -> torch.Tensor:
-    ids = torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
+    ids = block_ids(blocks, device)
     offsets = torch.arange(block_size, dtype=torch.int64, device=device)
     return (ids[:, None] * block_size + offsets[None, :]).reshape(-1)
 
 
+def _pool_blocks(group: VllmGroup) -> int:
+    """Whole blocks in the group's pool: ids at or past it are outside what the canary holds."""
+    return group.canary.num_slots // group.block_size
+
+
 def _in_pool(blocks: Sequence[int], group: VllmGroup) -> list[int]:
-    limit = group.canary.num_slots // group.block_size
+    limit = _pool_blocks(group)
     return [int(b) for b in blocks if 0 <= int(b) < limit]
 
 
@@ -37,7 +47,7 @@ def apply_zeroing(group: VllmGroup, records: RecordStore, blocks: Sequence[int])
         return 0
     ids = _in_pool(blocks, group)
     if ids:
-        records.clear_blocks(torch.as_tensor(ids, dtype=torch.int64, device=records.device), group.block_size)
+        records.clear_blocks(block_ids(ids, records.device), group.block_size)
     return len(ids)
 
 
@@ -53,7 +63,7 @@ def copied_slots(
 
 
 def _pairs_in_pool(group: VllmGroup, copies: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    limit = group.canary.num_slots // group.block_size
+    limit = _pool_blocks(group)
     pairs = [(int(s), int(d)) for s, d in copies]
     return [(s, d) for s, d in pairs if 0 <= s < limit and 0 <= d < limit]
 
@@ -64,7 +74,7 @@ def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[
     pairs = _pairs_in_pool(group, copies)
     if not pairs:
         return 0
-    src, dst = (torch.as_tensor(ids, dtype=torch.int64, device=records.device) for ids in zip(*pairs, strict=True))
+    src, dst = (block_ids(ids, records.device) for ids in zip(*pairs, strict=True))
     records.copy_blocks(src, dst, group.block_size)
     return len(pairs)
 
