@@ -26,6 +26,7 @@ from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
 from kvcanary.batch import StepBatch
+from kvcanary.runtime.pump import CopyFence
 from op_counting import NO_KERNEL, SYNCING, OpCounter
 from transformers_helpers import PAGE, STRIDE, FakeEngine, growing, kwargs_to
 
@@ -281,6 +282,33 @@ def test_the_steady_send_on_cuda_never_overwrites_a_copy_in_flight() -> None:
     torch.cuda.synchronize()
     assert [g.tolist() for g in got] == [[k] * 5 for k in range(1, first + 3)]
     assert st.host_buffers > first  # buffers joined the ring instead of waiting or overwriting
+
+
+@pytest.mark.gpu
+def test_a_fenced_staging_copies_without_events_and_reuses_a_buffer_once_the_fence_passes_its_step() -> None:
+    """With the manager's fence, a buffer's copy is known to have run from the fence alone (no event, no query)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    st = Staging(torch.device("cuda"))
+    fence = st.fence = CopyFence()
+    first = st.host_buffers
+    got = []
+    with sync_debug("error"):
+        torch.cuda._sleep(100_000_000)  # every copy below waits behind this
+        for k in range(first + 2):
+            fence.next_step = k  # the host step each copy is queued before
+            (view,) = st.send([array.array("q", [k] * 5)])
+            got.append(view.clone())
+    torch.cuda.synchronize()
+    assert [g.tolist() for g in got] == [[k] * 5 for k in range(first + 2)]
+    assert st.host_buffers == first + 2  # the fence vouched for none of them: two buffers joined the ring
+    with pytest.raises(RuntimeError, match="records no event"):
+        st._ring[0].transfer.landed()  # no event was recorded: only the fence can tell
+    fence.landed = first + 1  # the pump's copies of those steps landed, so every copy before them did
+    (view,) = st.send([array.array("q", [9] * 5)])
+    st.send_at(memoryview(array.array("q", [7] * 5)).cast("B"), (), 40)
+    torch.cuda.synchronize()
+    assert view.tolist() == [7] * 5 and st.host_buffers == first + 2  # the ring reused as it is
 
 
 def _fields(b: StepBatch) -> list[torch.Tensor]:

@@ -174,3 +174,26 @@ def test_staging_refuses_to_run_more_than_two_steps_ahead_of_decoding() -> None:
     assert taken is not None and taken.step == 0 and pump.pending_steps == (1,)
     pump.stage(2, None)
     assert [b.step for b in pump.take_all()] == [1, 2] and pump.take_due(3) is None
+
+
+def test_the_copy_fence_claims_only_copies_that_landed_or_were_waited_for() -> None:
+    """Another copy queued on the pump's stream before host step s's (the staging's) has run once the fence's
+    ``landed`` reaches s: so every step up to it must have landed by the device clock, or been waited for."""
+    rng = random.Random(3)
+    steps = 26
+    delays = [rng.choice([0, 1, 2, 3, 5]) for _ in range(steps)]
+    mgr, device, _ = lagged_manager(delays)
+    fence = mgr.copy_fence
+    assert fence is not None and fence.landed == -1
+    wl, claimed = Workload(), []
+    for k in range(steps):
+        device.now = k
+        assert fence.next_step == k  # the host step whose copy is queued next
+        n = 4 if k == 0 else 1
+        run_step(mgr, wl.batch([(1, n), (2, n)]), ["req-a", "req-b"])
+        assert all(k - s >= delays[s] or s in device.waits for s in range(fence.landed + 1)), (k, fence.landed)
+        claimed.append(fence.landed)
+    assert claimed == sorted(claimed) and all(c >= k - MAX_LAG for k, c in enumerate(claimed))
+    assert any(c < k - 1 for k, c in enumerate(claimed))  # the device ran behind: the fence held back
+    mgr.flush()
+    assert fence.landed == steps - 1 and fence.next_step == steps

@@ -87,7 +87,7 @@ class Transfer:
     :meth:`send` makes the copy and the record in one call (on a serving loop's cold step each distinct Python
     function costs microseconds); :meth:`landed` never waits."""
 
-    __slots__ = ("_args", "_calls", "_dst", "_event", "_handle", "_src", "sent")
+    __slots__ = ("_args", "_calls", "_dst", "_event", "_handle", "_src", "_untracked", "sent")
 
     def __init__(self, calls: CudaCalls, dst: torch.Tensor, src: torch.Tensor, kind: Any) -> None:
         self._calls = calls
@@ -97,12 +97,29 @@ class Transfer:
         self._event.record(torch.cuda.current_stream(calls.device_index))  # creates it: its handle is valid now
         self._handle = int(self._event.cuda_event)
         self.sent = False  # no copy yet: nothing to wait for
+        self._untracked = False  # the last copy had no event behind it (see copy())
+
+    def copy(self, nbytes: int) -> None:
+        """Copy the first ``nbytes`` on the current stream with no event behind it, for a caller that knows from other
+        work on the stream when it has run (:class:`~kvcanary.runtime.pump.CopyFence`): one CUDA call instead of two.
+        :meth:`landed` and :meth:`wait` refuse until the next :meth:`send`."""
+        calls = self._calls
+        rt = calls._rt
+        self.sent = self._untracked = True
+        if rt is None:
+            self._dst[:nbytes].copy_(self._src[:nbytes], non_blocking=True)
+            return
+        dst, src, kind = self._args
+        (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, kind, calls._raw_stream(calls.device_index))
+        if err != calls._ok:
+            raise RuntimeError(f"kvcanary: a {nbytes}-byte asynchronous copy failed: {err!r}")
 
     def send(self, nbytes: int) -> None:
         """Copy the first ``nbytes`` and record the event behind the copy, on the current stream."""
         calls = self._calls
         rt = calls._rt
         self.sent = True
+        self._untracked = False
         if rt is None:
             self._dst[:nbytes].copy_(self._src[:nbytes], non_blocking=True)
             self._event.record(torch.cuda.current_stream(calls.device_index))
@@ -120,6 +137,8 @@ class Transfer:
         installed: in a serving loop the step's sends have just run through them, so this path is warm."""
         if not self.sent:
             return True
+        if self._untracked:
+            raise RuntimeError("landed: the last copy was made with copy(), which records no event")
         calls = self._calls
         rt = calls._rt
         if rt is None:
@@ -132,5 +151,7 @@ class Transfer:
         raise RuntimeError(f"kvcanary: cudaEventQuery failed: {err!r}")
 
     def wait(self) -> None:
+        if self._untracked:
+            raise RuntimeError("wait: the last copy was made with copy(), which records no event")
         if self.sent:
             self._event.synchronize()

@@ -34,7 +34,7 @@ from kvcanary.runtime.buffers import Layout, StepWork
 from kvcanary.runtime.capture import is_capturing, stream_capturing_probe
 from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
-from kvcanary.runtime.pump import LaggedPump
+from kvcanary.runtime.pump import CopyFence, LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
 from kvcanary.runtime.step_graphs import GRAPH_STAT_KEYS, Prelude, StepGraphs, StepKeys, cuda_step_graphs
 from kvcanary.runtime.validation import (
@@ -97,6 +97,7 @@ class CanaryManager:
         self._open_capturing = False
         self._eager_forwards = 0  # before/after pairs run eagerly since the last host step
         self._graph_captured = False
+        self.copy_fence: CopyFence | None = None  # the pump's progress, for copies on its stream (pump.CopyFence)
         if not self._enabled:
             return
 
@@ -110,6 +111,7 @@ class CanaryManager:
             list(self.canaries.values()), layout, self.device, close_kernel=self._cuda and self._kernels
         )
         self._pump = LaggedPump(self._work.outbox, layout)
+        self.copy_fence = self._pump.fence
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
         self._graphs: StepGraphs | None = None

@@ -40,6 +40,19 @@ NUM_BUFFERS = 3
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
 
 
+class CopyFence:
+    """How far one pump's copies are known to have run, for other copies queued on the same stream (the staging's of
+    the transformers translation): a copy queued before host step ``s``'s outbox copy has run once ``landed >= s``
+    (the stream runs in order), so it needs no event of its own.  ``next_step``: the host step whose copy is queued
+    next.  Plain attributes: read on every step, with the caches cold."""
+
+    __slots__ = ("landed", "next_step")
+
+    def __init__(self) -> None:
+        self.landed = -1
+        self.next_step = 0
+
+
 @dataclasses.dataclass
 class HostBuffer:
     """One host copy of the outbox, with views for decoding it."""
@@ -76,6 +89,7 @@ class LaggedPump:
         self.phase_offset = layout.phase_offset
         self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
+        self.fence = CopyFence()
 
     def _allocate(self, layout: Layout) -> HostBuffer:
         t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
@@ -104,6 +118,7 @@ class LaggedPump:
         buf.step = step
         buf.request_ids = request_ids
         self._pending.append(buf)
+        self.fence.next_step = step + 1
 
     def take_due(self, step: int) -> HostBuffer | None:
         """For host step ``step``: the oldest staged buffer if its copy has landed or it is ``MAX_LAG`` or more
@@ -113,10 +128,13 @@ class LaggedPump:
         oldest = self._pending[0]
         if oldest.step > step - MAX_LAG and not oldest.landed():
             return None
+        self.fence.landed = oldest.step  # the caller decodes it now, waiting for it if it has not landed
         return self._pending.popleft()
 
     def take_all(self) -> list[HostBuffer]:
-        """Every staged buffer not yet taken, oldest first (the end of a run)."""
+        """Every staged buffer not yet taken, oldest first (the end of a run: the caller waits for each)."""
         out = list(self._pending)
         self._pending.clear()
+        if out:
+            self.fence.landed = out[-1].step
         return out

@@ -111,6 +111,7 @@ class Binding:
             on_fail_request=on_fail_request,
             static_batches=translator.static and translator.bucket,  # static buffers, one per shape class
         )
+        translator.follow(manager.copy_fence)  # the tap sends and runs the host step on one stream: the engine's
         if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))

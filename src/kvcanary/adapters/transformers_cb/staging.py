@@ -7,15 +7,19 @@ are views of a persistent device buffer.  A small synchronous copy from ordinary
 wait for the stream -- the model's forward -- to drain, so on CUDA the host buffer is pinned and the
 copy asynchronous: nothing waits.
 
-Reuse: the pinned buffers are the staging's own, taken in turn; each has an event recorded behind its last
-copy, and one whose copy has not run yet is never written: another buffer joins the ring instead (nothing
-waits).  The copy and the event go through :mod:`kvcanary.runtime.cuda_calls`, the calls the host step makes
-too: in a serving loop the canary's step runs with every cache cold, and each distinct path it touches
-(torch's pinned allocator, a tensor copy) costs tens of microseconds there.  The device buffer is rewritten
-by the next step's copy, ordered on the stream after this step's kernels, so a step's views are valid until
-the next :meth:`Staging.send`.  On CPU the views are the host buffer itself, with the same lifetime.  A view
-is kept and handed out again when an array recurs with the same dtype, offset and shape (the per-row arrays,
-every step): slicing a tensor costs microseconds of host time too.
+Reuse: the pinned buffers are the staging's own, taken in turn; one whose copy has not run yet is never written:
+another buffer joins the ring instead (nothing waits).  Whether a copy has run is known from an event recorded
+behind it, or, once the staging follows a :class:`~kvcanary.runtime.pump.CopyFence` (the canary manager's, whose
+pump copies on the same stream after each step), from the fence: a buffer's copy was queued before the host step it
+is tagged with, so it has run once the fence says that step's copy landed.  Then a send is one CUDA call (no event
+record) and a take asks the device nothing: two calls fewer a step, each tens of microseconds with the caches cold.
+The copy and the event go through :mod:`kvcanary.runtime.cuda_calls`, the calls the host step makes too: in a
+serving loop the canary's step runs with every cache cold, and each distinct path it touches (torch's pinned
+allocator, a tensor copy) costs tens of microseconds there.  The device buffer is rewritten by the next step's copy,
+ordered on the stream after this step's kernels, so a step's views are valid until the next :meth:`Staging.send`.
+On CPU the views are the host buffer itself, with the same lifetime.  A view is kept and handed out again when an
+array recurs with the same dtype, offset and shape (the per-row arrays, every step): slicing a tensor costs
+microseconds of host time too.
 
 Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise pointer arguments on
 16-byte alignment, and a misaligned view would compile another variant of a kernel.
@@ -33,6 +37,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
 from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
+from kvcanary.runtime.pump import CopyFence
 
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
@@ -50,14 +55,16 @@ _TORCH_DTYPES: dict[tuple[str, int], torch.dtype] = {
 
 
 class _Upload:
-    """One pinned host buffer and its transfer into the device buffer (the copy and the event behind it)."""
+    """One pinned host buffer and its transfer into the device buffer (the copy and the event behind it); ``tag``:
+    with a fence, the host step its last copy was queued before (-1: none yet)."""
 
-    __slots__ = ("bytes", "tensor", "transfer")
+    __slots__ = ("bytes", "tag", "tensor", "transfer")
 
     def __init__(self, device_buf: torch.Tensor, calls: CudaCalls) -> None:
         self.tensor = torch.empty(device_buf.shape[0], dtype=torch.uint8, pin_memory=True)
         self.bytes = self.tensor.numpy().data
         self.transfer: Transfer = calls.upload(device_buf, self.tensor)
+        self.tag = -1
 
 
 class Staging:
@@ -76,6 +83,7 @@ class Staging:
         self._ring: list[_Upload] = []  # CUDA: the pinned buffers, taken in turn
         self._retired: list[_Upload] = []  # outgrown, kept until their copies have run
         self._next = 0
+        self.fence: CopyFence | None = None  # see the module docstring: set once, before the first send
         self.generation = -1  # bumped each time the device buffer is replaced (every view of the last one moves)
         self._grow(_INITIAL_BYTES)
 
@@ -98,18 +106,31 @@ class Staging:
         if self._calls is None:
             self._on_host = self._device_buf.numpy().data
             return
-        self._retired = [u for u in self._retired + self._ring if not u.transfer.landed()]
+        self._retired = [u for u in self._retired + self._ring if not self._landed(u)]
         self._ring = [_Upload(self._device_buf, self._calls) for _ in range(_RING)]
         self._next = 0
+
+    def _landed(self, up: _Upload) -> bool:
+        fence = self.fence
+        return up.tag <= fence.landed if fence is not None else up.transfer.landed()
 
     def _take(self) -> _Upload:
         """The next pinned buffer whose last copy has run; a new one joins the ring when it has not.  (The steady
         step's :meth:`send_at` does the same inline.)"""
         up = self._ring[self._next]
-        if not up.transfer.landed():
+        if not self._landed(up):
             up = self._join_ring()
         self._next = (self._next + 1) % len(self._ring)
         return up
+
+    def _copy(self, up: _Upload, nbytes: int) -> None:
+        """Queue ``up``'s copy: tagged and without an event when a fence tells when it has run."""
+        fence = self.fence
+        if fence is None:
+            up.transfer.send(nbytes)
+        else:
+            up.tag = fence.next_step
+            up.transfer.copy(nbytes)
 
     def _join_ring(self) -> _Upload:
         """A new pinned buffer, in the ring at the current place (the one there still has a copy to run)."""
@@ -144,7 +165,7 @@ class Staging:
             view = find((m.format, off, m.shape))
             views.append(self._view(m, off) if view is None else view)
         if up is not None and end:
-            up.transfer.send(end)
+            self._copy(up, end)
         return views
 
     def send_at(self, head: memoryview, tail: Sequence[tuple[int, array.array[int]]], end: int) -> None:
@@ -153,11 +174,12 @@ class Staging:
         of the same layout, while :attr:`generation` has not moved)."""
         if end > self._capacity:
             raise ValueError(f"send_at: {end} bytes do not fit the staging's {self._capacity}")
+        fence = self.fence
         if self._calls is None:
             host = self._on_host
-        else:  # _take inline: a steady step runs this every step, cold (each function call costs microseconds)
+        else:  # _take and _copy inline: a steady step runs this every step, cold (each call costs microseconds)
             up = self._ring[self._next]
-            if up.transfer.sent and not up.transfer.landed():
+            if up.tag > fence.landed if fence is not None else up.transfer.sent and not up.transfer.landed():
                 up = self._join_ring()
             self._next = (self._next + 1) % len(self._ring)
             host = up.bytes
@@ -166,7 +188,11 @@ class Staging:
             m = memoryview(a).cast("B")
             host[off : off + len(m)] = m
         if self._calls is not None:
-            up.transfer.send(end)
+            if fence is None:
+                up.transfer.send(end)
+            else:
+                up.tag = fence.next_step
+                up.transfer.copy(end)
 
     def _view(self, m: memoryview, off: int) -> torch.Tensor:
         """The device view that ``m`` was copied to at byte ``off`` (the same tensor whenever it recurs)."""

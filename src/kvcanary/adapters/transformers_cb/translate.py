@@ -54,6 +54,7 @@ from kvcanary.adapters.transformers_cb.torch_path import GroupWork
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate, scatter_meta
 from kvcanary.batch import StepBatch
+from kvcanary.runtime.pump import CopyFence
 
 _TRUTH_ARRAYS = ("truth_cells", "truth_tokens", "truth_gather")  # the truth update's staged arrays, in order
 
@@ -262,6 +263,11 @@ class StepTranslator:
     def _scatter(self, meta: torch.Tensor) -> translate_kernel.Launch:
         """The truth's write as the prelude's first launch, through the staged ``meta``."""
         return self._truth.scatter(self._staging.whole(torch.int64), self._staging.whole(torch.int32), meta)
+
+    def follow(self, fence: CopyFence | None) -> None:
+        """Tell the staging's copies have run from ``fence``: the pump's of the manager whose host steps follow each
+        translation on the same stream (see :mod:`.staging`)."""
+        self._staging.fence = fence
 
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
