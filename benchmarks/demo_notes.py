@@ -302,4 +302,17 @@ DEMO_NOTES = (
     "`bench_host_step.py`: 9.2 us (one group, p20-p80 5.7-11.5) and 6.0 (two). A step graph's capture (the fixed "
     "`capture_costs.py`): 121 us with the GPU idle, 205 with it busy. The host-time goals (150 and 250 us) and the 5 "
     "% share are not met.",
+    "",
+    "47b0125 -> a234ef2 (issue 14; one call on an H100, `results/gpu-demo/nvidia-h100-80gb-hbm3-a234ef2-*`, five pairs;"
+    " compare with fda4f0d, the last H100 call). The transformers adapter's staging and the pump know a copy has run "
+    "from the manager's copy fence (the pump's progress on the same stream) instead of recording and querying an event"
+    " per copy: two CUDA calls fewer a step (the profile's `landed` and the events' records). Dense 0.20 ms a step "
+    "(median 0.18; capture 13, translation 117, plan/verify/stamp 36, host step 38 us), hybrid 0.24 (0.19; 17, 141, "
+    "45, 35), sliding 0.20 (0.17; 13, 119, 32, 34), against 0.27, 0.33 and 0.26 at fda4f0d on the H100: the hybrid "
+    "model's 250 us goal is met, the dense model's 150 is not. Shares 10.0, 6.4 and 1.2 %, medians of pairs over "
+    "5.1-27.1, 4.2-17.1 and 0.2-6.3 %. The GPU tests passed (16, among them the fenced staging's first device run, "
+    "and 51 with 2 skipped); issue 14's workload ran clean at batch 1 and 32, graphs on and off "
+    "(`results/cb-qwen3/nvidia-h100-80gb-hbm3-a234ef2-*`: no health failure, verified slots equal to what attention "
+    "read; the tap's median 141 and 251 us with graphs, 250 and 371 eagerly). `bench_host_step.py`: 6.4 us (one group,"
+    " p20-p80 6.2-7.8) and 6.8 (two).",
 )
