@@ -86,6 +86,7 @@ def sweep(tunings: dict[str, launchers.KernelTuning], picks: list, args: argpars
         w = build(s, args.rotations, dev, gen)
         for k, t in tunings.items():
             times[k].append(statistics.median(time_kernels(w, t, args.replays)))
+            print(f"{s.name} {k}: {times[k][-1]:.2f} us", flush=True)  # kept in the log if the sweep is cut short
         del w
         if dev.type == "cuda":
             torch.cuda.empty_cache()
