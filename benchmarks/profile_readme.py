@@ -40,10 +40,15 @@ READING = """Reading (issue 18's kernel goals):
   same-step checks), which the bytes left out until a6c3e29 (ncu: about 155 MB moved at 256 x 16k against 84 MB
   counted); counted, the 1cc2958 times sit at 4.7x (128 x 16k), 4.1x (256 x 4k), 2.6x (256 x 16k) and 15.8x (the
   window).  ncu estimates up to 75 % from occupancy; the sweeps of tile, warps and programs per SM
-  (`results/*-kernel-sweep.txt`) found the current point best.  A register cap (`KernelTuning.verify_maxnreg`)
-  is the lever left to measure (a first device sweep, whose files were lost, saw about 10 % at 256 x 16k and
-  1.2 us lost at batch 1), then software-pipelining the next item's table loads under the current item's
-  record loads.
+  (`results/*-kernel-sweep.txt`) found the current point best.  A register cap (`KernelTuning.verify_maxnreg`,
+  `results/nvidia-h100-80gb-hbm3-e7ec2c2-kernel-sweep.txt`, an H100) bought little: 64 registers and 8 programs
+  an SM took 256 x 16k from 105.9 to 99.6 us (6 %), 96 and 5 the window from 84.2 to 78.5 us (7 %), and both
+  cost 1-1.4 us at batch 1; doubling the resident programs moved the time by 6 %, so more loads in flight is
+  not what the large steps lack.  The same sweep's small-step gains are a microsecond at most: verify items of
+  128 entries took batch 1 from 10.9 to 10.0 us (and 256 x 16k from 106 to 143), stamp items of 256 tokens on 4
+  warps a 16k prefill from 14.2 to 13.6.  Untried: software-pipelining the next item's table loads under the
+  current item's record loads, and timing the verify without its read-mark atomics (4M at 256 x 16k) to size
+  their share.
 - The window scenario gathers records through a random permutation: every entry is its own 32-byte sector for
   tokens, positions and links, so 72 % of the sectors it moves are excess (ncu; 16 % at 256 x 16k), L2 runs at
   62 % and its cycles per instruction are 37 against 11.  The floor counts the bytes the entries need, not the
