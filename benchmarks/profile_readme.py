@@ -29,7 +29,11 @@ READING = """Reading (issue 18's kernel goals):
   record and its predecessor's link, then the marks and the finalize's atomics).  The floor (one replayed kernel,
   0.8 us) assumes no such chain.  Fusing plan, verify and stamp into one launch with a barrier between verify and
   stamp (d14ae1e) did not shorten it: 11.54 us against 10.89 in two launches at batch 1, 13.75 against 13.58 for
-  the prefill chunk (`results/nvidia-h200-d14ae1e-single-launch.txt`), so it was reverted.  What would: fewer
+  the prefill chunk (`results/nvidia-h200-d14ae1e-single-launch.txt`), so it was reverted.  Nor did the same
+  launch on one program, which waits for no other (`results/nvidia-h100-80gb-hbm3-3dc855c-one-program-step.txt`,
+  an H100): 13.3 us at batch 1 against 11.8 on a wave and 11.2 in two launches, since plan, verify and stamp then
+  run one after another; plan + verify alone take 5.9 us and stamp about 5.3, whatever the launches.  Each phase's
+  own chain is the cost, not the launches or the barrier between them.  What would: fewer
   dependent round trips per launch (stamp's loads issued before the verify's marks are needed; one finalize for
   both phases) and fewer instructions per warp (the int64 index arithmetic, the eight reserved-slot compares).
 - Large steps (>= 1M entries, the 4k window): the verify is 77-85 % of the step.  It runs 528 programs at 25 %
