@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -161,3 +162,14 @@ class RecordStore:
     def clone(self) -> RecordStore:
         digests = None if self.digests is None else self.digests.clone()
         return RecordStore(self.tokens.clone(), self.positions.clone(), self.links.clone(), digests)
+
+
+def block_index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host block numbers as the int64 index that :meth:`RecordStore.copy_blocks` and
+    :meth:`RecordStore.clear_blocks` take, on ``device``, without waiting for it.  A tensor built from a list
+    straight onto CUDA is a synchronous copy from pageable memory: it waits for every kernel queued before it,
+    the engine's forward too (the hybrid GPU demo made 486 such copies a run before the transformers adapter's
+    mirror went through here).  Through pinned memory the copy is queued on the stream like the work after it."""
+    if device.type != "cuda":
+        return torch.tensor(list(blocks), dtype=torch.int64, device=device)
+    return torch.tensor(list(blocks), dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)

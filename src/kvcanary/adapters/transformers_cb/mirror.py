@@ -17,18 +17,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite, HostSave
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.layout import RecordStore
-
-
-def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Host block numbers as an int64 index on ``device``, without waiting for it.  A tensor built from a list
-    straight onto CUDA is a synchronous copy from pageable memory: it waits for every kernel queued before it,
-    the engine's forward too.  The hybrid GPU demo made 486 of them a run (one per mirrored offload or restore
-    copy), the only synchronising calls the canary added.  Through pinned memory the copy is queued on the stream
-    like the work after it."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)  # built pinned
+from kvcanary.layout import RecordStore, block_index
 
 
 def apply_block_write(geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
@@ -103,7 +92,7 @@ class HostRecords:
         if (store.digests is None) != (records.digests is None):  # digests turned on after this store was made
             records.clear_blocks(dst, page)
             return
-        records.copy_blocks(device_index(hosts, records.device), dst, page, source=store)
+        records.copy_blocks(block_index(hosts, records.device), dst, page, source=store)
 
     def clear(self) -> None:
         self._stores.clear()
@@ -123,11 +112,11 @@ def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStor
             sources.append(save.source_blocks)
     page = geometry.page_size
     if cleared:
-        store.clear_blocks(device_index(cleared, device), page)
+        store.clear_blocks(block_index(cleared, device), page)
     if not sources:
         return
     src = _blocks(sources[0] if len(sources) == 1 else torch.cat(sources), device)
-    store.copy_blocks(src, device_index(copied, device), page, source=records)
+    store.copy_blocks(src, block_index(copied, device), page, source=records)
 
 
 def _blocks(ids: torch.Tensor, device: torch.device) -> torch.Tensor:

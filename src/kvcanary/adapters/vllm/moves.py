@@ -17,16 +17,11 @@ from typing import Any
 import torch
 
 from kvcanary.adapters.vllm.groups import VllmGroup
-from kvcanary.layout import RecordStore
-
-
-def block_ids(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Scheduler block ids as the int64 index on ``device`` that the record moves take."""
-    return torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
+from kvcanary.layout import RecordStore, block_index
 
 
 def block_slots(blocks: Sequence[int], block_size: int, device: torch.device) -> torch.Tensor:
-    ids = block_ids(blocks, device)
+    ids = block_index(blocks, device)
     offsets = torch.arange(block_size, dtype=torch.int64, device=device)
     return (ids[:, None] * block_size + offsets[None, :]).reshape(-1)
 
@@ -47,7 +42,7 @@ def apply_zeroing(group: VllmGroup, records: RecordStore, blocks: Sequence[int])
         return 0
     ids = _in_pool(blocks, group)
     if ids:
-        records.clear_blocks(block_ids(ids, records.device), group.block_size)
+        records.clear_blocks(block_index(ids, records.device), group.block_size)
     return len(ids)
 
 
@@ -74,7 +69,7 @@ def apply_copies(group: VllmGroup, records: RecordStore, copies: Sequence[tuple[
     pairs = _pairs_in_pool(group, copies)
     if not pairs:
         return 0
-    src, dst = (block_ids(ids, records.device) for ids in zip(*pairs, strict=True))
+    src, dst = (block_index(ids, records.device) for ids in zip(*pairs, strict=True))
     records.copy_blocks(src, dst, group.block_size)
     return len(pairs)
 
