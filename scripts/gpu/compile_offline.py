@@ -56,11 +56,12 @@ class Recorder:
                 else:
                     sig[name] = "i32" if -(2**31) <= int(value) < 2**31 else "i64"
             warps = int(kwargs.pop("num_warps", 4))
+            maxnreg = kwargs.pop("maxnreg", None)  # a compile option (KernelTuning.verify_maxnreg), not a parameter
             for name, value in kwargs.items():
                 sig[name] = "constexpr"
                 consts[(names.index(name),)] = value
-            key = (self.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())), warps)
-            self.seen.setdefault(key, (sig, consts, warps))
+            key = (self.fn.__name__, tuple(sorted(sig.items())), tuple(sorted(consts.items())), warps, maxnreg)
+            self.seen.setdefault(key, (sig, consts, warps, maxnreg))
 
         return launch
 
@@ -129,7 +130,11 @@ def main() -> int:
     for name in ("plan_kernel", "verify_kernel", "stamp_kernel"):
         setattr(launchers, name, Recorder(getattr(launchers, name), seen))
     record_digest(seen)
-    tunings = (launchers.DEFAULT_TUNING, launchers.KernelTuning(verify_block=128, stamp_block=128, carry_block=128))
+    tunings = (
+        launchers.DEFAULT_TUNING,
+        launchers.KernelTuning(verify_block=128, stamp_block=128, carry_block=128),
+        launchers.KernelTuning(verify_maxnreg=64, programs_per_sm=8),
+    )
     for seed in range(n):
         case = gen.random_case(seed, corrupt=seed % 2 == 0)
         state = GroupState(case.group, case.records, case.ws, case.log)
@@ -141,17 +146,18 @@ def main() -> int:
         ref.plan(state, case.batch)
     target = GPUTarget("cuda", 90, 32)
     failures = 0
-    for (kname, _s, _c, warps), (sig, consts, _w) in sorted(seen.items(), key=lambda kv: str(kv[0])):
+    for (kname, _s, _c, warps, _m), (sig, consts, _w, maxnreg) in sorted(seen.items(), key=lambda kv: str(kv[0])):
         fn = (dl if kname == "digest_kernel" else launchers).__dict__[kname].fn
         os.environ.pop("TRITON_INTERPRET", None)
+        options = {"num_warps": warps} if maxnreg is None else {"num_warps": warps, "maxnreg": maxnreg}
         try:
-            compiled = triton.compile(ASTSource(fn, sig, consts), target=target, options={"num_warps": warps})
+            compiled = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
             regs = _registers(compiled.asm["cubin"])
             sass = _sass_hash(compiled.asm["cubin"])
-            print(f"ok   {kname} warps={warps} {dict(consts)} regs={regs} sass={sass}", flush=True)
+            print(f"ok   {kname} warps={warps} maxnreg={maxnreg} {dict(consts)} regs={regs} sass={sass}", flush=True)
         except Exception as exc:
             failures += 1
-            print(f"FAIL {kname} warps={warps} {dict(consts)}: {str(exc)[-600:]}", flush=True)
+            print(f"FAIL {kname} warps={warps} maxnreg={maxnreg} {dict(consts)}: {str(exc)[-600:]}", flush=True)
     print(f"triton {triton.__version__}, target sm_90: {len(seen)} variants, {failures} failed")
     return 1 if failures else 0
 
