@@ -17,8 +17,10 @@ without ``mark_bytes`` (older results) left the marks out of ``bytes``.
 Writes ``benchmarks/results/<gpu>-<commit>.json`` ({"meta", "records"}); ``kernel_sweep.py`` times the
 goal scenarios under several tunings.
 ``--breakdown`` times plan + verify alone, the step and the three-launch form side by side;
-``--eager-steps N`` only runs N eager steps per scenario (the program to profile with ncu).
-Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--breakdown]
+``--eager-steps N`` only runs N eager steps per scenario (the program to profile with ncu).  ``--page N`` lays
+every table out as a paged engine's block table (N slots a block, names ``<scenario>_page<N>``): the kernels then
+page each position (a division by the page size), which token tables skip.
+Usage: PYTHONPATH=src python benchmarks/bench_kernels.py --commit <sha> [--quick] [--breakdown] [--page N]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -51,6 +54,7 @@ class Scenario:
     prefix: int
     extend: int
     window: int = 0
+    page: int = 1  # > 1: the table holds blocks of this many slots, as paged engines' tables do
 
     @property
     def verified(self) -> int:
@@ -62,7 +66,13 @@ class Scenario:
         return self.batch * self.extend
 
 
-def scenarios(quick: bool, tiny: bool = False) -> list[Scenario]:
+def scenarios(quick: bool, tiny: bool = False, page: int = 1) -> list[Scenario]:
+    """The scenarios; with ``page`` > 1 each with a block table of that page size, named ``<name>_page<page>``."""
+    return [s if page == 1 else dataclasses.replace(s, name=f"{s.name}_page{page}", page=page) for s in
+            _scenarios(quick, tiny)]  # fmt: skip
+
+
+def _scenarios(quick: bool, tiny: bool) -> list[Scenario]:
     if tiny:  # --dry-run: the same kinds of scenario at toy sizes, for the CPU interpreter
         return [Scenario("decode_b2_p64", 2, 64, 1), Scenario("prefill_300", 1, 0, 300),
                 Scenario("window8_b2_p64", 2, 64, 1, 8)]  # fmt: skip
@@ -100,7 +110,7 @@ def _mark_bytes(s: Scenario) -> int:
 
 def _batch_bytes(s: Scenario, lookup: bool) -> int:
     look = 4 if lookup else 0
-    verify = s.verified * (4 + look + 16)
+    verify = s.verified * (look + 16) + s.verified * 4 // s.page  # a block table: one entry a page
     stamp = s.tokens * (8 + 8 + 8 + look + 16)
     plan = s.batch * (3 * 4 + 4 + look + 8 + 5 * 8 + 4)  # lengths, seed gather, row outputs
     return verify + stamp + plan + _mark_bytes(s)
@@ -108,9 +118,10 @@ def _batch_bytes(s: Scenario, lookup: bool) -> int:
 
 def _stamp_prefix(
     s: Scenario, group: CanaryGroup, records: RecordStore, rows: torch.Tensor, table: torch.Tensor,
-    seqs: torch.Tensor, lut: torch.Tensor | None,
+    slot_table: torch.Tensor, seqs: torch.Tensor, lut: torch.Tensor | None,
 ) -> None:  # fmt: skip
-    """Stamp every row's prefix with the reference (one big step, setup only)."""
+    """Stamp every row's prefix with the reference (one big step, setup only); ``slot_table``: each row's slot
+    per position."""
     dev = table.device
     setup_caps = Capacities(max_batch=s.batch, max_tokens=s.batch * s.prefix, verify_entries=1)
     sws = PlanWorkspace.allocate(setup_caps, dev, num_slots=group.num_slots)
@@ -121,7 +132,7 @@ def _stamp_prefix(
         table=table,
         input_ids=seqs[:, : s.prefix].flatten(),
         positions=torch.arange(s.prefix, device=dev).repeat(s.batch),
-        out_cache_loc=table[1:, : s.prefix].flatten().long(),
+        out_cache_loc=slot_table[:, : s.prefix].flatten().long().contiguous(),
         lookup=lut,
     )
     slog = ViolationLog.allocate(4, dev)
@@ -135,18 +146,23 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
     """Input sets, a record pool with every prefix stamped, and a canary state sized for the scenario."""
     lookup = s.window > 0
     span = s.prefix + s.extend
-    per_set = s.batch * span
+    if RUN % s.page:
+        raise ValueError(f"{s.name}: page {s.page} does not divide the allocator's {RUN}-slot runs")
+    cols = -(-span // s.page)  # table columns: positions, or blocks of page positions
+    per_set = s.batch * cols * s.page
     n_runs = -(-(rotations * per_set) // RUN)
-    num_slots = 1 + n_runs * RUN  # slot 0 reserved (padding)
+    first = s.page  # slot 0 reserved (padding); with pages, the rest of its page left unused
+    num_slots = first + n_runs * RUN
     group = CanaryGroup(
         num_slots=num_slots,
+        page_size=s.page,
         kind=GroupKind.SLIDING_WINDOW if s.window else GroupKind.FULL,
         window=s.window,
         uses_lookup=lookup,
         reserved_slots=(0,),
     )
     runs = torch.randperm(n_runs, generator=gen, device="cpu").to(dev)
-    slots = (1 + runs[:, None] * RUN + torch.arange(RUN, device=dev)).flatten()
+    slots = (first + runs[:, None] * RUN + torch.arange(RUN, device=dev)).flatten()
     lut = None
     if lookup:  # full index -> window pool slot: another permutation, 0 kept on 0
         lut = torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(num_slots - 1, generator=gen)])
@@ -157,12 +173,14 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
     )
     batches = []
     for k in range(rotations):
-        table = torch.zeros(s.batch + 1, span, dtype=torch.int32, device=dev)
-        table[1:] = slots[k * per_set : (k + 1) * per_set].view(s.batch, span).to(torch.int32)
+        row_slots = slots[k * per_set : (k + 1) * per_set].view(s.batch, cols * s.page)
+        table = torch.zeros(s.batch + 1, cols, dtype=torch.int32, device=dev)
+        table[1:] = (row_slots[:, :: s.page] // s.page).to(torch.int32)  # page-aligned: runs hold whole pages
+        slot_table = row_slots[:, :span]
         seqs = torch.randint(0, 150_000, (s.batch, span), generator=gen).to(dev)
         rows = torch.arange(1, s.batch + 1, dtype=torch.int32, device=dev)
         if s.prefix:
-            _stamp_prefix(s, group, records, rows, table, seqs, lut)
+            _stamp_prefix(s, group, records, rows, table, slot_table, seqs, lut)
         batches.append(
             StepBatch(
                 rows=rows,
@@ -171,7 +189,7 @@ def build(s: Scenario, rotations: int, dev: torch.device, gen: torch.Generator) 
                 table=table,
                 input_ids=seqs[:, s.prefix :].flatten().contiguous(),
                 positions=torch.arange(s.prefix, span, device=dev).repeat(s.batch),
-                out_cache_loc=table[1:, s.prefix :].flatten().long(),
+                out_cache_loc=slot_table[:, s.prefix :].flatten().long().contiguous(),
                 lookup=lut,
             )
         )
@@ -248,7 +266,7 @@ def run_main(args: argparse.Namespace, dev: torch.device) -> None:
     records = []
     cols = ("entries", 9), ("median", 8), ("p20", 8), ("p80", 8), ("floor", 7), ("x floor", 7), ("ref", 9)
     print(f"{'scenario':24} " + " ".join(f"{c:>{w}}" for c, w in cols), flush=True)
-    for s in scenarios(args.quick, tiny=args.dry_run):
+    for s in scenarios(args.quick, tiny=args.dry_run, page=args.page):
         w = build(s, args.rotations, dev, gen)
         samples = time_kernels(w, tuning, args.replays)
         ref_samples = time_reference(w, args.ref_iters)
@@ -286,17 +304,22 @@ def run_main(args: argparse.Namespace, dev: torch.device) -> None:
 BREAKDOWN = ("decode_b1_p512", "decode_b32_p4k", "decode_b256_p16k", "prefill_16k", "window4k_b128_p16k")
 
 
-def goal_scenarios() -> list[Scenario]:
+def _picked(s: Scenario, names: Sequence[str], args: argparse.Namespace) -> bool:
+    """Whether ``--scenarios`` (or the breakdown's default) names ``s``, by its name with or without the page."""
+    return args.dry_run or s.name in names or s.name.removesuffix(f"_page{args.page}") in names
+
+
+def goal_scenarios(page: int = 1) -> list[Scenario]:
     """The scenarios that stand for the kernel goals (:data:`BREAKDOWN`), as :func:`scenarios` builds them:
     what the sweeps time."""
-    return [s for s in scenarios(False) if s.name in BREAKDOWN]
+    return [s for s in scenarios(False, page=page) if s.name.removesuffix(f"_page{page}") in BREAKDOWN]
 
 
 def run_breakdown(args: argparse.Namespace, dev: torch.device) -> None:
     """Per-step time of the launches apart: plan + verify alone, the step, and the three-launch form."""
     gen = torch.Generator().manual_seed(2)
     names = args.scenarios.split(",") if args.scenarios else BREAKDOWN
-    picks = [s for s in scenarios(False, tiny=args.dry_run) if s.name in names or args.dry_run]
+    picks = [s for s in scenarios(False, tiny=args.dry_run, page=args.page) if _picked(s, names, args)]
     parts = ("plan_verify", "step", "unfused")
     print(f"{'scenario':24} " + " ".join(f"{p:>12}" for p in parts), flush=True)
     for s in picks:
@@ -311,7 +334,7 @@ def run_eager(args: argparse.Namespace, dev: torch.device) -> None:
     """A few eager steps per scenario and nothing else: the program to put under a profiler (ncu)."""
     gen = torch.Generator().manual_seed(3)
     names = args.scenarios.split(",") if args.scenarios else BREAKDOWN
-    for s in (s for s in scenarios(False, tiny=args.dry_run) if s.name in names or args.dry_run):
+    for s in (s for s in scenarios(False, tiny=args.dry_run, page=args.page) if _picked(s, names, args)):
         w = build(s, args.rotations, dev, gen)
         for i in range(args.eager_steps):
             kernel_step(w, w.batches[i % len(w.batches)], launchers.DEFAULT_TUNING)
@@ -334,6 +357,7 @@ def main() -> int:
     p.add_argument("--breakdown", action="store_true", help="time plan+verify alone, the step, and three launches")
     p.add_argument("--eager-steps", type=int, default=0, help="only run this many eager steps (for a profiler)")
     p.add_argument("--scenarios", default=None, help="comma-separated scenario names (--breakdown, --eager-steps)")
+    p.add_argument("--page", type=int, default=1, help="block tables of this page size (names get _page<N>)")
     args = p.parse_args()
     if args.dry_run:
         dev = torch.device("cpu")  # needs TRITON_INTERPRET=1: checks the harness, times nothing real

@@ -10,7 +10,7 @@ microseconds under graph replay, as ``bench_kernels``), then the best per scenar
 and, with ``--best-json``, the best tuning for ``bench_kernels --tuning-json``.
 
 Usage: PYTHONPATH=src:benchmarks python benchmarks/kernel_sweep.py --commit <sha>
-       [--field verify_block=512,1024,2048 ... | --hand-picked] [--best-json PATH] [--out DIR] [--replays N]
+       [--field verify_block=512,1024,2048 ... | --hand-picked] [--best-json PATH] [--out DIR] [--replays N] [--page N]
        [--dry-run: toy scenarios on the CPU interpreter, TRITON_INTERPRET=1]
 """
 
@@ -123,6 +123,7 @@ def main() -> int:
     p.add_argument("--picked", default=None, help="with --hand-picked: comma-separated names among HAND_PICKED")
     p.add_argument("--best-json", default=None, help="write the best tuning here (for bench_kernels --tuning-json)")
     p.add_argument("--scenarios", default=None, help="comma-separated names among the goal scenarios")
+    p.add_argument("--page", type=int, default=1, help="block tables of this page size (bench_kernels --page)")
     p.add_argument("--dry-run", action="store_true", help="toy scenarios on the CPU interpreter (harness check)")
     args = p.parse_args()
     if args.hand_picked and args.field:
@@ -135,7 +136,7 @@ def main() -> int:
         print("no CUDA device (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     label, tunings = tunings_of(args)
-    picks = scenarios(False, tiny=True)[:1] if args.dry_run else goal_scenarios()
+    picks = scenarios(False, tiny=True, page=args.page)[:1] if args.dry_run else goal_scenarios(args.page)
     picks = [s for s in picks if args.scenarios is None or s.name in args.scenarios.split(",")]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu-dry-run"
     times = sweep(tunings, picks, args, dev)
