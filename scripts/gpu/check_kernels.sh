@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Kernel checks and benchmarks on a CUDA machine (the lent H200), logs under $OUT (default ./gpu-out).
-# Stages (any order, any subset): tests sanitize sweep bench breakdown ncu ncudeep.  COMMIT=<sha> names the results
-# file; KERNEL_TESTS overrides the test files; NCU_SCENARIOS the scenarios ncu profiles.
+# Stages (any order, any subset): tests sanitize sweep bench breakdown compare ncu ncudeep.  COMMIT=<sha> names the
+# results file; KERNEL_TESTS overrides the test files; NCU_SCENARIOS the scenarios ncu profiles; OLD_SRC and PAGE
+# the compare stage's other tree and page size.
 # Usage: scripts/gpu/check_kernels.sh tests sanitize sweep
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +39,20 @@ for stage in "$@"; do
       timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/bench_kernels.py --commit "${COMMIT:-unknown}" --out "$OUT" \
         --tuning-json "$OUT/best_tuning.json" 2>&1 \
         | tee "$OUT/bench.log"
+      ;;
+    compare)  # the goal scenarios under the default tuning, this tree against OLD_SRC (another tree's src, carried
+      # with the call), with token tables and with block tables of PAGE slots (default 16): a kernel change's
+      # before and after on one machine
+      for tree in old new; do
+        src=$PWD/src
+        [ "$tree" = old ] && src=$PWD/${OLD_SRC:?set OLD_SRC to the other tree src folder}
+        for page in 1 "${PAGE:-16}"; do
+          PYTHONPATH="$src:$PWD/tests:$PWD/benchmarks" timeout "${COMPARE_TIMEOUT:-150}" \
+            $PY benchmarks/kernel_sweep.py --hand-picked --picked default --page "$page" --rotations 4 --replays 15 \
+            --commit "$tree" --out "$OUT/compare" 2>&1 \
+            | grep -E ' us$' | sed "s/^/$tree /" | tee -a "$OUT/compare.log"
+        done
+      done
       ;;
     breakdown)  # plan + verify alone, the step, and the three-launch form
       timeout "${BREAKDOWN_TIMEOUT:-120}" $PY benchmarks/bench_kernels.py --breakdown --rotations 4 --replays 30 2>&1 \
