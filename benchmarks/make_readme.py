@@ -41,7 +41,9 @@ graph-replayed kernel); `x floor` = median / floor; `reference` = eager referenc
 Workload: every request's prefix is stamped and clean; each step verifies every prefix (or window)
 and writes `extend` tokens per request.  Slots come in 64-slot runs in shuffled order (a paged
 allocator); the window scenarios translate through a full->window lookup table that is a random
-permutation, so their record gathers have no locality at all (a worst case).
+permutation, so their record gathers have no locality at all (a worst case).  The tables hold slots (page 1),
+so the kernels never page a position here; engines' tables hold blocks, and `bench_kernels.py --page N` (or
+`kernel_sweep.py --page N`) times the same scenarios with blocks of N slots (`bench_e2e.py` below is paged).
 
 Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped model step, below),
 `bench_host_step.py` (host time of `host_step` and of an eager `before_forward` + `after_forward`),
