@@ -37,12 +37,14 @@ READING = """Reading (issue 18's kernel goals):
   kernel costs 0.83 us and a dependent round trip 0.17 us in L2, 0.34 in DRAM (`results/*-fedbc4d-latency.json`);
   the batch-1 verify ran 17,017 cycles at 1.98 GHz with about 8,100 instructions over its 8 warps (ncu: 244
   branches at 3 %), each warp issuing one every 9.9 cycles, so the critical warp issues about 1,000-1,700
-  instructions, most of them one entry's checks (paged index arithmetic in int64, eight reserved-slot compares,
+  instructions, most of them one entry's checks (index arithmetic in int64, eight reserved-slot compares,
   the predecessor's resolution, the link recomputed through two 64-bit multiply chains), at a cycles-per-
   instruction that four resident warps cannot hide.  The stamp's phase is the same length for one token.  Two
   such phases in series (the same-step checks need every read mark before any write) in 5 us or less leave each
   1.7 us beyond its launch: about 330 instructions on the critical warp at today's issue rate, a third to a fifth
-  of the checks' path today.  What would: fewer
+  of the checks' path today.  These tables hold slots: with a block table the kernels also page each position,
+  in int64, a call of about 80 instructions a lane for the quotient and another for the remainder in sm_90 SASS
+  (four an entry in the verify), which this table does not time (`--page N` does).  What would: fewer
   dependent round trips per launch (stamp's loads issued before the verify's marks are needed; one finalize for
   both phases) and fewer instructions per warp (the int64 index arithmetic, the eight reserved-slot compares).
 - Large steps (>= 1M entries, the 4k window): the verify is 77-85 % of the step.  It runs 528 programs at 25 %
