@@ -234,6 +234,20 @@ def test_validate_batch_direct() -> None:
         validate_batch(batch, group, device=torch.device("meta"), max_batch=3, max_tokens=4, check_values=False)
 
 
+@pytest.mark.parametrize("page", [2**27, 2**27 - 1])
+def test_a_table_wider_than_32_bit_positions_is_refused(page: int) -> None:
+    """The kernels page positions in 32 bits: a row spanning 2**31 positions or more is refused, one short of it is
+    not."""
+    group = CanaryGroup(num_slots=64, page_size=page)
+    batch = dataclasses.replace(_good_batch(), table=torch.zeros(4, 16, dtype=I32))
+    cpu = torch.device("cpu")
+    if page * 16 >= 2**31:
+        with pytest.raises(ValueError, match=r"table rows span 16 x 134217728 positions .* at most 2\*\*31 - 1"):
+            validate_batch(batch, group, device=cpu, max_batch=3, max_tokens=4, check_values=False)
+    else:
+        validate_batch(batch, group, device=cpu, max_batch=3, max_tokens=4, check_values=False)
+
+
 # --------------------------------------------------------------------------- capacities, groups, logs
 
 

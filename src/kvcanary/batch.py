@@ -87,7 +87,12 @@ def validate_batch(
     for name in ("prefix_lens", "extend_lens"):
         if _check_tensor(name, getattr(batch, name), 1, device).shape[0] != bs:
             raise ValueError(f"{name} has {getattr(batch, name).shape[0]} entries, rows has {bs}")
-    _check_tensor("table", batch.table, 2, device)
+    if _check_tensor("table", batch.table, 2, device).shape[1] * group.page_size >= 2**31:
+        # The kernels page positions in 32 bits (kernels/indexing.py: the int64 division cost a call a lane).
+        raise ValueError(
+            f"table rows span {batch.table.shape[1]} x {group.page_size} positions (columns x page size); "
+            "at most 2**31 - 1 are supported"
+        )
     n = _check_tensor("input_ids", batch.input_ids, 1, device).shape[0]
     for name in ("positions", "out_cache_loc"):
         if _check_tensor(name, getattr(batch, name), 1, device).shape[0] != n:

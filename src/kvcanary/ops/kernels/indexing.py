@@ -14,21 +14,30 @@ UNKNOWN = const(UNKNOWN_TOKEN)
 
 @triton.jit
 def table_entry(table_ptr, row, pos, n_rows, n_cols, page, mask, PAGED: tl.constexpr):
-    """reference.table_slots for (row, pos); loads only inside the table, 0 elsewhere.
+    """reference.table_slots for (row, pos); loads only inside the table, 0 elsewhere (the value of a lane
+    outside the table is unspecified: every caller masks it).
 
-    ``PAGED`` (page > 1) is static so that token tables skip the division.
+    ``PAGED`` (page > 1) is static so that token tables skip the division.  The division is unsigned 32-bit:
+    an int64 one compiles to a call of about 80 instructions a lane for the quotient and another for the
+    remainder (sm_90 SASS), most of a small step's instruction path.  Positions inside a row's span,
+    ``[0, n_cols * page)``, fit 32 bits (validate_batch refuses wider tables); the others are masked.
     """
     # Scalars are widened before any comparison: the Triton 3.9 interpreter mis-types a broadcast
     # scalar comparison (and the compiled kernels don't care).
     row = row + tl.zeros_like(pos)
     if PAGED:
-        col = pos // page
+        page32 = (tl.zeros_like(pos) + page).to(tl.uint32)
+        pos32 = pos.to(tl.uint32)
+        col32 = pos32 // page32
+        col = col32.to(tl.int64)
+        inside = (pos >= 0) & (pos < n_cols * page)
     else:
         col = pos
-    ok = mask & (row >= 0) & (row < n_rows) & (pos >= 0) & (col < n_cols)
+        inside = (pos >= 0) & (col < n_cols)
+    ok = mask & (row >= 0) & (row < n_rows) & inside
     value = tl.load(table_ptr + row * n_cols + col, mask=ok, other=0).to(tl.int64)
     if PAGED:
-        value = value * page + pos % page
+        value = value * page + (pos32 - col32 * page32).to(tl.int64)
     return value
 
 
