@@ -42,11 +42,14 @@ READING = """Reading (issue 18's kernel goals):
   instruction that four resident warps cannot hide.  The stamp's phase is the same length for one token.  Two
   such phases in series (the same-step checks need every read mark before any write) in 5 us or less leave each
   1.7 us beyond its launch: about 330 instructions on the critical warp at today's issue rate, a third to a fifth
-  of the checks' path today.  These tables hold slots: with a block table the kernels also page each position,
-  in int64, a call of about 80 instructions a lane for the quotient and another for the remainder in sm_90 SASS
-  (four an entry in the verify), which this table does not time (`--page N` does).  What would: fewer
-  dependent round trips per launch (stamp's loads issued before the verify's marks are needed; one finalize for
-  both phases) and fewer instructions per warp (the int64 index arithmetic, the eight reserved-slot compares).
+  of the checks' path today.  These tables hold slots; with a block table the kernels also page each position.
+  Until 19a90c9 they paged in int64, a call of about 80 sm_90 SASS instructions a lane for the quotient and
+  another for the remainder (22 such calls in the fused verify); in unsigned 32 bits, with one reserved-slot
+  compare ahead of a uniform branch, 16-slot block tables take 11.6 / 14.6 / 131 / 14.4 / 105 us (b1, b32 x 4k,
+  256 x 16k, prefill, window) against 14.6 / 18.3 / 189 / 16.2 / 110 before, and token tables 10.9 / 14.4 / 105 /
+  13.9 / 104 (`results/nvidia-h100-80gb-hbm3-19a90c9-paging-compare.txt`, one H100 call).  What would help
+  further: fewer dependent round trips per launch (stamp's loads issued before the verify's marks are needed; one
+  finalize for both phases) and fewer instructions per warp (the int64 index arithmetic left).
 - Large steps (>= 1M entries, the 4k window): the verify is 77-85 % of the step.  It runs 528 programs at 25 %
   occupancy, capped by registers (128 a thread, 4 blocks an SM), reaches 39-44 % of DRAM bandwidth, and 54 %
   (contiguous 64-slot runs) to 76 % (the window's random lookup) of its stall cycles wait on memory: it is
