@@ -330,4 +330,16 @@ DEMO_NOTES = (
     " batch 1 and 32, graphs on and off (`results/cb-qwen3/nvidia-h100-80gb-hbm3-14cc90d-*`: no health failure, "
     "verified slots equal to what attention read; the tap's median 113 and 262 us with graphs, 210 and 317 eagerly). "
     "`bench_host_step.py`: 5.2 us (one group) and 5.3 (two).",
+    "",
+    "14cc90d -> 90a20f1 (issues 14 and 18; one call on an H100, `results/gpu-demo/nvidia-h100-80gb-hbm3-90a20f1-*`, "
+    "seven pairs). The kernels page positions in unsigned 32 bits (the paged verify and stamp in the demo's 8-slot "
+    "blocks lost their 64-bit divisions); the adapter is unchanged. This machine's host ran the engine far slower than"
+    " the last call's (dense without the canary 4.47 s against 2.49 s), and the canary's host time with it: dense 0.23"
+    " ms a step (median 0.20; capture 15, translation 131, plan/verify/stamp 39, host step 42 us), hybrid 0.33 (0.28; "
+    "25, 196, 66, 47), sliding 0.25 (0.23; 17, 155, 38, 42): above the 150 and 250 us goals here, as 14cc90d's code "
+    "was on a234ef2's machine. Shares 4.0, 12.1 and 7.7 %, medians of pairs over 0.0-16.3, 0.0-19.2 and 0.0-11.9 %. "
+    "The GPU tests passed (17 and 51 with 2 skipped); issue 14's workload ran clean at batch 1 and 32, graphs on and "
+    "off (`results/cb-qwen3/nvidia-h100-80gb-hbm3-90a20f1-*`: no health failure, verified slots equal to what "
+    "attention read; the tap's median 228 and 480 us with graphs, 276 and 500 eagerly). `bench_host_step.py`: 6.5 us "
+    "(one group) and 10.9 (two).",
 )
