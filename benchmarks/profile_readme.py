@@ -74,7 +74,13 @@ READING = """Reading (issue 18's kernel goals):
   pools are) would.
 - The graph's nodes: at batch 1 and for the prefill chunk the close kernel took the replay from 36.4 to 29.4 us
   and 37.4 to 30.5 us (4 nodes instead of 7); at 32 x 4k the wall did not move (41.8 and 41.7 us) although the
-  nodes' work fell by 2.2 us.  One profile each; not yet understood."""
+  nodes' work fell by 2.2 us.  One profile each; not yet understood.
+- The graph's nodes on an H100 at 5a85e33 (32-bit paging): batch 1 took 31.5 us, of which the four nodes' work
+  15.2 (verify 6.4, stamp 5.8, the close 1.9, the before-forward phase mark's add on one word 1.1) and launch and
+  gaps 16.3; 32 x 4k 40.5 us over five nodes (its nine-plus rows do not fuse the plan: 3.3 us more work and one
+  more gap).  Past the two kernels a step needs, each node costs its work and 2-3 us of gap: the phase mark could
+  ride in the first group's plan or verify launch, and the close in the last group's stamp where no digest
+  follows it, two nodes at batch 1 (about 6-8 us less, judged from the 7 -> 4 node change above; untried)."""
 
 
 def _graph_rows(path: Path) -> list[tuple[str, float, float, int]]:
