@@ -44,8 +44,8 @@ def paged_variants(cases: int) -> dict:
         launchers.plan_verify(state, case.batch, case.caps.verify_entries)
         launchers.stamp(state, case.batch)
     os.environ.pop("TRITON_INTERPRET")
-    return {k: v for k, v in seen.items() if v[1].get((launchers.verify_kernel.fn.arg_names.index("PAGED"),))
-            or v[1].get((launchers.stamp_kernel.fn.arg_names.index("PAGED"),))}  # fmt: skip
+    # Each variant's PAGED flag at its own kernel's parameter index (key[0]: the kernel's name).
+    return {k: v for k, v in seen.items() if v[1].get((launchers.__dict__[k[0]].fn.arg_names.index("PAGED"),))}
 
 
 def main() -> int:
