@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from kvcanary import Mode
 from kvcanary.runtime import CanaryHealthError, CanaryManager
@@ -60,9 +61,14 @@ def test_phase_check_raises_in_raise_mode() -> None:
 
 
 def _disable_kernels(mgr: CanaryManager) -> None:
-    """Emulate kernels that launch but do nothing (the phase marks still run)."""
+    """Emulate kernels that launch but do nothing but the phase mark the first one counts."""
+
+    def step_that_only_marks(*_args: object, mark: torch.Tensor | None = None, **_kwargs: object) -> None:
+        if mark is not None:
+            mark.add_(1)
+
     for canary in mgr.canaries.values():
-        canary.step = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        canary.step = step_that_only_marks  # type: ignore[method-assign]
 
 
 def test_health_check_logs_in_log_mode_and_serving_continues(caplog: pytest.LogCaptureFixture) -> None:

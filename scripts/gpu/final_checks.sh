@@ -3,7 +3,7 @@
 #   suites   the compiled kernel suites (case, same-step, graph; differential in three; digest) in five processes
 #            beside compute-sanitizer memcheck on corrupted tables (link kernels, then the digest kernel):
 #            compile-bound, so run together
-#   benches  the kernel table, the digest benchmark and bench_e2e one after another (timings alone on the GPU)
+#   benches  the kernel table, the digest benchmark, the canary's graph node by node and bench_e2e one after another (timings alone on the GPU)
 #            and the GPU-marked adapter test; needs the transformers wheel in .whl (carry [".whl"])
 # Logs and results in $OUT/<stage>.tgz (one file: the device returns at most 8).  Usage: COMMIT=<sha> scripts/gpu/final_checks.sh suites|benches
 set -uo pipefail
@@ -20,7 +20,8 @@ mkdir -p "$out"
 T="timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -W ignore::UserWarning"
 case $stage in
   suites)
-    $T tests/test_kernels_cases.py tests/test_kernels_same_step.py tests/test_kernels_graph.py >"$out/link.log" 2>&1 &
+    $T tests/test_kernels_cases.py tests/test_kernels_same_step.py tests/test_kernels_graph.py \
+      tests/test_runtime_phase_mark.py >"$out/link.log" 2>&1 &
     a=$!
     # the differential's 14 chunks in three processes (compile-bound: one process did not finish in 440 s)
     D=tests/test_kernels_differential.py
@@ -50,6 +51,8 @@ case $stage in
     echo "bench_kernels exit $?" >>"$out/stages.txt"
     timeout 200 python3 benchmarks/bench_digest.py --commit "$COMMIT" --out "$out" >"$out/bench_digest.log" 2>&1
     echo "bench_digest exit $?" >>"$out/stages.txt"
+    timeout 60 python3 benchmarks/canary_graph_profile.py --commit "$COMMIT" --out "$out" >"$out/canary_graph.log" 2>&1
+    echo "canary_graph_profile exit $?" >>"$out/stages.txt"
     OUT="$out" COMMIT="$COMMIT" STAGES="e2e gputests" T_E2E=170 bash scripts/gpu/e2e_and_host.sh >"$out/e2e.log" 2>&1
     echo "e2e exit $?" >>"$out/stages.txt" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -17,6 +17,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels: real JIT functions, not interpreted ones
 
+import torch
 import triton
 from compile_offline import Recorder
 from triton.backends.compiler import GPUTarget
@@ -42,6 +43,7 @@ def paged_variants(cases: int) -> dict:
             continue
         state = GroupState(case.group, case.records, case.ws, case.log)
         launchers.plan_verify(state, case.batch, case.caps.verify_entries)
+        launchers.plan_verify(state, case.batch, case.caps.verify_entries, mark=torch.zeros(1, dtype=torch.int64))
         launchers.stamp(state, case.batch)
     os.environ.pop("TRITON_INTERPRET")
     # Each variant's PAGED flag at its own kernel's parameter index (key[0]: the kernel's name).

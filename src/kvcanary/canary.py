@@ -135,13 +135,23 @@ class GroupCanary:
             ref.stamp(self.state(log), batch)
 
     def step(
-        self, batch: StepBatch, log: ViolationLog, *, check_values: bool | None = None, validated: bool = False
+        self,
+        batch: StepBatch,
+        log: ViolationLog,
+        *,
+        check_values: bool | None = None,
+        validated: bool = False,
+        mark: torch.Tensor | None = None,
     ) -> None:
         """plan, verify and stamp in one call; the batch is validated once (not at all when ``validated``).
         On the kernels plan and verify share one launch for small batches
-        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`)."""
+        (:func:`~kvcanary.ops.launchers.plan_verify`, :func:`~kvcanary.ops.kernel_tuning.fuses_plan`).
+        ``mark``: a counter (int64, one element, on this device) the step adds 1 to, inside its first launch
+        on the kernels: the runtime's before-forward phase mark, without a launch of its own."""
         if not self.uses_kernels:
             self.plan(batch, log, check_values=check_values, validated=validated)
+            if mark is not None:
+                mark.add_(1)
             self._verify(batch, log, same_batch=True)
             self._stamp(batch, log, same_batch=True)
             return
@@ -152,7 +162,7 @@ class GroupCanary:
             self.validate(batch, check_values)
         self._planned = _shape_key(batch)
         state = self.state(log)
-        launchers.plan_verify(state, batch, self.caps.verify_entries, checked=True)
+        launchers.plan_verify(state, batch, self.caps.verify_entries, checked=True, mark=mark)
         launchers.stamp(state, batch, checked=True)
 
 

@@ -136,6 +136,14 @@ def _ptr(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if t is None or t.numel() == 0 else t
 
 
+def _phase_mark(mark: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A phase-mark counter for the launch to bump (int64, one element, on the state's device), or none."""
+    if mark is None:
+        return dummy, False
+    _check_tensor("mark", mark, torch.int64, (1,), dummy.device)
+    return mark, True
+
+
 def _reserved(group: CanaryGroup) -> list[int]:
     return list(group.reserved_slots) + [-1] * (CanaryGroup.MAX_RESERVED - len(group.reserved_slots))
 
@@ -156,22 +164,31 @@ def _lookup(batch: StepBatch, dummy: torch.Tensor) -> tuple[torch.Tensor, int, b
 # --------------------------------------------------------------------------- the three operations
 
 
-def plan(state: GroupState, batch: StepBatch, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False) -> None:
-    """reference.plan on device (one program; the batch is small next to its verify work)."""
+def plan(
+    state: GroupState,
+    batch: StepBatch,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
+    mark: torch.Tensor | None = None,
+) -> None:
+    """reference.plan on device (one program; the batch is small next to its verify work).  ``mark``: a
+    counter (int64, one element) the launch also adds 1 to: the runtime's before-forward phase mark."""
     _checked_device(state, batch, checked)
     group, records, ws, log = state
     dummy = ws.sync
+    mark_ptr, has_mark = _phase_mark(mark, dummy)
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
     plan_kernel[(1,)](
         _ptr(batch.rows, dummy), _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy),
         _ptr(batch.table, dummy), lookup, records.links,
         ws.write_offsets, ws.verify_offsets, ws.window_starts, ws.seed_links, ws.row_state,
-        ws.verify_items, ws.write_items, ws.epoch, log.first, log.last, log.counters,
+        ws.verify_items, ws.write_items, ws.epoch, log.first, log.last, log.counters, mark_ptr,
         batch.batch_size, n_rows, n_cols, n_cols * group.page_size, n_lookup, group.num_slots, batch.num_tokens,
         group.window, int(group.padding_row is not None), group.padding_row or 0, group.page_size, log.capacity,
         group.group_id, *_reserved(group),
-        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup,
+        PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_PHASE_MARK=has_mark,
         VERIFY_BLOCK=verify_block(group, tuning), STAMP_BLOCK=tuning.stamp_block,
         BLOCK_B=row_block(ws, tuning), num_warps=4,
     )  # fmt: skip
@@ -186,17 +203,25 @@ def verify(
 
 
 def plan_verify(
-    state: GroupState, batch: StepBatch, capacity: int, *, tuning: KernelTuning = DEFAULT_TUNING, checked: bool = False
+    state: GroupState,
+    batch: StepBatch,
+    capacity: int,
+    *,
+    tuning: KernelTuning = DEFAULT_TUNING,
+    checked: bool = False,
+    mark: torch.Tensor | None = None,
 ) -> None:
     """reference.plan then reference.verify, in one launch where :func:`fuses_plan` (else two): the same
-    workspace, records and log as the two calls (the plan's log rows before verify's)."""
+    workspace, records and log as the two calls (the plan's log rows before verify's).  ``mark``: as
+    :func:`plan`'s, added to by the first launch."""
     dev = _checked_device(state, batch, checked)
     _check_capacity(state.ws, state.group, capacity, tuning)  # before the plan changes anything
+    _phase_mark(mark, state.ws.sync)
     if not fuses_plan(state.group, state.ws, capacity, tuning):
-        plan(state, batch, tuning=tuning, checked=True)
+        plan(state, batch, tuning=tuning, checked=True, mark=mark)
         _launch_verify(state, batch, capacity, tuning, dev, fused=False)
         return
-    _launch_verify(state, batch, capacity, tuning, dev, fused=True)
+    _launch_verify(state, batch, capacity, tuning, dev, fused=True, mark=mark)
 
 
 def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning: KernelTuning) -> int:
@@ -214,11 +239,19 @@ def _check_capacity(ws: PlanWorkspace, group: CanaryGroup, capacity: int, tuning
 
 
 def _launch_verify(
-    state: GroupState, batch: StepBatch, capacity: int, tuning: KernelTuning, dev: torch.device, *, fused: bool
+    state: GroupState,
+    batch: StepBatch,
+    capacity: int,
+    tuning: KernelTuning,
+    dev: torch.device,
+    *,
+    fused: bool,
+    mark: torch.Tensor | None = None,
 ) -> None:
     group, records, ws, log = state
     max_items = _check_capacity(ws, group, capacity, tuning)
     dummy = ws.sync
+    mark_ptr, has_mark = _phase_mark(mark, dummy)
     lookup, n_lookup, has_lookup = _lookup(batch, dummy)
     truth, truth_lens, t_rows, t_cols, has_truth = _truth(batch, dummy)
     n_rows, n_cols = (int(s) for s in batch.table.shape)
@@ -230,13 +263,13 @@ def _launch_verify(
         log.first, log.last, log.counters,
         _ptr(batch.out_cache_loc, dummy), ws.write_offsets, ws.write_items, ws.epoch, ws.read_marks, ws.write_marks,
         ws.write_old_positions, _ptr(batch.prefix_lens, dummy), _ptr(batch.extend_lens, dummy), ws.seed_links,
-        ws.row_state,
+        ws.row_state, mark_ptr,
         batch.batch_size, n_rows, n_cols, n_lookup, t_rows, t_cols, group.num_slots, capacity, max_items,
         log.capacity, group.group_id, group.page_size, group.token_offset, *_reserved(group), batch.num_tokens,
         group.window, n_cols * group.page_size, int(group.padding_row is not None), group.padding_row or 0,
         PAGED=group.page_size > 1, HAS_LOOKUP=has_lookup, HAS_TRUTH=has_truth,
         BLOCK=verify_block(group, tuning), BLOCK_B=row_block(ws, tuning), STAMP_BLOCK=tuning.stamp_block,
-        FUSED=fused, num_warps=tuning.verify_warps, maxnreg=tuning.verify_maxnreg or None,
+        FUSED=fused, HAS_PHASE_MARK=has_mark, num_warps=tuning.verify_warps, maxnreg=tuning.verify_maxnreg or None,
     )  # fmt: skip
 
 

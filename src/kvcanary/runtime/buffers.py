@@ -9,10 +9,10 @@ Two flat int64 device tensors, allocated once:
   ``[before_count, after_count]``.  One device-to-host copy of ``outbox`` per host step carries
   everything the host needs.
 
-``after`` snapshots and clears the live log on device, so the whole per-step device work is the phase mark,
-the group kernels and the step's close (one launch on the kernel path on CUDA,
-:mod:`kvcanary.ops.kernels.step_close`; four torch ops elsewhere): graph-capturable, nothing allocated,
-nothing read back.
+``after`` snapshots and clears the live log on device, so the whole per-step device work is the group
+kernels (the first of which also counts the before-forward phase mark) and the step's close (one launch on
+the kernel path on CUDA, :mod:`kvcanary.ops.kernels.step_close`; four torch ops elsewhere):
+graph-capturable, nothing allocated, nothing read back.
 """
 
 from __future__ import annotations
@@ -97,10 +97,14 @@ class StepWork:
 
     def before(self, batches: Sequence[StepBatch]) -> None:
         """Batches in group order, already validated by the caller: each group's batch is validated once a
-        step, the canary and its launchers do not repeat the checks."""
-        self._phase_before.add_(1)
+        step, the canary and its launchers do not repeat the checks.  The before-forward phase mark is counted
+        by the first group's first launch (a launch fewer a step); by a torch op only when there is no group."""
+        if not self.canaries:
+            self._phase_before.add_(1)
+        mark: torch.Tensor | None = self._phase_before
         for canary, digest, log, batch in zip(self.canaries, self.digests, self.logs, batches, strict=True):
-            canary.step(batch, log, validated=True)
+            canary.step(batch, log, validated=True, mark=mark)
+            mark = None
             if digest is not None and not digest.stamp_after_forward:
                 digest.verify(batch, log)
         self._batches = batches

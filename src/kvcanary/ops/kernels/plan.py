@@ -130,13 +130,16 @@ def store_row_state(
 def plan_kernel(
     rows_ptr, pre_ptr, ext_ptr, table_ptr, lookup_ptr, links_ptr,
     write_off_ptr, verify_off_ptr, starts_ptr, seeds_ptr, state_ptr, verify_items_ptr, write_items_ptr, epoch_ptr,
-    first_ptr, last_ptr, counters_ptr,
+    first_ptr, last_ptr, counters_ptr, phase_mark_ptr,
     b, n_rows, n_cols, width, n_lookup, num_slots, num_tokens, window, has_pad, pad_row, page, log_k, group_id,
     res0, res1, res2, res3, res4, res5, res6, res7,
-    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr,
+    PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_PHASE_MARK: tl.constexpr,
     VERIFY_BLOCK: tl.constexpr, STAMP_BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """reference.plan with one program: workspace rows, then the log rows in batch-row order."""
+    """reference.plan with one program: workspace rows, then the log rows in batch-row order.
+    HAS_PHASE_MARK: also count the step's before-forward phase mark (one launch fewer in the step)."""
+    if HAS_PHASE_MARK:
+        tl.store(phase_mark_ptr, tl.load(phase_mark_ptr) + 1)
     tl.store(epoch_ptr, tl.load(epoch_ptr) + 1)  # a new step: earlier same-step marks go stale
     tl.store(write_off_ptr, 0)
     tl.store(verify_off_ptr, 0)

@@ -170,11 +170,12 @@ def verify_kernel(
     rows_ptr, table_ptr, lookup_ptr, truth_ptr, truth_lens_ptr, tokens_ptr, positions_ptr, links_ptr,
     voff_ptr, starts_ptr, vitems_ptr, counts_ptr, sync_ptr, first_ptr, last_ptr, counters_ptr,
     loc_ptr, woff_ptr, witems_ptr, epoch_ptr, read_marks_ptr, write_marks_ptr, old_pos_ptr,
-    pre_ptr, ext_ptr, seeds_ptr, state_ptr,
+    pre_ptr, ext_ptr, seeds_ptr, state_ptr, phase_mark_ptr,
     b, n_rows, n_cols, n_lookup, t_rows, t_cols, num_slots, capacity, max_items, log_k, group_id, page, token_offset,
     res0, res1, res2, res3, res4, res5, res6, res7, n_tokens, window, width, has_pad, pad_row,
     PAGED: tl.constexpr, HAS_LOOKUP: tl.constexpr, HAS_TRUTH: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, STAMP_BLOCK: tl.constexpr, FUSED: tl.constexpr,
+    HAS_PHASE_MARK: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -271,6 +272,8 @@ def verify_kernel(
 
     ticket = finish(sync_ptr, counters_ptr, pid, VERIFIED, n_verify, SKIPPED, planned - n_verify, CALLS, n_calls, False)
     if ticket == n_programs - 1:
+        if HAS_PHASE_MARK:  # the step's before-forward phase mark, counted by the launch's last program
+            tl.store(phase_mark_ptr, tl.load(phase_mark_ptr) + 1)
         if FUSED:
             total, plan_total = close_fused_call(sync_ptr)
             tl.store(epoch_ptr, step_epoch)
