@@ -122,7 +122,11 @@ def main() -> int:
     p.add_argument("--hand-picked", action="store_true", help="time HAND_PICKED instead of a grid")
     p.add_argument("--picked", default=None, help="with --hand-picked: comma-separated names among HAND_PICKED")
     p.add_argument("--best-json", default=None, help="write the best tuning here (for bench_kernels --tuning-json)")
-    p.add_argument("--scenarios", default=None, help="comma-separated names among the goal scenarios")
+    p.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated names among the kernel table's scenarios (default: the goal scenarios)",
+    )
     p.add_argument("--page", type=int, default=1, help="block tables of this page size (bench_kernels --page)")
     p.add_argument("--dry-run", action="store_true", help="toy scenarios on the CPU interpreter (harness check)")
     args = p.parse_args()
@@ -136,8 +140,13 @@ def main() -> int:
         print("no CUDA device (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     label, tunings = tunings_of(args)
-    picks = scenarios(False, tiny=True, page=args.page)[:1] if args.dry_run else goal_scenarios(args.page)
-    picks = [s for s in picks if args.scenarios is None or s.name in args.scenarios.split(",")]
+    if args.dry_run:
+        picks = scenarios(False, tiny=True, page=args.page)[:1]
+    elif args.scenarios is None:
+        picks = goal_scenarios(args.page)
+    else:  # any of the kernel table's scenarios, by name
+        names = args.scenarios.split(",")
+        picks = [s for s in scenarios(False, page=args.page) if s.name in names]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu-dry-run"
     times = sweep(tunings, picks, args, dev)
     lines, top = report(label, tunings, picks, times)
