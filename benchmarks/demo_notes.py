@@ -342,4 +342,13 @@ DEMO_NOTES = (
     "off (`results/cb-qwen3/nvidia-h100-80gb-hbm3-90a20f1-*`: no health failure, verified slots equal to what "
     "attention read; the tap's median 228 and 480 us with graphs, 276 and 500 eagerly). `bench_host_step.py`: 6.5 us "
     "(one group) and 10.9 (two).",
+    "",
+    "90a20f1 -> 0ff92b3 (issues 14 and 18; an H100, `results/gpu-demo/nvidia-h100-80gb-hbm3-0ff92b3-*`, seven pairs): "
+    "the before-forward phase mark counted in the first launch. A faster host than the last call's (dense without the "
+    "canary 2.87 s against 4.47): dense 0.16 ms a step (median 0.14; capture 9, translation 90, plan/verify/stamp 26, "
+    "host step 30 us), hybrid 0.23 (0.19; 17, 137, 43, 34), sliding 0.18 (0.16; 12, 109, 27, 32). Shares 7.8, 7.1 and "
+    "5.6 % (pairs over 0.0-15.9, 5.1-11.3, 2.7-15.5 %): the time added a step, 0.35 / 0.45 / 0.26 ms, is 1.5-2.1x the "
+    "canary's host time. GPU tests passed (17; 51, 2 skipped); issue 14's workload clean at batch 1 and 32, graphs on "
+    "and off (`results/cb-qwen3/nvidia-h100-80gb-hbm3-0ff92b3-*`; tap medians 105 / 229 us with graphs, 206 / 327 "
+    "eagerly). `bench_host_step.py`: 5.8 us (one group), 6.1 (two).",
 )

@@ -23,6 +23,36 @@ NCU_INTRO = (
 )
 READING = """Reading (issue 18's kernel goals):
 
+- The table at 0ff92b3 (an H100), goal by goal, with ncu on nine scenarios (`results/*-0ff92b3-ncu-deep.txt`):
+  - Decode at batch 1 (10.7-11.4 us, goal 5): plan + verify alone replay in 5.43 us, over the goal before the
+    stamp, whose chain must start after every verify program (the same-step checks need every read mark) and
+    adds 5.5 us.  A third single-launch design, the fused launch's last program stamping a step of up to 128
+    tokens (branch `stamp-tail`, c9dddb7, not merged), took 16.96 us against 10.97 in two launches: under ncu
+    that program runs about 36.8k cycles against 11.1k for the verify alone and 8.3k for the stamp's own
+    launch, its four warps walking the stamp's checks after the verify's finalize
+    (`results/nvidia-h100-80gb-hbm3-c9dddb7-stamp-tail.txt`).
+  - Decode 32 x 4k (15.0 us, goal 6) keeps three launches (the plan fuses up to 8 rows only; fused beyond,
+    32 x 16k measured 33.9 against 26.4 us): plan, verify and stamp take 5.8, 9.3 and 8.1 us cold, each a
+    chain of dependent round trips on 1, 288 and 33 programs at 13 % of DRAM bandwidth at most.
+  - The 16k prefill chunk (14.0 us, goal 5): no entries to verify, but its stamp scans 16k tokens with the
+    decoupled look-back on 33 programs after the verify launch that marks the writes (12.6 and 6.5 us cold).
+  - At least 1M entries (2.08x at 256 x 16k, 3.22x at 256 x 4k, 3.49x at 128 x 16k; goal 2x): at 256 x 16k
+    the verify moves 157.6 MB against the floor's 151.0 MB (the floor counts what it moves; 1.81M L2
+    reduction sectors are the read marks' atomic max) at 53 % of DRAM peak.  At 256 x 4k plan and stamp are a
+    more than a third of the step (7.2 + 9.3 of 43.4 us cold).  At 128 x 16k the verify compiles to 149 registers
+    (128 at batch 32 and 256), so 3 of its 128-thread blocks fit an SM where the grid launches 4 an SM
+    (528 = 132 x 4): a second, partial wave, 15 % achieved occupancy against 24 % and 29 % of DRAM peak
+    against 52 %; that is why 2M entries take 88 us where 4M take 105.  Next to time: the unfused verify
+    capped at 65,536 / (4 x 128) = 128 registers (`KernelTuning.verify_maxnreg`, which also caps the fused
+    launch today; `kernel_sweep.py --scenarios` now takes any table scenario).
+  - The 4k window (14.9x, goal 4x): the random lookup makes the verify move 128.1 MB for 524k entries (244
+    bytes an entry) against the 21.0 MB the floor counts: at the measured copy bandwidth those bytes alone take
+    42.8 us, 6.1x the floor, so no kernel over records kept as separate token, position, link and read-mark
+    arrays reaches 4x here.  Records that keep all four in one 32-byte sector would; that layout change reaches
+    every kernel, the reference, the digest and the adapters' record views.
+  - The graph: counting the before-forward phase mark in the first launch (0ff92b3) took the batch-1 replay
+    from 31.5 to 24.5 us (4 nodes to 3) and bench_e2e's canary time at batch 1 x 512 from 40.7 to 25.7 us.
+
 - Small steps (decode at batch 1 and 32, a 16k prefill chunk) are chains of dependent steps on one or two SMs:
   verify and stamp run on grids of 2 to 33 programs, one warp group each, at 0.2-2 % of DRAM bandwidth; each
   warp issues an instruction every 9-13 cycles and 34-45 % of those cycles wait on memory (table entry, then the
