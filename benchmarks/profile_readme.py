@@ -38,13 +38,17 @@ READING = """Reading (issue 18's kernel goals):
     decoupled look-back on 33 programs after the verify launch that marks the writes (12.6 and 6.5 us cold).
   - At least 1M entries (2.08x at 256 x 16k, 3.22x at 256 x 4k, 3.49x at 128 x 16k; goal 2x): at 256 x 16k
     the verify moves 157.6 MB against the floor's 151.0 MB (the floor counts what it moves; 1.81M L2
-    reduction sectors are the read marks' atomic max) at 53 % of DRAM peak.  At 256 x 4k plan and stamp are a
-    more than a third of the step (7.2 + 9.3 of 43.4 us cold).  At 128 x 16k the verify compiles to 149 registers
-    (128 at batch 32 and 256), so 3 of its 128-thread blocks fit an SM where the grid launches 4 an SM
-    (528 = 132 x 4): a second, partial wave, 15 % achieved occupancy against 24 % and 29 % of DRAM peak
-    against 52 %; that is why 2M entries take 88 us where 4M take 105.  Next to time: the unfused verify
-    capped at 65,536 / (4 x 128) = 128 registers (`KernelTuning.verify_maxnreg`, which also caps the fused
-    launch today; `kernel_sweep.py --scenarios` now takes any table scenario).
+    reduction sectors are the read marks' atomic max) at 53 % of DRAM peak.  At 256 x 4k plan and stamp take
+    more than a third of the step (7.2 + 9.3 of 43.4 us cold).  At 128 x 16k the verify compiles to 149
+    registers (128 at batch 32 and 256), so 3 of its 128-thread blocks fit an SM where the grid launches 4 an SM
+    (528 = 132 x 4): a second, partial wave, 15 % achieved occupancy against 24 % and 29 % of DRAM peak against
+    52 %; that is why 2M entries take 88 us where 4M take 105.  Capping the unfused verify at 65,536 / (4 x 128)
+    = 128 registers (branch `regcap`, ac10909, not merged: its compiled suites wait for device time) took 128 x
+    16k from 86.8 to 58.2 us and 128 x 4k from 35.0 to 27.0 on an H200, but 256 x 16k from 97.7 to 101.6, 256 x
+    4k from 38.9 to 40.0 and the window (153 registers) from 83.1 to 84.6
+    (`results/nvidia-h200-ac10909-register-cap.txt`): the cap belongs only where it restores a wave and the
+    kernel does not lose by it.  Even at 256 x 16k's rate per entry, with plan and stamp fixed, 2M entries take
+    at least 2.1x their floor.
   - The 4k window (14.9x, goal 4x): the random lookup makes the verify move 128.1 MB for 524k entries (244
     bytes an entry) against the 21.0 MB the floor counts: at the measured copy bandwidth those bytes alone take
     42.8 us, 6.1x the floor, so no kernel over records kept as separate token, position, link and read-mark
