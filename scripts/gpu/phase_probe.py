@@ -1,0 +1,125 @@
+"""Where in the engine's loop the time the canary adds lands (not run by CI).
+
+The demo's share line leaves part of the added time unattributed: "the rest", beyond the canary's own timed
+host work (about 0.14 ms a step on the H100 at 0ff92b3, dense and hybrid).  This times the engine loop's phases
+with plain clocks (no profiler: cProfile's own cost grows with the number of functions seen, and the canary
+doubles that, so a profiled comparison slows the engine's functions too), with the canary off and on, in
+alternating pairs like ``kvcanary demo --baseline``:
+- ``schedule``: ``prepare_next_batch`` less its parts below (scheduling, offload decisions);
+- ``offload`` / ``restore``: the offloading manager's calls (the canary mirrors their moves);
+- ``tensors``: ``prepare_batch_tensors`` (the canary captures the host batch there);
+- ``compute``: ``ModelRunner.compute_batch`` (the forward and sampling; the canary's step tap runs inside);
+- ``wait``: ``retrieve_device_outputs`` (the host waiting for the device: the canary's device work shows here);
+- ``update``: ``update_batch`` (the engine's bookkeeping, fork copies the canary mirrors);
+- ``outside``: the run's wall time outside the loop bodies (manager set-up and tear-down, thread hand-offs).
+Each side's median over the pairs, per step, and the canary's own timed work by phase.
+
+Usage: PYTHONPATH=src python scripts/gpu/phase_probe.py [--model hybrid] [--pairs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvcanary import demo
+from kvcanary.config import CanaryConfig, Mode
+
+_CB = "transformers.generation.continuous_batching"
+# (phase, module, class, method); prepare_next_batch contains offload, restore and tensors.
+_TIMED = (
+    ("next_batch", "continuous_api", "ContinuousBatchProcessor", "prepare_next_batch"),
+    ("offload", "offloading_manager", "OffloadingManager", "offload_requests"),
+    ("restore", "offloading_manager", "OffloadingManager", "restore_scheduled_requests"),
+    ("tensors", "input_outputs", "ContinuousBatchingIOs", "prepare_batch_tensors"),
+    ("compute", "model_runner", "ModelRunner", "compute_batch"),
+    ("wait", "input_outputs", "ContinuousBatchingIOs", "retrieve_device_outputs"),
+    ("update", "continuous_api", "ContinuousBatchProcessor", "update_batch"),
+    ("body", "continuous_api", "ContinuousBatchingManager", "_generation_loop_body"),
+)
+_CANARY = ("tap_capture_us", "tap_translate_us", "tap_launch_us", "tap_host_step_us", "mirror_us", "setup_us")
+
+
+def _timed(original: Callable[..., Any], key: str, ns: collections.Counter[str]) -> Callable[..., Any]:
+    def timed(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return original(*a, **k)
+        finally:
+            ns[key] += time.perf_counter_ns() - start
+            ns[key + "_calls"] += 1
+
+    return timed
+
+
+@contextlib.contextmanager
+def phase_clocks() -> Iterator[collections.Counter[str]]:
+    """Each phase's nanoseconds, its methods wrapped outermost (after the canary's own patches)."""
+    ns: collections.Counter[str] = collections.Counter()
+    undo: list[tuple[type, str, Any]] = []
+    for key, module, owner, method in _TIMED:
+        cls = getattr(importlib.import_module(f"{_CB}.{module}"), owner)
+        undo.append((cls, method, cls.__dict__[method]))
+        setattr(cls, method, _timed(getattr(cls, method), key, ns))
+    try:
+        yield ns
+    finally:
+        for cls, method, original in reversed(undo):
+            setattr(cls, method, original)
+
+
+def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, float]:
+    from kvcanary.adapters.transformers_cb import install
+
+    with install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)) as c, phase_clocks() as ns:
+        start = time.perf_counter_ns()
+        demo.generate_waves(model, prompts, opts)
+        total = time.perf_counter_ns() - start
+    stats = c.stats() if canary else {}
+    steps = ns["compute_calls"]
+    ms = 1e-6 / steps
+    parts = {k: ns[k] * ms for k in ("offload", "restore", "tensors", "compute", "wait", "update")}
+    parts["schedule"] = ns["next_batch"] * ms - parts["offload"] - parts["restore"] - parts["tensors"]
+    inner = ns["next_batch"] + ns["compute"] + ns["wait"] + ns["update"]
+    parts["loop other"] = (ns["body"] - inner) * ms
+    parts["outside"] = (total - ns["body"]) * ms
+    parts["total"] = total * ms
+    parts["steps"] = steps
+    for key in _CANARY:
+        parts[f"canary {key[:-3]}"] = stats.get(key, 0) / 1000 / steps
+    return parts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="hybrid", choices=demo.MODEL_KINDS)
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    opts = demo.DemoOptions(model=args.model, device=args.device)
+    model = demo.build_model(opts.model, opts.seed, opts.device)
+    prompts = demo.build_prompts(opts.requests + opts.follow_up, opts.seed)
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    with demo.quiet_engine_logs():
+        for side in (False, True):  # warm-up: kernels, allocator, the canary's compilations
+            one_run(model, prompts, opts, side)
+        for i in range(args.pairs):
+            for side in (i % 2 == 1, i % 2 == 0):
+                runs[side].append(one_run(model, prompts, opts, side))
+    keys = list(runs[True][0])
+    print(f"model {args.model}, {args.pairs} pairs, ms per step (median over runs); steps {runs[True][0]['steps']}")
+    print(f"{'phase':<24}{'off':>9}{'on':>9}{'on - off':>10}")
+    for k in keys:
+        off, on = (statistics.median(r[k] for r in runs[s]) for s in (False, True))
+        print(f"{k:<24}{off:>9.3f}{on:>9.3f}{on - off:>10.3f}")
+    print("totals per pair (off, on):", [(round(a["total"], 3), round(b["total"], 3)) for a, b in zip(*runs.values())])
+
+
+if __name__ == "__main__":
+    main()
