@@ -67,6 +67,26 @@ def test_a_write_of_unknown_origin_leaves_its_blocks_without_records() -> None:
     assert links(g, rec, 5) == [0] * PAGE and links(g, rec, 3) != [0] * PAGE
 
 
+@pytest.mark.parametrize("form", ["methods", "keywords", "functions"])
+def test_a_copy_is_seen_whichever_way_the_engine_spells_its_calls(form: str) -> None:
+    """The observer sees the engine's Python calls (a function mode): positional, keyword and function forms."""
+    g = geometry()
+    a = allocator(g)
+    rec = stamped(g, [2])
+    view, src, dst = a._copy_view, torch.tensor([2]), torch.tensor([6])
+    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+        if form == "methods":
+            view.index_copy_(0, dst, view.index_select(0, src))
+        elif form == "keywords":
+            view.index_copy_(dim=0, index=dst, source=view.index_select(dim=0, index=src))
+        else:
+            view.index_copy_(0, dst, torch.index_select(view, 0, src))
+    for w in seen.writes:
+        mirror.apply_block_write(g, rec, w)
+    assert len(seen.writes) == 1 and seen.writes[0].source_blocks is not None
+    assert links(g, rec, 6) == links(g, rec, 2) != [0] * PAGE
+
+
 def engine_offload(a: types.SimpleNamespace, pool: torch.Tensor, gpu: list[int], cpu: list[int]) -> None:
     """transformers' offload: one gather of device blocks, then copies of row runs into host rows."""
     gathered = a._copy_view.index_select(0, torch.tensor(gpu))

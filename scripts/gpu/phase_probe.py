@@ -91,6 +91,8 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
     parts["outside"] = (total - ns["body"]) * ms
     parts["total"] = total * ms
     parts["steps"] = steps
+    for key in ("offload", "restore", "update"):
+        parts[f"{key} calls"] = ns[key + "_calls"]
     for key in _CANARY:
         parts[f"canary {key[:-3]}"] = stats.get(key, 0) / 1000 / steps
     return parts
@@ -118,7 +120,8 @@ def main() -> None:
     for k in keys:
         off, on = (statistics.median(r[k] for r in runs[s]) for s in (False, True))
         print(f"{k:<24}{off:>9.3f}{on:>9.3f}{on - off:>10.3f}")
-    print("totals per pair (off, on):", [(round(a["total"], 3), round(b["total"], 3)) for a, b in zip(*runs.values())])
+    pairs = zip(runs[False], runs[True], strict=True)
+    print("totals per pair (off, on), ms a step:", [(round(a["total"], 3), round(b["total"], 3)) for a, b in pairs])
 
 
 if __name__ == "__main__":
