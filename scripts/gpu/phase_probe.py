@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import importlib
 import statistics
 import time
@@ -77,10 +78,12 @@ def phase_clocks() -> Iterator[collections.Counter[str]]:
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, float]:
     from kvcanary.adapters.transformers_cb import install
 
+    collected = [g["collections"] for g in gc.get_stats()]
     with install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)) as c, phase_clocks() as ns:
         start = time.perf_counter_ns()
         demo.generate_waves(model, prompts, opts)
         total = time.perf_counter_ns() - start
+    collected = [g["collections"] - b for g, b in zip(gc.get_stats(), collected, strict=True)]
     stats = c.stats() if canary else {}
     steps = ns["compute_calls"]
     ms = 1e-6 / steps
@@ -91,6 +94,8 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
     parts["outside"] = (total - ns["body"]) * ms
     parts["total"] = total * ms
     parts["steps"] = steps
+    for gen, n in enumerate(collected):
+        parts[f"gc gen{gen} collections"] = n
     for key in ("offload", "restore", "update"):
         parts[f"{key} calls"] = ns[key + "_calls"]
     for key in _CANARY:
@@ -103,6 +108,7 @@ def main() -> None:
     p.add_argument("--model", default="hybrid", choices=demo.MODEL_KINDS)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (full collections cheap)")
     args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device)
     model = demo.build_model(opts.model, opts.seed, opts.device)
@@ -111,11 +117,16 @@ def main() -> None:
     with demo.quiet_engine_logs():
         for side in (False, True):  # warm-up: kernels, allocator, the canary's compilations
             one_run(model, prompts, opts, side)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
         for i in range(args.pairs):
             for side in (i % 2 == 1, i % 2 == 0):
                 runs[side].append(one_run(model, prompts, opts, side))
     keys = list(runs[True][0])
-    print(f"model {args.model}, {args.pairs} pairs, ms per step (median over runs); steps {runs[True][0]['steps']}")
+    frozen = ", gc frozen after the warm-up" if args.gc_freeze else ""
+    steps = runs[True][0]["steps"]
+    print(f"model {args.model}{frozen}, {args.pairs} pairs, ms per step (median over runs); steps {steps}")
     print(f"{'phase':<24}{'off':>9}{'on':>9}{'on - off':>10}")
     for k in keys:
         off, on = (statistics.median(r[k] for r in runs[s]) for s in (False, True))
