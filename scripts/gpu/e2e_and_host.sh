@@ -10,6 +10,7 @@
 #   probe     scripts/gpu/share_probe.py on PROBE_MODELS (default hybrid): the share beyond the tap's host time
 #   phases    scripts/gpu/phase_probe.py on PHASE_MODELS (default dense hybrid sliding): where in the engine's loop
 #             the time the canary adds lands (PAIRS alternating pairs, default 5)
+#   oldphases the same against the tree above OLD_SRC (an A/B of a change to the engine-side hooks in one call)
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
@@ -64,6 +65,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
               timeout "${T_PHASES:-150}" python3 scripts/gpu/phase_probe.py --model "$model" --pairs "${PAIRS:-5}" \
                 >"$OUT/phases_$model.txt" 2>&1
             done ;;
+    oldphases) for model in ${PHASE_MODELS:-dense hybrid sliding}; do
+                 PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_PHASES:-150}" python3 \
+                   scripts/gpu/phase_probe.py --model "$model" --pairs "${PAIRS:-5}" >"$OUT/phases_old_$model.txt" 2>&1
+               done ;;
     hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
                 --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
     oldhost) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_HOST:-60}" python3 \
