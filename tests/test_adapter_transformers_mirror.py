@@ -69,14 +69,14 @@ def test_a_write_of_unknown_origin_leaves_its_blocks_without_records() -> None:
 
 @pytest.mark.parametrize("form", ["methods", "keywords", "functions"])
 def test_a_copy_is_seen_whichever_way_the_engine_spells_its_calls(form: str) -> None:
-    """The observer sees the engine's Python calls (a function mode): positional, keyword and function forms."""
+    """The observer sees a block copy however the engine spells it: positional, keyword and function forms."""
     g = geometry()
     a = allocator(g)
     rec = stamped(g, [2])
     view, src, dst = a._copy_view, torch.tensor([2]), torch.tensor([6])
     with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
         if form == "methods":
-            view.index_copy_(0, dst, view.index_select(0, src))
+            engine_copy(view, [2], [6])
         elif form == "keywords":
             view.index_copy_(dim=0, index=dst, source=view.index_select(dim=0, index=src))
         else:

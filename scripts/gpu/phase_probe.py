@@ -31,6 +31,7 @@ from typing import Any
 
 from kvcanary import demo
 from kvcanary.config import CanaryConfig, Mode
+from kvcanary.demo_timing import time_share
 
 _CB = "transformers.generation.continuous_batching"
 # (phase, module, class, method); prepare_next_batch contains offload, restore and tensors.
@@ -114,15 +115,18 @@ def main() -> None:
     model = demo.build_model(opts.model, opts.seed, opts.device)
     prompts = demo.build_prompts(opts.requests + opts.follow_up, opts.seed)
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+
+    def run(side: bool) -> float:
+        runs[side].append(one_run(model, prompts, opts, side))
+        return runs[side][-1]["total"]
+
     with demo.quiet_engine_logs():
         for side in (False, True):  # warm-up: kernels, allocator, the canary's compilations
             one_run(model, prompts, opts, side)
         if args.gc_freeze:
             gc.collect()
             gc.freeze()
-        for i in range(args.pairs):
-            for side in (i % 2 == 1, i % 2 == 0):
-                runs[side].append(one_run(model, prompts, opts, side))
+        time_share(lambda _: (run(True), 0), lambda: run(False), args.pairs)  # the demo's alternating pairs
     keys = list(runs[True][0])
     frozen = ", gc frozen after the warm-up" if args.gc_freeze else ""
     steps = runs[True][0]["steps"]
