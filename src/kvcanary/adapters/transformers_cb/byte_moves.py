@@ -5,9 +5,12 @@ its cache tensor viewed as ``[blocks, bytes_per_block]``.  Mirroring the engine'
 arguments of ``copy_blocks``, the request's block table after a restore) would move the records where
 the bytes should be; a bug that sends the bytes elsewhere (a copy that never lands, a restore into the
 wrong block) would then leave records and reads in agreement over misplaced bytes.  So while such a move
-runs, a dispatch mode sees every tensor op and keeps the ones that write into a watched block view: the
-records are then moved to exactly those destinations.  Ops run as they would anyway (no extra device
-work, no host sync); only the index tensors are kept.
+runs, a torch function mode sees every tensor call the engine makes and keeps the ones that write into a
+watched block view: the records are then moved to exactly those destinations.  Ops run as they would anyway
+(no extra device work, no host sync); only the index tensors are kept.  A function mode rather than a
+dispatch mode: it sees the engine's Python calls only (the three that move blocks among them), not every
+aten op each decomposes into, and costs a few microseconds a call where a dispatch mode cost tens (on the
+CPU demo the moves took 0.16 ms each under the dispatch mode).
 
 CPU offload and restore go through the engine's host swap pool: an offload gathers device blocks and
 copies row runs of the gathered tensor into host rows; a restore copies host row runs into a device
@@ -24,9 +27,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
-_aten = torch.ops.aten
+# The engine's calls that move blocks, as methods or functions (a function mode sees the Python call).
+_INDEX_COPY = frozenset({torch.Tensor.index_copy_})
+_INDEX_SELECT = frozenset({torch.Tensor.index_select, torch.index_select})
+_COPY = frozenset({torch.Tensor.copy_})
 
 
 _Key = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
@@ -62,11 +68,16 @@ class HostSave:
     source_blocks: torch.Tensor | None
 
 
-class BlockWriteObserver(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
+def _arg(args: Any, kwargs: Mapping[str, Any], i: int, name: str) -> Any:
+    """Argument ``i`` of a call, given by position or by ``name`` (None when absent)."""
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+class BlockWriteObserver(TorchFunctionMode):
     """Active only around one engine move: records the block writes into the watched views."""
 
     def __init__(self, views: Mapping[str, torch.Tensor], host_pool: torch.Tensor | None = None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self._views: dict[_Key, tuple[str, ...]] = {}
         for name, view in views.items():
             k = _key(view)
@@ -80,17 +91,18 @@ class BlockWriteObserver(TorchDispatchMode):  # type: ignore[no-untyped-call]  #
     def _groups(self, t: Any) -> tuple[str, ...]:
         return self._views.get(_key(t), ()) if isinstance(t, torch.Tensor) else ()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is _aten.index_copy_.default and args[1] == 0:
-            groups = self._groups(args[0])
-            if groups:
-                self.writes.append(self._block_write(groups, args[2], args[3]))
-        elif func is _aten.index_select.default and args[1] == 0 and self._groups(args[0]):
-            self._gathers[out.untyped_storage().data_ptr()] = (self._groups(args[0]), args[2])
-        elif func is _aten.copy_.default and self._host is not None:
-            self._row_copy(args[0], args[1])
+        if func in _INDEX_COPY:
+            if _arg(args, kwargs, 1, "dim") == 0 and (groups := self._groups(args[0])):
+                source = _arg(args, kwargs, 3, "source") if "tensor" not in kwargs else kwargs["tensor"]
+                self.writes.append(self._block_write(groups, _arg(args, kwargs, 2, "index"), source))
+        elif func in _INDEX_SELECT:
+            if _arg(args, kwargs, 1, "dim") == 0 and (groups := self._groups(args[0])):
+                self._gathers[out.untyped_storage().data_ptr()] = (groups, _arg(args, kwargs, 2, "index"))
+        elif func in _COPY and self._host is not None:
+            self._row_copy(args[0], _arg(args, kwargs, 1, "src"))
         return out
 
     def _block_write(self, groups: tuple[str, ...], dest: torch.Tensor, src: torch.Tensor) -> BlockWrite:
