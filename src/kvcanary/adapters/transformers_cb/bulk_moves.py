@@ -29,6 +29,7 @@ class BulkMoveWrappers:
         self._binding = binding
         self._features = features
         self.mirror_ns = 0  # host time spent mirroring the moves into the records (the engine's own move left out)
+        self._views = byte_moves.BlockViews()  # the watched views' keys, rebuilt only when a cache tensor changes
 
     def copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
@@ -36,7 +37,7 @@ class BulkMoveWrappers:
             if b is None or not b.owns_allocator(allocator):
                 return original(allocator, source_block_ids, dest_block_ids)
             name = str(allocator.layer_type)
-            with byte_moves.BlockWriteObserver({name: byte_moves.block_view(allocator)}) as seen:
+            with byte_moves.BlockWriteObserver(keys=self._views.keys({name: allocator})) as seen:
                 out = original(allocator, source_block_ids, dest_block_ids)
             start = time.perf_counter_ns()
             for write in seen.writes:
@@ -53,14 +54,15 @@ class BulkMoveWrappers:
             b = self._binding()
             if b is None or not b.is_for(om.cache) or getattr(om, "_cpu_pool", None) is None:
                 return original(om, victims, victim_block_tables)
-            with _observer(b, om) as seen:
+            with self._observer(b, om) as seen:
                 done = original(om, victims, victim_block_tables)
             start = time.perf_counter_ns()
+            index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
             with streams.StreamSwitch(om._compute_stream):
                 for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
                     saves = [save for save in seen.host_saves if name in save.groups]
                     rows = int(om._cpu_views[name].shape[0])
-                    b.host.save_all(b.geometries[name], b.records(name), saves, rows)
+                    b.host.save_all(b.geometries[name], b.records(name), saves, rows, index)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.offloads += len(done)
             self._features.soft_resets += len(victims) - len(done)
@@ -78,22 +80,27 @@ class BulkMoveWrappers:
                 restored = sum(1 for fs in requests_in_batch if fs.state.is_cpu_offloaded)
             if b is None or not restored:
                 return original(om, requests_in_batch)
-            with _observer(b, om) as seen:
+            with self._observer(b, om) as seen:
                 out = original(om, requests_in_batch)
             start = time.perf_counter_ns()
+            index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
                 for write in seen.writes:
                     for name in write.groups:
                         if write.source_host_blocks is not None:
-                            b.host.restore(b.geometries[name], b.records(name), write)
+                            b.host.restore(b.geometries[name], b.records(name), write, index)
                         else:  # bytes of no host block: a device gather, or nothing known
-                            mirror.apply_block_write(b.geometries[name], b.records(name), write)
+                            mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
                         _digest_moved(b, name, write, om)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.restores += restored
             return out
 
         return restore_scheduled_requests
+
+    def _observer(self, b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
+        allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
+        return byte_moves.BlockWriteObserver(keys=self._views.keys(allocators), host_pool=om._cpu_tensor)
 
 
 def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, om: Any = None) -> None:
@@ -126,9 +133,3 @@ def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, om: Any =
             digest.note_move(dest, src, layout, "host copy")
     if len(b.geometries) == 1:
         b.manager.verify_moved(name, dest)
-
-
-def _observer(b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
-    allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
-    views = {n: byte_moves.block_view(a) for n, a in allocators.items()}
-    return byte_moves.BlockWriteObserver(views, host_pool=om._cpu_tensor)

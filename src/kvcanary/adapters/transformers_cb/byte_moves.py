@@ -76,12 +76,16 @@ def _arg(args: Any, kwargs: Mapping[str, Any], i: int, name: str) -> Any:
 class BlockWriteObserver(TorchFunctionMode):
     """Active only around one engine move: records the block writes into the watched views."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], host_pool: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        views: Mapping[str, torch.Tensor] | None = None,
+        host_pool: torch.Tensor | None = None,
+        *,
+        keys: Mapping[_Key, tuple[str, ...]] | None = None,
+    ) -> None:
+        """Watch ``views`` (group -> block view), or the views whose ``keys`` were kept (:meth:`BlockViews.keys`)."""
         super().__init__()
-        self._views: dict[_Key, tuple[str, ...]] = {}
-        for name, view in views.items():
-            k = _key(view)
-            self._views[k] = (*self._views.get(k, ()), name)
+        self._views = watch(views or {}) if keys is None else keys
         self._gathers: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # index_select result -> its blocks
         self._host = None if host_pool is None else host_pool.untyped_storage().data_ptr()
         self._staged: dict[int, list[int]] = {}  # storage of a staging tensor -> host block of each row
@@ -143,6 +147,54 @@ def _row(t: torch.Tensor) -> int | None:
     if stride <= 0 or t.storage_offset() % stride:
         return None
     return int(t.storage_offset()) // stride
+
+
+def watch(views: Mapping[str, torch.Tensor]) -> dict[_Key, tuple[str, ...]]:
+    """Each view's key -> the groups it stands for (groups over the same bytes and block size share one)."""
+    keys: dict[_Key, tuple[str, ...]] = {}
+    for name, view in views.items():
+        k = _key(view)
+        keys[k] = (*keys.get(k, ()), name)
+    return keys
+
+
+_Layout = tuple[int, int, int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
+
+
+def _layout(allocator: Any) -> _Layout:
+    """What an allocator's block view (and so its key) is built from: host attributes of its cache tensor."""
+    t = allocator.cache_tensor
+    return (
+        id(t),
+        t.data_ptr(),
+        t.storage_offset(),
+        t.dtype,
+        tuple(t.shape),
+        t.stride(),
+        int(allocator.bytes_per_block),
+    )
+
+
+class BlockViews:
+    """The keys of allocators' block views (:func:`block_view`, :func:`watch`), kept from move to move.
+
+    Building them was a few tensor calls an allocator every move, though they change only with the cache tensor.
+    Each move compares the cache tensor's object, address, offset, dtype, shape and stride and the block size (host
+    attributes, no tensor op) and rebuilds on any change; the key is a function of these alone, so an ``id`` reused
+    by a new tensor of the same layout gets the right key too.  Only host values are kept, no tensor: a cache the engine
+    replaced is not held alive.  Kept per set of group names (the fork copy watches one, offload and restore all).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, ...], tuple[tuple[_Layout, ...], dict[_Key, tuple[str, ...]]]] = {}
+
+    def keys(self, allocators: Mapping[str, Any]) -> Mapping[_Key, tuple[str, ...]]:
+        """The watched keys of ``allocators`` (group -> allocator), for :class:`BlockWriteObserver`."""
+        names, layouts = tuple(allocators), tuple(_layout(a) for a in allocators.values())
+        kept = self._kept.get(names)
+        if kept is None or kept[0] != layouts:
+            kept = self._kept[names] = (layouts, watch({n: block_view(a) for n, a in allocators.items()}))
+        return kept[1]
 
 
 def block_view(allocator: Any) -> torch.Tensor:

@@ -20,14 +20,49 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.layout import RecordStore, block_index
 
 
-def apply_block_write(geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
+class MoveIndex:
+    """The index tensors of one move's mirror, built once and shared by every group a write is mirrored into.
+
+    On the hybrid model the groups share one cache tensor: each observed write (and each offload's saves) matches
+    them all and is mirrored once per group, over the same block numbers.  Each index is an op or two of host time
+    on CUDA (host block numbers: a pinned tensor and its copy), so it is built for the first group only.  Keyed by
+    what it is built from and the records' device; the key's tensors are held so that their ``id`` cannot be
+    reused while the cache lives.  One per move: not kept across moves (nor streams).
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[tuple[int, ...], torch.device], tuple[Sequence[torch.Tensor], torch.Tensor]] = {}
+        self._hosts: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+    def blocks(self, ids: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The engine's block-number tensors ``ids``, joined, as the int64 index on ``device`` (:func:`_blocks`)."""
+        key = (tuple(map(id, ids)), device)
+        kept = self._ids.get(key)
+        if kept is None:
+            kept = self._ids[key] = (ids, _blocks(ids[0] if len(ids) == 1 else torch.cat(list(ids)), device))
+        return kept[1]
+
+    def hosts(self, blocks: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Host block numbers as the int64 index on ``device`` (:func:`~kvcanary.layout.block_index`)."""
+        key = (tuple(blocks), device)
+        index = self._hosts.get(key)
+        if index is None:
+            index = self._hosts[key] = block_index(key[0], device)
+        return index
+
+
+def apply_block_write(
+    geometry: GroupGeometry, records: RecordStore, write: BlockWrite, index: MoveIndex | None = None
+) -> None:
     """Mirror one observed block write of a copy: records of the gathered blocks follow the bytes; bytes of
-    unknown origin leave their destination blocks with no record (a later read is reported)."""
-    dst = _blocks(write.dest, records.device)
+    unknown origin leave their destination blocks with no record (a later read is reported).  ``index``: the
+    move's index tensors, shared with the other groups the write is mirrored into (:class:`MoveIndex`)."""
+    index = MoveIndex() if index is None else index
+    dst = index.blocks((write.dest,), records.device)
     if write.source_blocks is None:
         records.clear_blocks(dst, geometry.page_size)
     else:
-        records.copy_blocks(_blocks(write.source_blocks, records.device), dst, geometry.page_size)
+        records.copy_blocks(index.blocks((write.source_blocks,), records.device), dst, geometry.page_size)
 
 
 class HostRecords:
@@ -62,28 +97,39 @@ class HostRecords:
         return store
 
     def save_all(
-        self, geometry: GroupGeometry, records: RecordStore, saves: Sequence[HostSave], host_blocks: int
+        self,
+        geometry: GroupGeometry,
+        records: RecordStore,
+        saves: Sequence[HostSave],
+        host_blocks: int,
+        index: MoveIndex | None = None,
     ) -> None:
-        """Mirror one offload's copies into the host pool (``host_blocks``: the rows of the group's host view).
+        """Mirror one offload's copies into the host pool (``host_blocks``: the rows of the group's host view;
+        ``index``: the offload's index tensors, shared by the groups it is mirrored into).
 
         The engine copies an offload run by run (hundreds a demo run); mirrored one by one that was a dozen small
         device ops each.  Here consecutive runs are joined into one scatter until a host block repeats: a later
         copy into a block must land after the earlier one, which one scatter would not order."""
         store = self._store_like(geometry, host_blocks, records)
+        index = MoveIndex() if index is None else index
         batch: list[HostSave] = []
         blocks: set[int] = set()
         for save in saves:
             if not blocks.isdisjoint(save.host_blocks):
-                _save_batch(geometry, store, records, batch)
+                _save_batch(geometry, store, records, batch, index)
                 batch, blocks = [], set()
             batch.append(save)
             blocks.update(save.host_blocks)
-        _save_batch(geometry, store, records, batch)
+        _save_batch(geometry, store, records, batch, index)
 
-    def restore(self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite) -> None:
+    def restore(
+        self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite, index: MoveIndex | None = None
+    ) -> None:
         """Mirror one restore write: each written device block gets the records of the host block it was read
-        from; blocks read from no known host block (or from a pool never saved into) get no record."""
-        dst, page = _blocks(write.dest, records.device), geometry.page_size
+        from; blocks read from no known host block (or from a pool never saved into) get no record.  ``index``:
+        the restore's index tensors, shared with the other groups the write is mirrored into."""
+        index = MoveIndex() if index is None else index
+        dst, page = index.blocks((write.dest,), records.device), geometry.page_size
         hosts = write.source_host_blocks or ()
         store = self._stores.get(geometry.name)
         if store is None or not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
@@ -92,13 +138,15 @@ class HostRecords:
         if (store.digests is None) != (records.digests is None):  # digests turned on after this store was made
             records.clear_blocks(dst, page)
             return
-        records.copy_blocks(block_index(hosts, records.device), dst, page, source=store)
+        records.copy_blocks(index.hosts(hosts, records.device), dst, page, source=store)
 
     def clear(self) -> None:
         self._stores.clear()
 
 
-def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStore, batch: list[HostSave]) -> None:
+def _save_batch(
+    geometry: GroupGeometry, store: RecordStore, records: RecordStore, batch: list[HostSave], index: MoveIndex
+) -> None:
     """Copies into distinct host blocks: the blocks of no known source cleared, the others copied, one op each."""
     device = records.device
     cleared: list[int] = []
@@ -112,11 +160,9 @@ def _save_batch(geometry: GroupGeometry, store: RecordStore, records: RecordStor
             sources.append(save.source_blocks)
     page = geometry.page_size
     if cleared:
-        store.clear_blocks(block_index(cleared, device), page)
-    if not sources:
-        return
-    src = _blocks(sources[0] if len(sources) == 1 else torch.cat(sources), device)
-    store.copy_blocks(src, block_index(copied, device), page, source=records)
+        store.clear_blocks(index.hosts(cleared, device), page)
+    if sources:
+        store.copy_blocks(index.blocks(sources, device), index.hosts(copied, device), page, source=records)
 
 
 def _blocks(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
