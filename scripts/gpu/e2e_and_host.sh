@@ -13,6 +13,7 @@
 #   oldphases the same against the tree above OLD_SRC (an A/B of a change to the engine-side hooks in one call)
 #   timeline  scripts/gpu/device_timeline.py on TIMELINE_MODELS (default dense): the demo traced with the canary off
 #             and on (GPU busy time, the canary's kernels, the host's time in each CUDA runtime call)
+#   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
@@ -74,6 +75,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
     timeline) for model in ${TIMELINE_MODELS:-dense}; do
                 timeout "${T_TIMELINE:-120}" python3 scripts/gpu/device_timeline.py --model "$model" \
                   >"$OUT/timeline_$model.txt" 2>&1
+              done ;;
+    tapsteps) for model in ${TAPSTEP_MODELS:-dense}; do
+                timeout "${T_TAPSTEPS:-90}" python3 scripts/gpu/tap_steps.py --model "$model" >"$OUT/tapsteps_$model.txt" 2>&1
               done ;;
     hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
                 --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
