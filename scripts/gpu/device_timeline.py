@@ -91,8 +91,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device)
-    model = demo.build_model(opts.model, opts.seed, opts.device)
-    prompts = demo.build_prompts(opts.requests + opts.follow_up, opts.seed)
+    model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         for side in (False, True):  # warm-up: kernels compiled, allocator grown
             traced_run(model, prompts, opts, side)

@@ -38,8 +38,7 @@ def main() -> int:
 
     step_graphs.StepGraphs.replay = replay  # type: ignore[method-assign]
     opts = demo.DemoOptions(model=args.model, device="cuda")
-    model = demo.build_model(opts.model, opts.seed, opts.device)
-    prompts = demo.build_prompts(opts.requests + 8, opts.seed)
+    model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="keys")
     eager = [k for hit, k in log if not hit]

@@ -112,8 +112,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device)
-    model = demo.build_model(opts.model, opts.seed, opts.device)
-    prompts = demo.build_prompts(opts.requests + 8, opts.seed)
+    model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators
         with profiled_taps() as prof:

@@ -112,8 +112,7 @@ def main() -> None:
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (full collections cheap)")
     args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device)
-    model = demo.build_model(opts.model, opts.seed, opts.device)
-    prompts = demo.build_prompts(opts.requests + opts.follow_up, opts.seed)
+    model, prompts = demo.workload(opts)
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
 
     def run(side: bool) -> float:

@@ -111,8 +111,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     args = p.parse_args()
     opts = demo.DemoOptions(model=args.model, device=args.device, requests=args.requests)
-    model = demo.build_model(opts.model, opts.seed, opts.device)
-    prompts = demo.build_prompts(opts.requests + opts.follow_up, opts.seed)
+    model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")
         runs = [(side, one_run(model, prompts, opts, side, args.top)) for side in (False, True, False, True)]

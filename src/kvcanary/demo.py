@@ -238,12 +238,18 @@ def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: Dem
         return time.perf_counter() - start
 
 
+def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
+    """The demo's model and its prompts (both waves) for ``options``: what the demo and the GPU probes run."""
+    return build_model(options.model, options.seed, options.device), build_prompts(
+        options.requests + options.follow_up, options.seed
+    )
+
+
 def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> DemoResult:
     from kvcanary.adapters.transformers_cb.version import check_version
 
     engine = check_version()
-    model = build_model(options.model, options.seed, options.device)
-    prompts = build_prompts(options.requests + options.follow_up, options.seed)
+    model, prompts = workload(options)
     with quiet_engine_logs():
         if not options.baseline:
             clean = run_workload(model, prompts, options, label="clean", progress=progress)
