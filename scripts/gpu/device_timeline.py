@@ -15,7 +15,6 @@ Usage: PYTHONPATH=src python scripts/gpu/device_timeline.py [--model dense] [--o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import pathlib
@@ -23,6 +22,7 @@ import tempfile
 from typing import Any
 
 import torch
+from probe_args import demo_options
 from torch.profiler import ProfilerActivity, profile
 
 from kvcanary import demo
@@ -86,11 +86,7 @@ def summarise(events: list[dict], steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
-    p.add_argument("--device", default="cuda")
-    args = p.parse_args()
-    opts = demo.DemoOptions(model=args.model, device=args.device)
+    opts = demo_options(__doc__.splitlines()[0])
     model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         for side in (False, True):  # warm-up: kernels compiled, allocator grown
@@ -99,7 +95,7 @@ def main() -> None:
         off, _ = traced_run(model, prompts, opts, False)
     rows = {"off": summarise(off, steps), "on": summarise(on, steps)}
     keys = sorted(set(rows["off"]) | set(rows["on"]))
-    print(f"model {args.model}: {steps} steps, one traced run a side; per step (us, or calls)")
+    print(f"model {opts.model}: {steps} steps, one traced run a side; per step (us, or calls)")
     print(f"{'':<40}{'off':>10}{'on':>10}{'on - off':>10}")
     keys.sort(key=lambda k: (k.endswith(" calls"), -max(rows["off"].get(k, 0.0), rows["on"].get(k, 0.0))))
     for k in keys:

@@ -11,10 +11,11 @@ Usage: PYTHONPATH=src python scripts/gpu/tap_steps.py [--model dense] [--device 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 from typing import Any
+
+from probe_args import demo_options
 
 from kvcanary import demo
 from kvcanary.adapters.transformers_cb import install, step_tap, tap_timer
@@ -86,11 +87,7 @@ def report(log: StepLog) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
-    p.add_argument("--device", default="cuda")
-    args = p.parse_args()
-    opts = demo.DemoOptions(model=args.model, device=args.device)
+    opts = demo_options(__doc__.splitlines()[0])
     model, prompts = demo.workload(opts)
     log = StepLog()
     log.patch()
@@ -100,7 +97,7 @@ def main() -> None:
             with install(model, CanaryConfig(mode=Mode.LOG)) as c:
                 demo.generate_waves(model, prompts, opts)
     stats = c.stats()
-    print(f"model {args.model}: {stats['steps']} steps, {stats['violations']} violations (the last of three runs)")
+    print(f"model {opts.model}: {stats['steps']} steps, {stats['violations']} violations (the last of three runs)")
     report(log)
 
 
