@@ -61,7 +61,8 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def summarise(events: list[dict], steps: int) -> dict[str, float]:
-    """Per step, in microseconds: GPU kernel, copy and busy time, the canary's kernels, and blocking host calls."""
+    """Per step: GPU kernel, copy and busy time, the canary's kernels (us, and launches), and the host's time in each
+    CUDA runtime call with its count (a blocking one shows its wait there)."""
     out: collections.Counter[str] = collections.Counter()
     busy: list[tuple[float, float]] = []
     for e in events:
