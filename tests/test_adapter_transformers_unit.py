@@ -364,14 +364,22 @@ def test_forwards_run_while_the_engine_captures_a_graph_are_not_counted_as_misse
 
     tap = StepTap(object(), Mode.LOG, None, None, None, lambda report: None, None)  # type: ignore[arg-type]
     paged = {"cache": object(), "write_index": []}
-    tap._capturing = lambda: True  # the engine capturing its graph: the warm-up forward was counted already
+    asked = []
+
+    def capturing() -> bool:
+        asked.append(tap.forwards_seen)
+        return True
+
+    tap._capturing = capturing  # the engine's warm-up forward, then forwards it captures (warm-up counted already)
     for _ in range(3):
         tap.pre_hook(None, (), paged)
-    assert tap.forwards_seen == 0 and tap.hook_misses == 0
+    assert tap.forwards_seen == 1 and tap.hook_misses == 0
+    assert asked == [2, 2]  # asked only when a forward would be a second one since the last tap, not on every forward
+    tap.taps = 1  # the step's tap ran
     tap._capturing = None  # no capture: forwards with no tap between them are misses
     for _ in range(3):
         tap.pre_hook(None, (), paged)
-    assert tap.forwards_seen == 3 and tap.hook_misses == 2
+    assert tap.forwards_seen == 4 and tap.hook_misses == 2
 
 
 def test_the_writes_to_the_trash_by_design_are_each_rows_first_query_minus_window_tokens() -> None:

@@ -96,10 +96,13 @@ class StepTap:
     def pre_hook(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if kwargs.get("cache") is None or "write_index" not in kwargs:
             return  # not a paged continuous-batching forward
-        if self._capturing is not None and self._capturing():
-            return  # the engine capturing a CUDA graph: its warm-up forward already counted, the tap follows
         self.forwards_seen += 1
         if self.forwards_seen - 1 > self.taps:
+            # A second forward since the last tap.  Asked only here (a CUDA call on every forward otherwise): the
+            # engine capturing a CUDA graph, whose warm-up forward was counted already; the tap follows.
+            if self._capturing is not None and self._capturing():
+                self.forwards_seen -= 1
+                return
             self.hook_misses += 1
             msg = (
                 "kvcanary: a paged forward ran without the canary's step tap (ModelRunner.compute_batch was "
