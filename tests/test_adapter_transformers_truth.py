@@ -225,3 +225,21 @@ def test_a_new_request_takes_the_row_of_the_least_recently_used_one() -> None:
     assert (sent("a"), sent("b"), sent("a")) == (3, 3, 0)  # 'b' is now the least recently used
     assert sent("c") == 3  # takes b's row
     assert (sent("a"), sent("b")) == (0, 3)  # 'a' kept its row; 'b' is sent whole again
+
+
+def test_with_no_row_free_the_least_recently_used_half_of_the_idle_rows_is_freed_in_one_scan() -> None:
+    store = TruthStore(6, 8, torch.device("cpu"))
+
+    def sent(*rids: str) -> int:
+        host = HostBatch(rids, (0,) * len(rids), (1,) * len(rids), tuple(History([ord(r)] * 3, []) for r in rids))
+        return len(store.plan(host, [True] * len(rids)).cells)
+
+    for rid in "abcdef":  # every row taken, 'a' the least recently used
+        sent(rid)
+    assert sent("f", "g") == 3  # 'g' joins: of the five idle rows, the two least recently used are freed ('a', 'b')
+    assert sent("c", "d", "e") == 0  # kept their rows
+    assert sent("b") == 3  # lost its row in that one scan: sent whole again, into the other freed row
+    assert sent("a") == 3  # no row free: the next scan frees the least recently used idle half ('f', 'g', 'c')
+    assert sent("d", "e", "b") == 0 and sent("c") == 3
+    with pytest.raises(RuntimeError, match="fewer rows"):
+        sent(*"abcdefg")

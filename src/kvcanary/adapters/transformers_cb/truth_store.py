@@ -11,7 +11,8 @@ the device.  The host keeps a mirror of each request's last ``REFRESH`` tokens a
 ``REFRESH`` is half of :attr:`History.TAIL`, so that a step of up to ``REFRESH`` new tokens reads every
 token it compares from the history's own copy of its newest tokens (cheap), not from the engine's lists.
 
-Rows are reused least recently used first; a request that comes back after losing its row is sent whole.
+Rows are reused least recently used first (when none is free, half of the idle ones are freed at once); a request
+that comes back after losing its row is sent whole.
 The table has ``max_batch`` rows (every request of a batch holds one) plus row 0, never written: the
 padding row's and the rows-left-out truth.
 """
@@ -188,13 +189,21 @@ class TruthStore:
         return TruthGather(self.table, gather, self._out_rows.get(n, lambda: out[:n]))
 
     def _take_row(self, batch_ids: Sequence[str]) -> int:
-        if self._free:
-            return self._free.pop()
+        if not self._free:
+            self._evict(batch_ids)
+        return self._free.pop()
+
+    def _evict(self, batch_ids: Sequence[str]) -> None:
+        """No row is free: free the least recently used half of the rows no request of this batch holds (at least
+        one), least recently used taken first.  One scan for the joins of many steps: scanning every row for each
+        join cost a few hundred bytecodes a step in a serving loop, where requests join every few steps and the
+        rows of the finished ones are never asked for again."""
         in_batch = set(batch_ids)
-        idle = [(entry.used, rid) for rid, entry in self._sent.items() if rid not in in_batch]
+        idle = sorted([(entry.used, rid) for rid, entry in self._sent.items() if rid not in in_batch])
         if not idle:
             raise RuntimeError("the truth store has fewer rows than the batch has requests")
-        return self._sent.pop(min(idle)[1]).row  # the least recently used
+        for _, rid in reversed(idle[: max(1, len(idle) // 2)]):
+            self._free.append(self._sent.pop(rid).row)
 
 
 @dataclasses.dataclass(frozen=True)
