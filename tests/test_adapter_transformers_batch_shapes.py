@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvcanary.adapters.transformers_cb import binding
-from kvcanary.adapters.transformers_cb.batch_shapes import SMALLEST, StepShape, bucket, widen
+from kvcanary.adapters.transformers_cb.batch_shapes import SMALLEST, StepShape, bucket, bucket_tokens, widen
 from kvcanary.adapters.transformers_cb.step_buffers import StableWrites
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore
@@ -29,6 +29,11 @@ def test_bucket_rounds_up_to_a_power_of_two_within_the_cap() -> None:
     got = [bucket(n, 40) for n in (0, 1, 2, 15, 16, 17, 32, 33, 40, 41)]
     assert got == [0, SMALLEST, SMALLEST, 16, 16, 32, 32, 40, 40, 41]
     assert bucket(3, 12) == 12  # the cap below the smallest class
+
+
+def test_token_classes_grow_fourfold_within_the_cap() -> None:
+    got = [bucket_tokens(n, 3000) for n in (0, 1, 16, 17, 32, 64, 65, 256, 257, 1025, 2999, 3000, 3001)]
+    assert got == [0, SMALLEST, 16, 64, 64, 64, 256, 256, 1024, 3000, 3000, 3000, 3001]
 
 
 def test_widen_views_the_storage_and_refuses_what_it_does_not_hold() -> None:
@@ -80,7 +85,7 @@ def test_a_padded_step_is_the_exact_step_plus_inert_padding(window: int, kernel:
         want = exact.translate(kwargs, host).batches[g.name]
         got = padded.translate(static.put(kwargs), host).batches[g.name]
         b, n = want.batch_size, want.num_tokens
-        assert got.batch_size == bucket(b, MAX_BATCH) and got.num_tokens == bucket(n, 64)
+        assert got.batch_size == bucket(b, MAX_BATCH) and got.num_tokens == bucket_tokens(n, 64)
         for field in ("rows", "prefix_lens", "extend_lens", "truth_lens"):
             w, x = getattr(want, field), getattr(got, field)
             assert torch.equal(x[:b], w) and not x[b:].any(), field

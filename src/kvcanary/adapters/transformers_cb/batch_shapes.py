@@ -3,8 +3,9 @@
 A CUDA graph of the canary's step bakes in the shapes of the batch tensors (see
 :mod:`kvcanary.runtime.step_graphs`): how many batch rows and forward tokens.  An engine's steps vary in
 both (the GPU demo's dense run: 44 (rows, tokens) pairs in 720 steps, and with the truth writes in the key
-too, 130 steps ran eagerly, each paying several Triton launches of host time).  Rounded up to powers of two,
-at least :data:`SMALLEST` and at most the capacities, they fall into a few classes.  The padding is inert:
+too, 130 steps ran eagerly, each paying several Triton launches of host time).  Rounded up (rows to powers of two,
+tokens to powers of four: :data:`TOKEN_GROWTH`), at least :data:`SMALLEST` and at most the capacities, they fall
+into a few classes.  The padding is inert:
 a padding row has the padding row's table row (0) and no lengths, and a padding token lies past every row's
 writes (its ``out_cache_loc`` is ``NOT_STORED``); the kernels skip both at no measurable cost.  (The truth's
 writes stay out of the graph: see :meth:`~kvcanary.adapters.transformers_cb.truth_store.TruthStore.deferred`.)
@@ -48,17 +49,31 @@ def forward_padded(kwargs: Mapping[str, Any], rows: int, n_tok: int, n_query: in
     return n_tok > n_query or (cu_q is not None and cu_q.numel() > rows + 1)
 
 
-def bucket(n: int, cap: int) -> int:
-    """``n`` rounded up to a power of two and to at least :data:`SMALLEST`, at most ``cap`` (``n`` itself when
-    it is 0 or already past ``cap``)."""
+# Token classes grow fourfold (16, 64, 256, ...): each class a loop meets costs the canary a full step (a full
+# translation, an eager step and a capture: about 3 ms of host time on the GPU demo), while a padding token costs its
+# kernels next to nothing.  Rows stay at powers of two (a batch's rows change one request at a time).
+TOKEN_GROWTH = 4
+
+
+def bucket(n: int, cap: int, growth: int = 2) -> int:
+    """``n`` rounded up to :data:`SMALLEST` times a power of ``growth`` (a power of two), at most ``cap`` (``n``
+    itself when it is 0 or already past ``cap``)."""
     if n <= 0 or n >= cap:
         return n
-    return min(max(1 << (n - 1).bit_length(), SMALLEST), cap)
+    c = SMALLEST
+    while c < n:
+        c *= growth
+    return min(c, cap)
+
+
+def bucket_tokens(n_tok: int, cap: int) -> int:
+    """A step's forward tokens rounded up to their class (:data:`TOKEN_GROWTH`)."""
+    return bucket(n_tok, cap, TOKEN_GROWTH)
 
 
 def shape_class(b: int, n_tok: int, max_batch: int, max_tokens: int) -> tuple[int, int]:
     """A step's rows and tokens rounded up to its class (the tokens within ``max_tokens``, 0: not capped below)."""
-    return bucket(b, max_batch), bucket(n_tok, max(max_tokens, n_tok))
+    return bucket(b, max_batch), bucket_tokens(n_tok, max(max_tokens, n_tok))
 
 
 class ShapeClasses:
@@ -152,7 +167,7 @@ class StepShape:
     ) -> StepShape:
         """Rows and tokens rounded up (see :func:`bucket`), the engine's token tensors viewed as one dimension; the
         tokens stay as they are (flattened) when the engine's buffers are too short to view more of."""
-        want = bucket(int(input_ids.numel()), max_tokens)
+        want = bucket_tokens(int(input_ids.numel()), max_tokens)
         ids, pos = widen(input_ids, want), widen(positions, want)
         if ids is None or pos is None:
             ids, pos = flat(input_ids), flat(positions)
