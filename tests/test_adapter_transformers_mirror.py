@@ -48,7 +48,7 @@ def test_a_copy_that_lands_moves_the_records_and_one_that_misses_the_cache_does_
     for lands in (True, False):
         rec = stamped(g, [4])
         view = a._copy_view if lands else a._copy_view.clone()  # the lost copy writes a buffer nobody reads
-        with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+        with byte_moves.BlockWriteObserver(byte_moves.watch({NAME: byte_moves.block_view(a)})) as seen:
             engine_copy(view, [4], [7])
         for w in seen.writes:
             mirror.apply_block_write(g, rec, w)
@@ -60,7 +60,7 @@ def test_a_write_of_unknown_origin_leaves_its_blocks_without_records() -> None:
     g = geometry()
     a = allocator(g)
     rec = stamped(g, [3, 5])
-    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+    with byte_moves.BlockWriteObserver(byte_moves.watch({NAME: byte_moves.block_view(a)})) as seen:
         a._copy_view.index_copy_(0, torch.tensor([5]), torch.ones(1, BYTES_PER_BLOCK, dtype=torch.uint8))
     for w in seen.writes:
         mirror.apply_block_write(g, rec, w)
@@ -74,7 +74,7 @@ def test_a_copy_is_seen_whichever_way_the_engine_spells_its_calls(form: str) -> 
     a = allocator(g)
     rec = stamped(g, [2])
     view, src, dst = a._copy_view, torch.tensor([2]), torch.tensor([6])
-    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+    with byte_moves.BlockWriteObserver(byte_moves.watch({NAME: byte_moves.block_view(a)})) as seen:
         if form == "methods":
             engine_copy(view, [2], [6])
         elif form == "keywords":
@@ -113,11 +113,11 @@ def offload_then_restore(read_from: list[int]) -> tuple[GroupGeometry, RecordSto
     rec = stamped(g, [2, 3, 4])
     host = mirror.HostRecords()
     views = {NAME: byte_moves.block_view(a)}
-    with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
+    with byte_moves.BlockWriteObserver(byte_moves.watch(views), host_pool=pool) as seen:
         engine_offload(a, pool, [2, 3, 4], [5, 6, 7])
     host.save_all(g, rec, seen.host_saves, 8)
     rec.clear_slots(torch.arange(g.num_slots))
-    with byte_moves.BlockWriteObserver(views, host_pool=pool) as seen:
+    with byte_moves.BlockWriteObserver(byte_moves.watch(views), host_pool=pool) as seen:
         engine_restore(a, pool, read_from, [8, 9, 10])
     for write in seen.writes:
         host.restore(g, rec, write)
@@ -145,7 +145,7 @@ def offloaded_links(gpu: list[int], cpu: list[int]) -> tuple[list[list[int]], in
     pool = torch.zeros(8 * BYTES_PER_BLOCK, dtype=torch.uint8)
     rec = stamped(g, sorted(set(gpu)))
     host = mirror.HostRecords()
-    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}, host_pool=pool) as seen:
+    with byte_moves.BlockWriteObserver(byte_moves.watch({NAME: byte_moves.block_view(a)}), host_pool=pool) as seen:
         engine_offload(a, pool, gpu, cpu)
     with CountedOps() as counted:
         host.save_all(g, rec, seen.host_saves, 8)
@@ -171,13 +171,14 @@ class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignor
         return func(*args, **(kwargs or {}))
 
 
-def test_an_offload_of_many_runs_is_mirrored_in_one_write_a_field_and_a_repeated_host_block_keeps_the_last() -> None:
+def test_an_offload_of_many_runs_is_mirrored_in_one_write_a_view_and_a_repeated_host_block_keeps_the_last() -> None:
     g = geometry()
     original = stamped(g, [1, 2, 3, 4])
     got, writes = offloaded_links([1, 2, 3, 4], [4, 5, 6, 7])  # four runs, four distinct host blocks
     assert got == [links(g, original, b) for b in (1, 2, 3, 4)]
-    fields = len(original.fields())
-    assert writes == fields  # one scatter a field, not one a run
+    fields = len(original.blocks(g.page_size))  # the tokens and positions share one view
+    assert fields == len(original.fields()) - 1
+    assert writes == fields  # one scatter a view, not one a run
     got, writes = offloaded_links([1, 2, 3], [5, 6, 5])  # host block 5 written twice: the later copy (block 3) wins
     assert got == [links(g, original, b) for b in (3, 2)]
     assert writes == 2 * fields
@@ -188,7 +189,8 @@ def test_a_restore_from_bytes_of_unknown_origin_restores_no_record() -> None:
     a = allocator(g)
     rec = stamped(g, [2])
     host = mirror.HostRecords()
-    with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}, host_pool=torch.zeros(8)) as seen:
+    watched = byte_moves.watch({NAME: byte_moves.block_view(a)})
+    with byte_moves.BlockWriteObserver(watched, host_pool=torch.zeros(8)) as seen:
         a._copy_view.index_copy_(0, torch.tensor([2]), torch.zeros(1, BYTES_PER_BLOCK, dtype=torch.uint8))
     assert seen.writes[0].source_host_blocks is None
     mirror.apply_block_write(g, rec, seen.writes[0])
@@ -251,15 +253,17 @@ def test_the_restore_wrapper_scans_the_batch_only_when_the_swap_pool_holds_a_req
     assert calls == [3, 3] and features.restores == 1  # one request came back: counted, its copies observed
 
 
-def test_a_mirrored_move_is_one_gather_and_one_write_a_field() -> None:
+def test_a_mirrored_move_is_one_gather_and_one_write_a_view() -> None:
     """Each op is a launch of host time on CUDA: a fork copy's or a restore's mirror stays at one gather and one
-    write a record field (the index of host block numbers built once), whatever the number of blocks."""
+    write a block view of the records (the tokens and positions share one; the index of host block numbers built
+    once), whatever the number of blocks."""
     g = geometry()
     a = allocator(g)
-    fields = len(stamped(g, []).fields())
+    fields = len(stamped(g, []).blocks(g.page_size))
+    assert fields == 2
     for blocks in ([4], [4, 5, 6]):
         rec = stamped(g, blocks)
-        with byte_moves.BlockWriteObserver({NAME: byte_moves.block_view(a)}) as seen:
+        with byte_moves.BlockWriteObserver(byte_moves.watch({NAME: byte_moves.block_view(a)})) as seen:
             engine_copy(a._copy_view, blocks, [b + 5 for b in blocks])
         mirror.apply_block_write(g, rec, seen.writes[0])  # the first move builds the records' block views
         with CountedOps() as counted:

@@ -45,6 +45,21 @@ def test_block_moves_match_the_slot_moves(page: int, digests: bool) -> None:
             assert torch.equal(a, b)
 
 
+def test_tokens_and_positions_move_as_one_and_stores_laid_out_otherwise_still_exchange_blocks() -> None:
+    rec = filled(9, 0, digests=True)
+    assert [v.shape for v in rec.blocks(4)] == [(2, 2, 4), (1, 2, 4), (1, 2, 4)]  # tokens+positions, links, digests
+    assert rec.positions.data_ptr() - rec.tokens.data_ptr() == 128  # each row at a 128-byte boundary
+    apart = RecordStore(rec.tokens.clone(), rec.positions.clone(), rec.links.clone(), rec.digests.clone())
+    assert [v.shape[0] for v in apart.blocks(4)] == [1, 1, 1, 1]  # fields of their own: one view each
+    spec = filled(9, 0, digests=True)
+    other = filled(9, 5, digests=True)
+    apart.copy_blocks(torch.tensor([1]), torch.tensor([0]), 4, source=other)  # from a joint store
+    rec.copy_blocks(torch.tensor([0]), torch.tensor([1]), 4, source=apart)  # into one
+    for mine, theirs, was, of in zip(rec.fields(), apart.fields(), spec.fields(), other.fields(), strict=True):
+        assert torch.equal(theirs[:4], of[4:8]) and torch.equal(theirs[4:], was[4:])
+        assert torch.equal(mine[4:8], of[4:8]) and torch.equal(mine[:4], was[:4]) and torch.equal(mine[8:], was[8:])
+
+
 def test_digests_turned_on_after_a_move_move_too() -> None:
     rec = filled(9, 0, digests=False)
     rec.copy_blocks(torch.tensor([0]), torch.tensor([1]), 4)  # the block views are built without digests

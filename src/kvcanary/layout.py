@@ -81,6 +81,9 @@ class CanaryGroup:
             raise ValueError(f"padding_row must be >= 0 or None, got {self.padding_row}")
 
 
+_ROW_ALIGN = 32  # int32 elements: 128 bytes
+
+
 @dataclasses.dataclass
 class RecordStore:
     """Per-slot records: token (int32), position (int32), link (int64): 16 bytes a slot.
@@ -95,21 +98,34 @@ class RecordStore:
     # The KV digest (kvcanary.digest), when enabled: int64, 0 = never digested.  It travels with the record.
     digests: torch.Tensor | None = None
 
-    # Every field as [blocks, page] by page size (see :meth:`blocks`): built once, not per move.
-    _block_views: dict[int, tuple[torch.Tensor, ...]] = dataclasses.field(
+    # The fields as [k, blocks, page] by page size and jointness (see :meth:`blocks`): built once, not per move.
+    _block_views: dict[tuple[int, bool], tuple[torch.Tensor, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # Where the positions start past the tokens (in elements) when both are contiguous rows of one tensor, as
+    # allocate lays them out, else 0.  The fields are set once (the views above assume it too): asked on every move,
+    # so found once.
+    _row_gap: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        t, p = self.tokens, self.positions
+        gap = int(p.storage_offset() - t.storage_offset())
+        same = p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        one_dim = t.dim() == p.dim() == 1 and t.shape == p.shape
+        if same and one_dim and t.dtype == p.dtype and t.is_contiguous() and p.is_contiguous() and gap >= t.shape[0]:
+            self._row_gap = gap
 
     BYTES_PER_SLOT = 16  # int32 token + int32 position + int64 link
     DIGEST_BYTES_PER_SLOT = 8
 
     @classmethod
     def allocate(cls, num_slots: int, device: torch.device | str = "cpu") -> RecordStore:
-        return cls(
-            tokens=torch.zeros(num_slots, dtype=torch.int32, device=device),
-            positions=torch.zeros(num_slots, dtype=torch.int32, device=device),
-            links=torch.zeros(num_slots, dtype=torch.int64, device=device),
-        )
+        # Tokens and positions are the two rows of one tensor (each row contiguous, as the kernels load it): a block
+        # move then gathers and writes both with one op each (see :meth:`blocks`).  The rows start at 128-byte
+        # boundaries, as separate allocations would: the kernels specialise their pointers on alignment.
+        stride = -(-num_slots // _ROW_ALIGN) * _ROW_ALIGN
+        pair = torch.zeros(2, stride, dtype=torch.int32, device=device)
+        return cls(pair[0, :num_slots], pair[1, :num_slots], torch.zeros(num_slots, dtype=torch.int64, device=device))
 
     @property
     def num_slots(self) -> int:
@@ -137,27 +153,34 @@ class RecordStore:
         for t in self.fields():
             t[slots] = 0
 
-    def blocks(self, page: int) -> tuple[torch.Tensor, ...]:
-        """Every field (:meth:`fields`) viewed as ``[blocks, page]``: the slots of whole blocks of ``page`` slots
-        (slots past the last whole block, the reserved ones, are left out)."""
-        views = self._block_views.get(page)
+    def blocks(self, page: int, joint: bool = True) -> tuple[torch.Tensor, ...]:
+        """Every field (:meth:`fields`) viewed as ``[k, blocks, page]``, blocks along dimension 1: the slots of whole
+        blocks of ``page`` slots (slots past the last whole block, the reserved ones, are left out).  With ``joint``,
+        the tokens and positions are one view of ``k = 2`` where :meth:`allocate` laid them out as the rows of one
+        tensor; every other field is a view of ``k = 1``."""
+        views = self._block_views.get((page, joint))
         if views is None:
             whole = self.num_slots - self.num_slots % page
-            views = self._block_views[page] = tuple(t[:whole].view(-1, page) for t in self.fields())
+            rows = [t.unsqueeze(0) for t in self.fields()]
+            if joint and self._row_gap:
+                rows[:2] = [self.tokens.as_strided((2, self.num_slots), (self._row_gap, 1))]
+            views = self._block_views[page, joint] = tuple(r[:, :whole].view(r.shape[0], -1, page) for r in rows)
         return views
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, page: int, source: RecordStore | None = None) -> None:
         """Mirror an engine's copy of whole blocks: the records of blocks ``src`` (of ``source``, default this store)
-        into blocks ``dst`` (int64) of this store.  One gather and one write a field: a move of the GPU demo's made
-        sixteen device ops per group through per-slot indices, the engine's moves the largest share of the
-        canary's host time on the hybrid model."""
-        for to, of in zip(self.blocks(page), (source or self).blocks(page), strict=True):
-            to.index_copy_(0, dst, of.index_select(0, src))
+        into blocks ``dst`` (int64) of this store.  One gather and one write per :meth:`blocks` view (the tokens and
+        positions share one): a move of the GPU demo's made sixteen device ops per group through per-slot indices,
+        the engine's moves the largest share of the canary's host time on the hybrid model."""
+        source = source or self
+        joint = bool(self._row_gap) == bool(source._row_gap)  # laid out alike: the joint views line up
+        for to, of in zip(self.blocks(page, joint), source.blocks(page, joint), strict=True):
+            to.index_copy_(1, dst, of.index_select(1, src))
 
     def clear_blocks(self, blocks: torch.Tensor, page: int) -> None:
         """No record in whole blocks ``blocks`` (int64): their bytes come from nowhere the canary knows."""
         for t in self.blocks(page):
-            t.index_fill_(0, blocks, 0)
+            t.index_fill_(1, blocks, 0)
 
     def clone(self) -> RecordStore:
         digests = None if self.digests is None else self.digests.clone()
