@@ -37,12 +37,13 @@ class BulkMoveWrappers:
             if b is None or not b.owns_allocator(allocator):
                 return original(allocator, source_block_ids, dest_block_ids)
             name = str(allocator.layer_type)
-            with byte_moves.BlockWriteObserver(keys=self._views.keys({name: allocator})) as seen:
+            with byte_moves.BlockWriteObserver(self._views.keys({name: allocator})) as seen:
                 out = original(allocator, source_block_ids, dest_block_ids)
             start = time.perf_counter_ns()
+            index = mirror.MoveIndex()  # the digest's notes use the mirror's index tensors
             for write in seen.writes:
-                mirror.apply_block_write(b.geometries[name], b.records(name), write)
-                _digest_moved(b, name, write)
+                mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
+                _digest_moved(b, name, write, index)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.fork_block_copies += len(source_block_ids)
             return out
@@ -91,7 +92,7 @@ class BulkMoveWrappers:
                             b.host.restore(b.geometries[name], b.records(name), write, index)
                         else:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
-                        _digest_moved(b, name, write, om)
+                        _digest_moved(b, name, write, index, om)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.restores += restored
             return out
@@ -100,11 +101,12 @@ class BulkMoveWrappers:
 
     def _observer(self, b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
         allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
-        return byte_moves.BlockWriteObserver(keys=self._views.keys(allocators), host_pool=om._cpu_tensor)
+        return byte_moves.BlockWriteObserver(self._views.keys(allocators), host_pool=om._cpu_tensor)
 
 
-def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, om: Any = None) -> None:
-    """With the KV digest on: note where the written blocks' bytes came from, and verify them.
+def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, index: mirror.MoveIndex, om: Any = None) -> None:
+    """With the KV digest on: note where the written blocks' bytes came from, and verify them (``index``: the move's
+    index tensors, built once for the mirror and these notes).
 
     The source (the gathered device blocks of a fork copy, or the host blocks a restore read, through the
     swap pool's own layout: ``om``) is only remembered -- the tensors the move already has, no copy, no
@@ -121,11 +123,11 @@ def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, om: Any =
     digest = b.manager.digest_of(name)
     if digest is None:
         return
-    geometry = b.geometries[name]
-    dest = geometry.block_slots(write.dest.to(b.records(name).device, non_blocking=True))
+    geometry, device = b.geometries[name], b.records(name).device
+    dest = geometry.block_slots(index.blocks((write.dest,), device))
     hosts = write.source_host_blocks
     if write.source_blocks is not None:
-        digest.note_move(dest, geometry.block_slots(write.source_blocks.to(dest.device, non_blocking=True)))
+        digest.note_move(dest, geometry.block_slots(index.blocks((write.source_blocks,), device)))
     elif hosts and min(hosts) >= 0 and om is not None:
         layout = b.host_layout(name, om)
         if layout is not None:  # host block numbers are host ints: the source slots stay on the CPU

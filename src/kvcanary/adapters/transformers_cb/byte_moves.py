@@ -76,16 +76,11 @@ def _arg(args: Any, kwargs: Mapping[str, Any], i: int, name: str) -> Any:
 class BlockWriteObserver(TorchFunctionMode):
     """Active only around one engine move: records the block writes into the watched views."""
 
-    def __init__(
-        self,
-        views: Mapping[str, torch.Tensor] | None = None,
-        host_pool: torch.Tensor | None = None,
-        *,
-        keys: Mapping[_Key, tuple[str, ...]] | None = None,
-    ) -> None:
-        """Watch ``views`` (group -> block view), or the views whose ``keys`` were kept (:meth:`BlockViews.keys`)."""
+    def __init__(self, keys: Mapping[_Key, tuple[str, ...]], host_pool: torch.Tensor | None = None) -> None:
+        """Watch the block views whose ``keys`` are given (:func:`watch`; kept from move to move by
+        :meth:`BlockViews.keys`), and the engine's host swap pool ``host_pool`` when given."""
         super().__init__()
-        self._views = watch(views or {}) if keys is None else keys
+        self._views = keys
         self._gathers: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # index_select result -> its blocks
         self._host = None if host_pool is None else host_pool.untyped_storage().data_ptr()
         self._staged: dict[int, list[int]] = {}  # storage of a staging tensor -> host block of each row
