@@ -106,7 +106,7 @@ class Requests:
             kwargs = self._in_buffers(kwargs, self.buffer_sets[self.past % len(self.buffer_sets)])
         # The engine's histories, as the adapter captures them (History: read without copying).
         truth = tuple(History(self.prompts[r], self.generated[r]) for r in range(b))
-        host = HostBatch(tuple(self.ids), (p,) * b, (1,) * b, truth)
+        host = HostBatch(tuple(self.ids), (p,) * b, (1,) * b, truth, histories=True)
         for g in self.generated:
             g.append(7)
         self.past += 1

@@ -79,6 +79,7 @@ class HostBatch:  # dataclass's initialiser takes a path nothing else on the ste
     past_lens: tuple[int, ...]
     query_lens: tuple[int, ...]
     truth: tuple[Sequence[int], ...]  # per request: the token ids the scheduler believes are at 0, 1, ...
+    histories: bool = False  # every truth entry is a History (the engine capture): taken as it is by the truth store
 
     @classmethod
     def from_future_states(cls, future_states: Sequence[Any]) -> HostBatch:
@@ -89,7 +90,7 @@ class HostBatch:  # dataclass's initialiser takes a path nothing else on the ste
             past.append(state.position_offset)
             query.append(fs.query_length)
             truth.append(History(state.initial_tokens, state.generated_tokens))
-        return cls(tuple(ids), tuple(past), tuple(query), tuple(truth))
+        return cls(tuple(ids), tuple(past), tuple(query), tuple(truth), True)
 
     @property
     def batch_size(self) -> int:

@@ -91,10 +91,12 @@ class TruthStore:
         stamp = self._plans
         gather = [0]  # table row 0, then per batch row its store row (0: left out)
         lens: list[int] = []  # per batch row: its valid length
-        widest = 1
         cells: list[int] = []
         tokens: list[int] = []
-        for rid, hist, ok in zip(host.request_ids, host.truth, live, strict=True):
+        truth = host.truth
+        if not host.histories:  # built by hand (tests, benchmarks): each row as a History, once
+            truth = tuple(h if type(h) is History else History([int(t) for t in h], ()) for h in truth)
+        for rid, h, ok in zip(host.request_ids, truth, live, strict=True):
             if not ok:
                 gather.append(0)
                 lens.append(0)
@@ -103,7 +105,6 @@ class TruthStore:
             if entry is None:
                 entry = sent_map[rid] = _Sent(self._take_row(host.request_ids), width)
             entry.used = stamp
-            h = hist if type(hist) is History else History([int(t) for t in hist], ())
             # Plain statements, no tuple assignments or conditional expressions: fewer bytecodes in the usual row.
             n = h.size
             if n > width:
@@ -145,11 +146,10 @@ class TruthStore:
                 entry.n, entry.start, entry.base, entry.sent = n, start, start, new
             gather.append(entry.row)
             lens.append(n)
-            widest = n if n > widest else widest
         return TruthUpdate(
             gather=array.array("q", gather),
             lens=array.array("q", lens),
-            width=widest,
+            width=max(lens, default=0) or 1,
             cells=array.array("q", cells),
             tokens=_int32(tokens),
         )
