@@ -93,9 +93,11 @@ class TruthStore:
         lens: list[int] = []  # per batch row: its valid length
         cells: list[int] = []
         tokens: list[int] = []
-        truth = host.truth
-        if not host.histories:  # built by hand (tests, benchmarks): each row as a History, once
-            truth = tuple(h if type(h) is History else History([int(t) for t in h], ()) for h in truth)
+        truth: Sequence[History]
+        if host.histories:
+            truth = host.truth  # type: ignore[assignment]  # the engine's capture: every entry a History
+        else:  # built by hand (tests, benchmarks): each row as a History, once
+            truth = tuple(h if type(h) is History else History([int(t) for t in h], ()) for h in host.truth)
         for rid, h, ok in zip(host.request_ids, truth, live, strict=True):
             if not ok:
                 gather.append(0)
