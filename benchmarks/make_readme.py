@@ -51,7 +51,8 @@ Also here: `bench_e2e.py` (the canary inside a CUDA-graphed Qwen3-0.6B-shaped mo
 `steady_coverage.py` (how many of the demo's steps reuse a kept translation, the translator laid out as on
 CUDA, on any device), `step_instructions.py` (a steady translation step's instructions and simulated cache-line
 misses under cachegrind: counts that repeat exactly, for host-path changes where wall-clock times are too noisy;
-`results/cpu-instructions/`),
+`results/cpu-instructions/`), `step_bytecodes.py` (the bytecodes and calls of each translation and host-batch capture
+of the CPU demo, laid out as on CUDA, by kind of step: steady, a request joined, full; `results/cpu-bytecodes/`),
 `bench_vllm_host.py` (the vLLM adapter's host time per step on the CPU engine), `bench_digest.py` (the KV
 digest, below), `kernel_sweep.py` (the goal scenarios under every combination of a grid of `KernelTuning`
 fields, or a hand-picked list: `results/*-kernel-sweep.txt`, older runs `*-sweep.txt`), `digest_sweep.py`
