@@ -10,7 +10,6 @@ Usage: PYTHONPATH=src python scripts/gpu/host_profile.py [--model dense|hybrid|s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import io
@@ -22,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import probe_args
 import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -106,12 +106,10 @@ def print_profile(prof: cProfile.Profile, top: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="dense", choices=demo.MODEL_KINDS)
-    p.add_argument("--device", default="cuda")
+    p = probe_args.demo_parser(__doc__.splitlines()[0])
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
-    opts = demo.DemoOptions(model=args.model, device=args.device)
+    opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators

@@ -19,7 +19,6 @@ Usage: PYTHONPATH=src python scripts/gpu/phase_probe.py [--model hybrid] [--pair
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import gc
@@ -28,6 +27,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import probe_args
 
 from kvcanary import demo
 from kvcanary.config import CanaryConfig, Mode
@@ -105,13 +106,11 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="hybrid", choices=demo.MODEL_KINDS)
+    p = probe_args.demo_parser(__doc__.splitlines()[0], default_model="hybrid")
     p.add_argument("--pairs", type=int, default=5)
-    p.add_argument("--device", default="cuda")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up (full collections cheap)")
     args = p.parse_args()
-    opts = demo.DemoOptions(model=args.model, device=args.device)
+    opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
 

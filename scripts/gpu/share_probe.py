@@ -17,7 +17,6 @@ Usage: PYTHONPATH=src python scripts/gpu/share_probe.py [--model hybrid] [--top 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import cProfile
@@ -29,6 +28,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import probe_args
 import torch
 
 from kvcanary import demo
@@ -104,13 +104,11 @@ def one_run(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="hybrid", choices=demo.MODEL_KINDS)
+    p = probe_args.demo_parser(__doc__.splitlines()[0], default_model="hybrid")
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=64)
     args = p.parse_args()
-    opts = demo.DemoOptions(model=args.model, device=args.device, requests=args.requests)
+    opts = probe_args.options_of(args, requests=args.requests)
     model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")
