@@ -13,6 +13,8 @@
 #   oldphases the same against the tree above OLD_SRC (an A/B of a change to the engine-side hooks in one call)
 #   timeline  scripts/gpu/device_timeline.py on TIMELINE_MODELS (default dense): the demo traced with the canary off
 #             and on (GPU busy time, the canary's kernels, the host's time in each CUDA runtime call)
+#   interference scripts/gpu/launch_interference.py: does canary-like work between two steps slow the engine's next
+#             step (its Python leaving the caches cold, or its CUDA calls)?
 #   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
@@ -76,6 +78,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
                 timeout "${T_TIMELINE:-120}" python3 scripts/gpu/device_timeline.py --model "$model" \
                   >"$OUT/timeline_$model.txt" 2>&1
               done ;;
+    interference) timeout "${T_INTERFERENCE:-120}" python3 scripts/gpu/launch_interference.py >"$OUT/interference.txt" 2>&1 ;;
     tapsteps) for model in ${TAPSTEP_MODELS:-dense}; do
                 timeout "${T_TAPSTEPS:-90}" python3 scripts/gpu/tap_steps.py --model "$model" >"$OUT/tapsteps_$model.txt" 2>&1
               done ;;

@@ -9,6 +9,9 @@ alternating pairs like ``kvcanary demo --baseline``:
 - ``offload`` / ``restore``: the offloading manager's calls (the canary mirrors their moves);
 - ``tensors``: ``prepare_batch_tensors`` (the canary captures the host batch there);
 - ``compute``: ``ModelRunner.compute_batch`` (the forward and sampling; the canary's step tap runs inside);
+- ``engine compute``: the same method as the engine has it, timed inside the canary's wrapper (so without the tap):
+  what ``compute`` adds beyond it and the tap's own timer is the wrapper's; what it adds itself, the engine's own
+  forward running longer with the canary on (the CPU caches the tap left, the canary's CUDA calls before it);
 - ``wait``: ``retrieve_device_outputs`` (the host waiting for the device: the canary's device work shows here);
 - ``update``: ``update_batch`` (the engine's bookkeeping, fork copies the canary mirrors);
 - ``outside``: the run's wall time outside the loop bodies (manager set-up and tear-down, thread hand-offs).
@@ -77,11 +80,28 @@ def phase_clocks() -> Iterator[collections.Counter[str]]:
             setattr(cls, method, original)
 
 
+@contextlib.contextmanager
+def engine_compute_clock(ns: collections.Counter[str]) -> Iterator[None]:
+    """``ModelRunner.compute_batch`` timed as the engine's own (entered before the canary's install wraps it)."""
+    cls = importlib.import_module(f"{_CB}.model_runner").ModelRunner
+    original = cls.__dict__["compute_batch"]
+    cls.compute_batch = _timed(original, "engine_compute", ns)
+    try:
+        yield
+    finally:
+        cls.compute_batch = original
+
+
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, float]:
     from kvcanary.adapters.transformers_cb import install
 
     collected = [g["collections"] for g in gc.get_stats()]
-    with install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)) as c, phase_clocks() as ns:
+    inner: collections.Counter[str] = collections.Counter()
+    with (
+        engine_compute_clock(inner),
+        install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)) as c,
+        phase_clocks() as ns,
+    ):
         start = time.perf_counter_ns()
         demo.generate_waves(model, prompts, opts)
         total = time.perf_counter_ns() - start
@@ -90,6 +110,7 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
     steps = ns["compute_calls"]
     ms = 1e-6 / steps
     parts = {k: ns[k] * ms for k in ("offload", "restore", "tensors", "compute", "wait", "update")}
+    parts["engine compute"] = inner["engine_compute"] * ms
     parts["schedule"] = ns["next_batch"] * ms - parts["offload"] - parts["restore"] - parts["tensors"]
     inner = ns["next_batch"] + ns["compute"] + ns["wait"] + ns["update"]
     parts["loop other"] = (ns["body"] - inner) * ms
