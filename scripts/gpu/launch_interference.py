@@ -37,7 +37,7 @@ def engine_step(layers: list[torch.Tensor], x: torch.Tensor) -> Callable[[], Non
             for _ in range(8):
                 h = torch.nn.functional.silu(h @ w) + h
                 h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        int(h[0, 0].argmax())  # the engine waits for its sampled tokens
+        int(h[0].argmax())  # the engine waits for its sampled tokens
 
     return step
 
