@@ -24,7 +24,8 @@
 #   captures  scripts/gpu/capture_costs.py (a step graph's capture piece by piece, the GPU idle and busy)
 #   gputests  the GPU-marked tests no other script runs (translation never waits on the device, the step
 #             graphs against eager launches, the mirror of offloads and restores and vLLM's block moves never
-#             wait) and the translation kernel's and the step close's suites compiled (gputests.log)
+#             wait) and the translation kernel's, the step close's and the outbox publish's suites compiled, the
+#             publish's under compute-sanitizer memcheck too (gputests.log)
 # Each stage has its own time limit and writes under $OUT as it goes, so a cut-short call keeps what
 # finished.  Needs the transformers 5.24.0 wheel in .whl (see transformers_wheel.sh) and COMMIT=<sha>.
 set -uo pipefail
@@ -100,12 +101,16 @@ for s in ${STAGES:-e2e cb demo profile}; do
     opcosts) timeout 60 python3 scripts/gpu/op_costs.py >"$OUT/op_costs.txt" 2>&1 ;;
     gputests) timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider -m gpu \
                 tests/test_adapter_transformers_cost.py tests/test_runtime_step_graphs.py tests/test_runtime_streams.py \
-                tests/test_adapter_transformers_mirror.py tests/test_layout_block_index.py \
+                tests/test_adapter_transformers_mirror.py tests/test_layout_block_index.py tests/test_runtime_publish.py \
                 >>"$OUT/gputests.log" 2>&1
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
                 tests/test_adapter_transformers_translate_kernel.py tests/test_adapter_transformers_steady_step.py \
-                tests/test_runtime_step_close.py \
-                >>"$OUT/gputests.log" 2>&1 ;;
+                tests/test_runtime_step_close.py tests/test_runtime_publish.py \
+                >>"$OUT/gputests.log" 2>&1
+              PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SANITIZE:-120}" compute-sanitizer --tool memcheck \
+                --error-exitcode 99 --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_publish.py \
+                >>"$OUT/gputests.log" 2>&1
+              echo "publish sanitizer exit $?" >>"$OUT/gputests.log" ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;
   esac
   echo "[$s exit $?]" | tee -a "$OUT/run.log" >&2

@@ -34,6 +34,7 @@ from kvcanary.runtime.buffers import Layout, StepWork
 from kvcanary.runtime.capture import is_capturing, stream_capturing_probe
 from kvcanary.runtime.decode import EMPTY_STATS, StepDecoder
 from kvcanary.runtime.metrics import make_registry
+from kvcanary.runtime.publish import can_publish
 from kvcanary.runtime.pump import CopyFence, LaggedPump
 from kvcanary.runtime.report import FailRequestCallback, StepReport, Violation
 from kvcanary.runtime.step_graphs import GRAPH_STAT_KEYS, Prelude, StepGraphs, StepKeys, cuda_step_graphs
@@ -58,7 +59,8 @@ class CanaryManager:
     method is a no-op and :attr:`canaries` is empty.  Decoding and acting on a step's copy is
     :class:`~kvcanary.runtime.decode.StepDecoder`'s job.  ``static_batches``: the caller hands
     :meth:`forward_step` static buffers of a bounded set of shapes, so the canary's step graph of a key is
-    captured the first time it is seen (see :mod:`~kvcanary.runtime.step_graphs`).
+    captured the first time it is seen (see :mod:`~kvcanary.runtime.step_graphs`).  ``publish_outbox``: the step's
+    device work writes the outbox into the host buffers itself, where it can (:mod:`~kvcanary.runtime.publish`).
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class CanaryManager:
         *,
         clock: Callable[[], float] = time.monotonic,
         static_batches: bool = False,
+        publish_outbox: bool = False,
     ) -> None:
         if not isinstance(config, CanaryConfig):
             raise TypeError(f"config must be a kvcanary.CanaryConfig, got {type(config).__name__}")
@@ -110,7 +113,8 @@ class CanaryManager:
         self._work = StepWork(
             list(self.canaries.values()), layout, self.device, close_kernel=self._cuda and self._kernels
         )
-        self._pump = LaggedPump(self._work.outbox, layout)
+        publish = publish_outbox and self._kernels and can_publish(self.device)
+        self._pump = LaggedPump(self._work.outbox, layout, publish=publish)
         self.copy_fence = self._pump.fence
         self._decoder = StepDecoder([g.name for g in groups], layout, config, on_fail_request, clock)
         # The canary's own graphs of a step's device work (CUDA kernels, eager engine, no host value checks).
@@ -225,8 +229,8 @@ class CanaryManager:
         ``batches`` mapping and ``prelude`` as a recent step's (objects, not equal ones) reuse its key: an adapter
         hands them again only when nothing in them changed (the transformers adapter's steady steps).
         """
-        graphs = self._graphs
-        if graphs is None or self._open or (self._cuda and self._stream_capturing()):
+        graphs, publish = self._graphs, self._pump.publish_for(self._step)  # with a publisher: the graph publishes
+        if graphs is None or self._open or (self._cuda and self._stream_capturing()) or self._published(publish):
             if prelude is not None:
                 prelude.run()
             self.before_forward(batches)
@@ -235,6 +239,7 @@ class CanaryManager:
         ordered, key = self._step_keys(batches, prelude)
         if graphs.replay(key):
             self._eager_forwards += 1
+            self._pump.published_step = self._step
             return
         started = time.perf_counter_ns()
         if prelude is not None:
@@ -242,18 +247,27 @@ class CanaryManager:
         self.before_forward(batches)
         self.after_forward()
         work = self._work
+        if publish is not None:
+            publish()
+        self._pump.published_step = self._step
 
         def step_work() -> None:
             if prelude is not None:
                 prelude.run()
             work.before(ordered)
             work.after()
+            if publish is not None:
+                publish()
 
         try:
             graphs.ran_eagerly(key, step_work, started)
         except Exception:  # a capture the driver refused: the step ran eagerly already; stay eager from now on
             logger.exception("kvcanary: capturing the canary's step graph failed; the canary runs eagerly from now on")
             self._graphs = None
+
+    def _published(self, publish: Callable[[], None] | None) -> bool:
+        """Whether this host step's outbox was published already (a second forward: it runs eagerly, unpublished)."""
+        return publish is None and self._pump.publisher is not None
 
     def graph_stats(self) -> dict[str, int]:
         """The canary's own graphs: steps replayed, captured and run eagerly (:meth:`StepGraphs.stats`; zero where

@@ -18,6 +18,12 @@ its totals from (as of the last decoded step, without copying them).
 
 On CPU there is no event: every copy has landed when it is taken, so step k - 1 is always decoded by
 host step k.
+
+With a publisher (:mod:`.publish`) the device work of host step k writes the outbox into buffer ``k % 3`` itself
+and sets that buffer's flag: the host step makes no copy and records no event, and "landed" is a read of the flag.
+The step's work publishes inside the canary's step graph (:meth:`LaggedPump.publish_for`); a host step whose
+forward did not publish launches the publish itself when it stages.  Four buffers then: the publish is queued before
+its host step decodes (see :data:`.publish.NUM_BUFFERS`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -33,8 +40,12 @@ import torch
 
 from kvcanary.runtime.buffers import Layout
 from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
+from kvcanary.runtime.publish import NUM_BUFFERS as PUBLISH_BUFFERS
+from kvcanary.runtime.publish import OutboxPublisher
 from kvcanary.schema import NUM_COUNTERS
 from kvcanary.workspace import ViolationLog
+
+logger = logging.getLogger("kvcanary")
 
 NUM_BUFFERS = 3
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
@@ -67,38 +78,90 @@ class HostBuffer:
     step: int = -1
     request_ids: tuple[object, ...] | None = None
     known_landed: bool = False  # the copy was seen complete: no second call to the device for it
+    flags: memoryview | None = None  # published (see .publish): every buffer's flag, this one's at ``slot``
+    slot: int = 0
+    catch_up: Callable[[HostBuffer], None] | None = None  # published: waits for the device, when the flag is not set
 
     def landed(self) -> bool:
         """Whether the copy has completed (never waits)."""
         if not self.known_landed:
-            self.known_landed = self.transfer is None or self.transfer.landed()
+            flags = self.flags
+            if flags is not None:
+                self.known_landed = flags[self.slot] == self.step + 1
+            else:
+                self.known_landed = self.transfer is None or self.transfer.landed()
         return self.known_landed
 
     def wait(self) -> None:
-        if not self.known_landed and self.transfer is not None:
-            self.transfer.wait()
+        if not self.known_landed:
+            if self.catch_up is not None:
+                self.catch_up(self)
+            elif self.transfer is not None:
+                self.transfer.wait()
         self.known_landed = True
 
 
 class LaggedPump:
-    def __init__(self, outbox: torch.Tensor, layout: Layout) -> None:
+    def __init__(self, outbox: torch.Tensor, layout: Layout, *, publish: bool = False) -> None:
+        """``publish``: the device work publishes the outbox (see :mod:`.publish`; needs the Triton kernels)."""
         self._outbox = outbox
         self._cuda = outbox.device.type == "cuda"
-        self._calls = CudaCalls(outbox.device.index or 0) if self._cuda else None
         self._outbox_bytes = outbox.nbytes
         self.phase_offset = layout.phase_offset
-        self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
+        self.publisher: OutboxPublisher | None = None
+        self.published_step = -1  # the host step whose device work published already (see publish_for)
+        self.publish_misses = 0  # host steps whose publish never landed (see _catch_up): none on a working device
+        if publish:
+            size = (PUBLISH_BUFFERS, layout.outbox_size)
+            block = torch.zeros(size, dtype=torch.int64, pin_memory=self._cuda)
+            self._flags = torch.zeros(PUBLISH_BUFFERS, dtype=torch.int64, pin_memory=self._cuda)
+            self.publisher = OutboxPublisher(outbox, block, self._flags)
+            flags = self._flags.numpy().data
+            self._calls = None
+            self.buffers = [self._allocate(layout, block[i], flags, i) for i in range(PUBLISH_BUFFERS)]
+        else:
+            self._calls = CudaCalls(outbox.device.index or 0) if self._cuda else None
+            self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
         self.fence = CopyFence()
 
-    def _allocate(self, layout: Layout) -> HostBuffer:
-        t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
+    def _allocate(
+        self, layout: Layout, t: torch.Tensor | None = None, flags: memoryview | None = None, slot: int = 0
+    ) -> HostBuffer:
+        """A host buffer: its own (pinned on CUDA), or ``t``, buffer ``slot`` of a publisher's block."""
+        if t is None:
+            t = torch.zeros(layout.outbox_size, dtype=torch.int64, pin_memory=self._cuda)
         flat = t.numpy()
         totals = flat[layout.totals_offset : layout.phase_offset].reshape(layout.num_groups, NUM_COUNTERS)
         copy = functools.partial(t.copy_, self._outbox)  # CPU: a plain copy, landed when taken
         transfer = None if self._calls is None else self._calls.download(t, self._outbox)
         logs = layout.logs(t)
-        return HostBuffer(tensor=t, flat=flat, words=flat.data, totals=totals, logs=logs, copy=copy, transfer=transfer)
+        catch_up = None if flags is None else self._catch_up
+        return HostBuffer(
+            tensor=t, flat=flat, words=flat.data, totals=totals, logs=logs, copy=copy, transfer=transfer,
+            flags=flags, slot=slot, catch_up=catch_up,
+        )  # fmt: skip
+
+    def publish_for(self, step: int) -> Callable[[], None] | None:
+        """The publish launch for host step ``step``'s device work to end with (the caller then sets
+        :attr:`published_step`), or None: no publisher, or the step published already (a second forward)."""
+        if self.publisher is None or self.published_step == step:
+            return None
+        return self.publisher.launch
+
+    def _catch_up(self, buf: HostBuffer) -> None:
+        """Wait for ``buf``'s publish; one that never landed (the device skipped it: nothing here does) is replaced
+        by a copy of the outbox as it is now, counted and logged, and the publishes realigned with the host steps."""
+        if self._cuda:
+            torch.cuda.synchronize(self._outbox.device)
+        if buf.landed():
+            return
+        self.publish_misses += 1
+        if self.publish_misses == 1:
+            logger.error("kvcanary: the outbox of host step %d was never published; copied instead", buf.step)
+        buf.tensor.copy_(self._outbox)
+        if self.publisher is not None:  # the next publish is the next host step's
+            self.publisher.state[0] = self.fence.next_step
 
     @property
     def pending_steps(self) -> tuple[int, ...]:
@@ -109,9 +172,12 @@ class LaggedPump:
         """Start copying step ``step``'s outbox; steps up to ``step - MAX_LAG`` must have been taken."""
         if self._pending and self._pending[0].step <= step - MAX_LAG:
             raise RuntimeError(f"step {self._pending[0].step} was not decoded before staging step {step}")
-        buf = self.buffers[step % NUM_BUFFERS]
+        buf = self.buffers[step % len(self.buffers)]
         buf.known_landed = False
-        if buf.transfer is None:
+        if self.publisher is not None:
+            if self.published_step != step:
+                self.publisher.launch()
+        elif buf.transfer is None:
             buf.copy()
         else:
             buf.transfer.send(self._outbox_bytes)

@@ -110,6 +110,7 @@ class Binding:
             backend=backend,
             on_fail_request=on_fail_request,
             static_batches=translator.static and translator.bucket,  # static buffers, one per shape class
+            publish_outbox=True,  # the tap's step graph ends its work by publishing the outbox (no host step copy)
         )
         translator.follow(manager.copy_fence)  # the tap sends and runs the host step on one stream: the engine's
         if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
