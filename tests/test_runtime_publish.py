@@ -9,6 +9,7 @@ tests compile the kernel and write pinned host memory from real CUDA graphs.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -28,6 +29,8 @@ from test_runtime_step_graphs import FakeGraph, run, run_cuda, with_fake_graphs
 pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()
+# The managers below run the kernels on the CPU: Triton's interpreter (a GPU machine runs the kernel test compiled).
+cpu_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
 @pytest.mark.parametrize("size", [1, 7, 1024, 1031, 3001])
@@ -59,6 +62,7 @@ def _summary(reports: list[StepReport | None]) -> list[tuple[int, int, int, tupl
     return [(r.step, r.reported_at, r.total, r.affected_request_ids) for r in reports if r is not None]
 
 
+@cpu_kernels
 @pytest.mark.parametrize("graphs", [True, False], ids=["published-by-the-step-graph", "published-at-the-host-step"])
 def test_a_publishing_manager_reports_what_a_copying_one_reports(graphs: bool) -> None:
     copying = manager(publish=False)
@@ -75,6 +79,7 @@ def test_a_publishing_manager_reports_what_a_copying_one_reports(graphs: bool) -
     assert int(pump.publisher.state[0]) == 10 and pump.publish_misses == 0  # one publish a host step
 
 
+@cpu_kernels
 def test_a_second_forward_in_one_host_step_runs_eagerly_and_publishes_nothing_more() -> None:
     mgr = manager(publish=True)
     log: list[str] = []
@@ -94,6 +99,7 @@ def test_a_second_forward_in_one_host_step_runs_eagerly_and_publishes_nothing_mo
     assert mgr.stats() == copying.stats()
 
 
+@cpu_kernels
 def test_a_publish_that_never_lands_is_copied_counted_and_the_publishes_realigned() -> None:
     layout = Layout([4])
     outbox = torch.arange(layout.outbox_size, dtype=torch.int64)
@@ -185,6 +191,7 @@ def _lagged_run(mgr: CanaryManager, delays: list[int]) -> list[StepReport | None
     return out
 
 
+@cpu_kernels
 @pytest.mark.parametrize("buffers", [4, 3])
 def test_a_publish_queued_before_its_host_step_never_overwrites_totals_the_decoder_still_reads(
     monkeypatch: pytest.MonkeyPatch, buffers: int

@@ -8,8 +8,8 @@ steady host step makes none of those three CUDA calls and reads the flag from me
 on the device; each host step publishes exactly once (in its step graph, else at its host step), so ``seq`` is the
 host step's index.
 
-The host reads a flag and then the buffer; the kernel's release orders the buffer's bytes before the flag on the
-device's side, and the host's loads stay in order only on a CPU that keeps loads in program order (x86-64): the
+The host reads a flag and then the buffer; the kernel's system-scope release orders the buffer's bytes before the flag
+on the device's side, and the host's loads stay in order only on a CPU that keeps loads in program order (x86-64): the
 manager publishes only there (and on the CPU, for tests).
 """
 
