@@ -77,3 +77,18 @@ def test_a_block_past_the_whole_blocks_is_refused() -> None:
     with pytest.raises(IndexError):
         rec.copy_blocks(torch.tensor([0]), torch.tensor([2]), 4)
     assert all(torch.equal(a, b) for a, b in zip(before, rec.fields(), strict=True))  # nothing written
+
+
+@pytest.mark.parametrize("digests", [False, True])
+def test_a_clone_is_laid_out_as_allocated_whatever_the_original_was(digests: bool) -> None:
+    rec = filled(9, 3, digests)
+    apart = RecordStore(rec.tokens.clone(), rec.positions.clone(), rec.links.clone())
+    if digests:
+        apart.enable_digests()
+        assert apart.digests is not None and rec.digests is not None
+        apart.digests.copy_(rec.digests)
+    for original in (rec, apart):
+        copy = original.clone()
+        assert len(copy.blocks(4)) == len(rec.blocks(4)) == 2 + digests  # tokens and positions joint
+        for mine, theirs in zip(copy.fields(), original.fields(), strict=True):
+            assert torch.equal(mine, theirs) and mine.data_ptr() != theirs.data_ptr()

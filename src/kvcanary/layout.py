@@ -183,8 +183,12 @@ class RecordStore:
             t.index_fill_(1, blocks, 0)
 
     def clone(self) -> RecordStore:
-        digests = None if self.digests is None else self.digests.clone()
-        return RecordStore(self.tokens.clone(), self.positions.clone(), self.links.clone(), digests)
+        """A copy laid out as :meth:`allocate` lays a store out (tokens and positions joint), whatever this one's."""
+        out = RecordStore.allocate(self.num_slots, self.device)
+        for dst, src in zip(out.fields(), self.fields(), strict=False):
+            dst.copy_(src)
+        out.digests = None if self.digests is None else self.digests.clone()
+        return out
 
 
 def block_index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:
