@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvcanary import CanaryGroup, Mode
+from kvcanary import CanaryGroup, Mode, StepBatch
 from kvcanary.config import CanaryConfig
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, StepReport
@@ -215,3 +215,33 @@ def test_a_publish_queued_before_its_host_step_never_overwrites_totals_the_decod
     assert found(want) == [(k, 2, ("req-b",)) for k in (9, 10, 11)]
     assert (found(got) == found(want)) is (buffers == 4)  # three buffers: the steps decoded late lose their rows
     assert mgr._pump.publish_misses == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_host_step_waits_for_the_publish_two_steps_back_not_for_the_whole_device() -> None:
+    """A device kept behind (a sleep queued before each step's work, every step's batch on the device beforehand):
+    a host step waits for the step two back, and only for it, so the last steps' work is still queued when the
+    run's last host step returns; the findings are the eager copying manager's."""
+    wl, batches = Workload(), []
+    for k in range(12):
+        if k == 7:
+            alias_first_slot(wl, victim=2, owner=1)
+        batch = wl.batch([(1, 4 if k == 0 else 1), (2, 4 if k == 0 else 1)], truth=True)
+        batches.append(StepBatch(**{n: None if t is None else t.cuda() for n, t in batch.tensors().items()}))
+    torch.cuda.synchronize()
+    results = {}
+    for publish in (False, True):
+        mgr = manager(publish=publish, device="cuda")
+        reports, behind = [], False
+        for batch in batches:
+            torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before the step's work
+            mgr.forward_step({"full": batch})
+            reports.append(mgr.host_step(["req-a", "req-b"]))
+        behind = not torch.cuda.current_stream().query()
+        reports.append(mgr.flush())
+        results[publish] = (mgr.stats(), [(r.step, r.total) for r in reports if r is not None], behind)
+        if publish:
+            assert mgr._pump.publish_misses == 0
+    assert results[True][:2] == results[False][:2] and results[True][1]
+    assert results[True][2]  # never a wait for the whole device
