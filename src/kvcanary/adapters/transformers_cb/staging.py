@@ -8,18 +8,18 @@ wait for the stream -- the model's forward -- to drain, so on CUDA the host buff
 copy asynchronous: nothing waits.
 
 Reuse: the pinned buffers are the staging's own, taken in turn; one whose copy has not run yet is never written:
-another buffer joins the ring instead (nothing waits).  Whether a copy has run is known from an event recorded
-behind it, or, once the staging follows a :class:`~kvcanary.runtime.pump.CopyFence` (the canary manager's, whose
-pump copies on the same stream after each step), from the fence: a buffer's copy was queued before the host step it
-is tagged with, so it has run once the fence says that step's copy landed.  Then a send is one CUDA call (no event
-record) and a take asks the device nothing: two calls fewer a step, each tens of microseconds with the caches cold.
-The copy and the event go through :mod:`kvcanary.runtime.cuda_calls`, the calls the host step makes too: in a
-serving loop the canary's step runs with every cache cold, and each distinct path it touches (torch's pinned
-allocator, a tensor copy) costs tens of microseconds there.  The device buffer is rewritten by the next step's copy,
-ordered on the stream after this step's kernels, so a step's views are valid until the next :meth:`Staging.send`.
-On CPU the views are the host buffer itself, with the same lifetime.  A view is kept and handed out again when an
-array recurs with the same dtype, offset and shape (the per-row arrays, every step): slicing a tensor costs
-microseconds of host time too.
+another buffer joins the ring instead (nothing waits). Whether a copy has run is known from an event recorded behind
+it, or, once the staging follows a :class:`~kvcanary.runtime.pump.CopyFence` (the canary manager's, whose pump
+copies, or whose step graph publishes, the outbox on the same stream after each step), from the fence: a buffer's
+copy was queued before the host step it is tagged with, so it has run once the fence says that step's copy landed.
+Then a send is one CUDA call (no event record) and a take asks the device nothing: two calls fewer a step, each tens
+of microseconds with the caches cold. The copy and the event go through :mod:`kvcanary.runtime.cuda_calls`, the
+calls the host step makes too: in a serving loop the canary's step runs with every cache cold, and each distinct
+path it touches (torch's pinned allocator, a tensor copy) costs tens of microseconds there. The device buffer is
+rewritten by the next step's copy, ordered on the stream after this step's kernels, so a step's views are valid
+until the next :meth:`Staging.send`. On CPU the views are the host buffer itself, with the same lifetime. A view is
+kept and handed out again when an array recurs with the same dtype, offset and shape (the per-row arrays, every
+step): slicing a tensor costs microseconds of host time too.
 
 Views start at :data:`ALIGN`-byte boundaries: the Triton kernels specialise pointer arguments on
 16-byte alignment, and a misaligned view would compile another variant of a kernel.
