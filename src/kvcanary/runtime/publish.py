@@ -54,8 +54,8 @@ class OutboxPublisher:
 
 
 def publish_reference(outbox: torch.Tensor, block: torch.Tensor, flags: torch.Tensor, state: torch.Tensor) -> None:
-    """The kernel's spec, as torch ops on the CPU: the outbox into buffer ``seq % 3``, its flag ``seq + 1``, ``seq``
-    counted on (``state``: ``[seq, ticket]``, the ticket left at zero)."""
+    """The kernel's spec, as torch ops on the CPU: the outbox into buffer ``seq % NUM_BUFFERS``, its flag
+    ``seq + 1``, ``seq`` counted on (``state``: ``[seq, ticket]``, the ticket left at zero)."""
     seq = int(state[0])
     slot = seq % NUM_BUFFERS
     block[slot].copy_(outbox)

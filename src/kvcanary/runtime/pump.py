@@ -19,7 +19,7 @@ its totals from (as of the last decoded step, without copying them).
 On CPU there is no event: every copy has landed when it is taken, so step k - 1 is always decoded by
 host step k.
 
-With a publisher (:mod:`.publish`) the device work of host step k writes the outbox into buffer ``k % 3`` itself
+With a publisher (:mod:`.publish`) the device work of host step k writes the outbox into buffer ``k % 4`` itself
 and sets that buffer's flag: the host step makes no copy and records no event, and "landed" is a read of the flag.
 The step's work publishes inside the canary's step graph (:meth:`LaggedPump.publish_for`); a host step whose
 forward did not publish launches the publish itself when it stages.  Four buffers then: the publish is queued before
