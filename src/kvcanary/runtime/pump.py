@@ -49,7 +49,7 @@ from kvcanary.workspace import ViolationLog
 logger = logging.getLogger("kvcanary")
 
 NUM_BUFFERS = 3
-POLL_S = 20e-6  # a publish waited for: how often its flag is read
+QUERY_EVERY = 64  # a publish waited for: its flag is read on every poll, the stream asked every this many polls
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
 
 
@@ -159,10 +159,12 @@ class LaggedPump:
         never landed (the device skipped it: nothing here does) is replaced by a copy of the outbox as it is now,
         counted and logged, and the publishes realigned with the host steps."""
         stream = torch.cuda.current_stream(self._outbox.device) if self._cuda else None
+        polls = 0
         while not buf.landed():
-            if stream is None or stream.query():
+            if stream is None or (polls % QUERY_EVERY == 0 and stream.query()):
                 break
-            time.sleep(POLL_S)  # the GIL released meanwhile, as a wait on an event would
+            polls += 1
+            time.sleep(0)  # yields, the GIL released, and wakes at once: a timed sleep's slack is ~50 us on Linux
         if buf.landed():
             return
         if self._cuda:  # queued on another stream than this host step's: every stream's work done first
