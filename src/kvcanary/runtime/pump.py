@@ -57,13 +57,16 @@ class CopyFence:
     """How far one pump's copies are known to have run, for other copies queued on the same stream (the staging's of
     the transformers translation): a copy queued before host step ``s``'s outbox copy has run once ``landed >= s``
     (the stream runs in order), so it needs no event of its own.  ``next_step``: the host step whose copy is queued
-    next.  Plain attributes: read on every step, with the caches cold."""
+    next.  ``seq``: with a publisher, its device counter of publishes (``[seq, ticket]``; see :mod:`.publish`), which
+    is the index of the host step whose device work runs (the staging's slotted mode reads it).  Plain attributes:
+    read on every step, with the caches cold."""
 
-    __slots__ = ("landed", "next_step")
+    __slots__ = ("landed", "next_step", "seq")
 
     def __init__(self) -> None:
         self.landed = -1
         self.next_step = 0
+        self.seq: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -126,6 +129,8 @@ class LaggedPump:
             self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
         self.fence = CopyFence()
+        if self.publisher is not None:
+            self.fence.seq = self.publisher.state
 
     def _allocate(
         self, layout: Layout, t: torch.Tensor | None = None, flags: memoryview | None = None, slot: int = 0
