@@ -21,6 +21,7 @@ from kvcanary.adapters.transformers_cb import binding
 from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
+from kvcanary.runtime.pump import CopyFence
 from kvcanary.schema import NOT_STORED
 from test_adapter_transformers_cost import c_calls_by_module
 from transformers_helpers import PAGE, FakeEngine, StaticInputs, demo_run, geometry, growing, kwargs_to
@@ -52,10 +53,13 @@ class Pair:
     """The torch path and the one-launch path with CUDA's static buffers, fed the same steps."""
 
     def __init__(
-        self, window: int, n: int = 3, *, windows: tuple[int, ...] | None = None, bucket: bool = False
-    ) -> None:
+        self, window: int, n: int = 3, *, windows: tuple[int, ...] | None = None, bucket: bool = False,
+        slotted: bool = False,
+    ) -> None:  # fmt: skip
         """``windows``: a group per window (0: full attention) instead of the one group of ``window``; ``bucket``:
-        the one-launch path pads each batch to a shape class, as on CUDA."""
+        the one-launch path pads each batch to a shape class, as on CUDA; ``slotted``: the staging follows a
+        publishing manager's fence, its bytes uploaded by each step's prelude (the fence moved on after each step as
+        that manager's host step and publish would)."""
         rids = [f"r{i}" for i in range(n)]
         tables = {rid: [4 + 6 * i + k for k in range(6)] for i, rid in enumerate(rids)}
         tokens = {rid: [100 * i + p + 1 for p in range(6 * PAGE)] for i, rid in enumerate(rids)}
@@ -72,6 +76,11 @@ class Pair:
             static=True,
             max_tokens=64 if bucket else None,
         )
+        self.fence: CopyFence | None = None
+        if slotted:
+            self.fence = CopyFence()
+            self.fence.seq = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+            self.fused.follow(self.fence)
         self.static = StaticInputs(DEVICE)
         self.last: Translation | None = None
         self.seen: list[Translation] = []  # every translation handed out
@@ -93,6 +102,10 @@ class Pair:
         for g in self.eng.geometries:
             assert torch.equal(self.plain.tables[g.name].cpu(), self.fused.tables[g.name].cpu()), g.name
         assert got.ring_wraps == want.ring_wraps and got.request_ids == want.request_ids
+        if self.fence is not None and self.fence.seq is not None:  # the host step, and the publish of the step's work
+            self.fence.landed = self.fence.next_step
+            self.fence.next_step += 1
+            self.fence.seq[0] += 1
         self.last = got
         self.seen.append(got)
         return self.fused.steady_steps > steady
@@ -295,13 +308,17 @@ def test_the_cuda_layout_with_its_steady_steps_changes_no_detection_on_the_engin
     assert plain.features["steady_steps"] == 0 and cuda.features["steady_steps"] > counts[0]["steps"] // 2
 
 
+@pytest.mark.parametrize("slotted", [False, True], ids=["copied", "slotted"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("window", [0, 3, 5])
-def test_random_joins_leaves_and_chunks_translate_each_step_as_the_torch_path(window: int, seed: int) -> None:
+def test_random_joins_leaves_and_chunks_translate_each_step_as_the_torch_path(
+    window: int, seed: int, slotted: bool
+) -> None:
     """Random batches of one class (requests joining, leaving, coming back, chunks of 1-5 tokens, some past a
-    window): every step, steady or not, translates as the torch path does."""
+    window): every step, steady or not, translates as the torch path does; with the staging slotted too."""
     rng = random.Random(seed)
-    pair = Pair(window, n=4, bucket=True)
+    pair = Pair(window, n=4, bucket=True, slotted=slotted)
+    assert (pair.fused._staging.upload() is not None) is slotted
     pair.step(dict.fromkeys(["r0", "r1", "r2"], 6))
     cap = 6 * PAGE  # each request's block table
     for _ in range(12):

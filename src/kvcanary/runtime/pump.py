@@ -49,7 +49,7 @@ from kvcanary.workspace import ViolationLog
 logger = logging.getLogger("kvcanary")
 
 NUM_BUFFERS = 3
-POLL_S = 20e-6  # a publish waited for: how often its flag is read
+QUERY_EVERY = 64  # a publish waited for: its flag is read on every poll, the stream asked every this many polls
 MAX_LAG = NUM_BUFFERS - 1  # steps a decode may trail the host step that takes it
 
 
@@ -57,13 +57,16 @@ class CopyFence:
     """How far one pump's copies are known to have run, for other copies queued on the same stream (the staging's of
     the transformers translation): a copy queued before host step ``s``'s outbox copy has run once ``landed >= s``
     (the stream runs in order), so it needs no event of its own.  ``next_step``: the host step whose copy is queued
-    next.  Plain attributes: read on every step, with the caches cold."""
+    next.  ``seq``: with a publisher, its device counter of publishes (``[seq, ticket]``; see :mod:`.publish`), which
+    is the index of the host step whose device work runs (the staging's slotted mode reads it).  Plain attributes:
+    read on every step, with the caches cold."""
 
-    __slots__ = ("landed", "next_step")
+    __slots__ = ("landed", "next_step", "seq")
 
     def __init__(self) -> None:
         self.landed = -1
         self.next_step = 0
+        self.seq: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -126,6 +129,8 @@ class LaggedPump:
             self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
         self.fence = CopyFence()
+        if self.publisher is not None:
+            self.fence.seq = self.publisher.state
 
     def _allocate(
         self, layout: Layout, t: torch.Tensor | None = None, flags: memoryview | None = None, slot: int = 0
@@ -159,10 +164,12 @@ class LaggedPump:
         never landed (the device skipped it: nothing here does) is replaced by a copy of the outbox as it is now,
         counted and logged, and the publishes realigned with the host steps."""
         stream = torch.cuda.current_stream(self._outbox.device) if self._cuda else None
+        polls = 0
         while not buf.landed():
-            if stream is None or stream.query():
+            if stream is None or (polls % QUERY_EVERY == 0 and stream.query()):
                 break
-            time.sleep(POLL_S)  # the GIL released meanwhile, as a wait on an event would
+            polls += 1
+            time.sleep(0)  # yields, the GIL released, and wakes at once: a timed sleep's slack is ~50 us on Linux
         if buf.landed():
             return
         if self._cuda:  # queued on another stream than this host step's: every stream's work done first

@@ -42,6 +42,11 @@ from kvcanary.runtime.pump import CopyFence
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
 _RING = 3  # pinned buffers to start with: a step's copy has run long before the buffer comes round again
+# Slotted mode (see Staging.follow): host step k's bytes go to slot k % NUM_SLOTS, which step k - 4's upload read last;
+# that upload ran before step k - 4's publish, which host step k - 1 took (as for the publisher's four buffers).
+NUM_SLOTS = 4
+HEAD_WORDS = ALIGN // 8  # a slot's header (its first word: the int64 words to upload), the data aligned after it
+UPLOAD_BLOCK = 1024
 
 HostArray: TypeAlias = "npt.NDArray[Any] | array.array[int]"
 
@@ -85,7 +90,43 @@ class Staging:
         self._next = 0
         self.fence: CopyFence | None = None  # see the module docstring: set once, before the first send
         self.generation = -1  # bumped each time the device buffer is replaced (every view of the last one moves)
+        self._slots: torch.Tensor | None = None  # slotted mode: [NUM_SLOTS, HEAD_WORDS + capacity / 8] int64, pinned
+        self._slot_bytes: list[memoryview] = []  # each slot's data bytes
+        self._heads: list[memoryview] = []  # each slot's words (the header first)
+        self._upload: UploadLaunch | None = None
+        self._retired_slots: list[torch.Tensor] = []  # outgrown: an upload still queued may read one
         self._grow(_INITIAL_BYTES)
+
+    def follow(self, fence: CopyFence | None, slotted: bool = False) -> None:
+        """Know from ``fence`` when the copies have run (see the module docstring).  ``slotted``: where the fence has
+        a publisher's counter (``fence.seq``), the bytes go to pinned slots and the step's own work uploads them
+        (:class:`UploadLaunch`, first in its prelude): no copy call a step."""
+        self.fence = fence
+        if slotted and fence is not None and fence.seq is not None:
+            self._allocate_slots()
+
+    def upload(self) -> UploadLaunch | None:
+        """In slotted mode, the launch that brings the last send's bytes to the device buffer (the same object until
+        the buffer grows); None otherwise (the send copied them)."""
+        return self._upload
+
+    def uploads(self, deferred: bool) -> list[UploadLaunch]:
+        """After a send: the upload as the first launch of the step's deferred work, or run now when that work is not
+        deferred (it reads the bytes at once); none when the send copied them."""
+        if self._upload is None or deferred:
+            return [] if self._upload is None else [self._upload]
+        self._upload.run()
+        return []
+
+    def _allocate_slots(self) -> None:
+        assert self.fence is not None and self.fence.seq is not None
+        if self._slots is not None:
+            self._retired_slots.append(self._slots)
+        words = HEAD_WORDS + self._capacity // 8
+        slots = self._slots = torch.zeros((NUM_SLOTS, words), dtype=torch.int64, pin_memory=self._calls is not None)
+        self._heads = [slots[i].numpy().data for i in range(NUM_SLOTS)]
+        self._slot_bytes = [h.cast("B")[8 * HEAD_WORDS :] for h in self._heads]
+        self._upload = UploadLaunch(slots, self._typed[torch.int64], self.fence.seq)
 
     @property
     def capacity(self) -> int:
@@ -103,6 +144,8 @@ class Staging:
         self._device_buf = torch.empty(cap, dtype=torch.uint8, device=self.device)
         self._typed = {t: self._device_buf.view(t) for t in set(_TORCH_DTYPES.values())}
         self._views.clear()
+        if self._slots is not None:
+            self._allocate_slots()
         if self._calls is None:
             self._on_host = self._device_buf.numpy().data
             return
@@ -156,17 +199,25 @@ class Staging:
         end = pack.end
         if end > self._capacity:
             self._grow(end)
-        up = None if self._calls is None else self._take()
-        host = self._on_host if up is None else up.bytes
+        slot = -1 if self._slots is None else self._slot()
+        up = None if self._calls is None or slot >= 0 else self._take()
+        host = self._slot_bytes[slot] if slot >= 0 else self._on_host if up is None else up.bytes
         views = []
         find = self._views.find
         for m, off in zip(pack.mems, pack.offsets, strict=True):
             host[off : off + m.nbytes] = m.cast("B")
             view = find((m.format, off, m.shape))
             views.append(self._view(m, off) if view is None else view)
-        if up is not None and end:
+        if slot >= 0:
+            self._heads[slot][0] = -(-end // 8)
+        elif up is not None and end:
             self._copy(up, end)
         return views
+
+    def _slot(self) -> int:
+        """Slotted mode: the slot of the host step being translated (the fence's next one)."""
+        assert self.fence is not None
+        return self.fence.next_step % NUM_SLOTS
 
     def send_at(self, head: memoryview, tail: Sequence[tuple[int, array.array[int]]], end: int) -> None:
         """Copy ``head`` (bytes, at offset 0) and each ``(offset, array)`` of ``tail`` to the device, as one send of
@@ -175,7 +226,12 @@ class Staging:
         if end > self._capacity:
             raise ValueError(f"send_at: {end} bytes do not fit the staging's {self._capacity}")
         fence = self.fence
-        if self._calls is None:
+        if self._slots is not None:  # slotted: the step's upload copies it
+            assert fence is not None
+            slot = fence.next_step % NUM_SLOTS
+            host = self._slot_bytes[slot]
+            self._heads[slot][0] = -(-end // 8)
+        elif self._calls is None:
             host = self._on_host
         else:  # _take and _copy inline: a steady step runs this every step, cold (each call costs microseconds)
             up = self._ring[self._next]
@@ -187,7 +243,7 @@ class Staging:
         for off, a in tail:
             m = memoryview(a).cast("B")
             host[off : off + len(m)] = m
-        if self._calls is not None:
+        if self._calls is not None and self._slots is None:
             if fence is None:
                 up.transfer.send(end)
             else:
@@ -206,6 +262,29 @@ class Staging:
             return view if len(shape) == 1 else view.view(shape)
 
         return self._views.get((m.format, off, m.shape), make)
+
+
+class UploadLaunch:
+    """The slotted staging's upload (``ops/kernels/staged_upload.py``) bound to its tensors: a prelude launch."""
+
+    __slots__ = ("args", "grid", "key")
+
+    def __init__(self, slots: torch.Tensor, device_words: torch.Tensor, seq: torch.Tensor) -> None:
+        self.args = (slots, device_words, seq, int(slots.shape[1]))
+        self.grid = (-(-device_words.numel() // UPLOAD_BLOCK),)
+        self.key: tuple[object, ...] = (*(t.data_ptr() for t in (slots, device_words, seq)), *self.args[3:], self.grid)
+
+    def run(self) -> None:
+        from kvcanary.ops.kernels.staged_upload import staged_upload_kernel
+
+        staged_upload_kernel[self.grid](*self.args, HEAD_WORDS=HEAD_WORDS, NUM_SLOTS=NUM_SLOTS, BLOCK=UPLOAD_BLOCK)
+
+
+def upload_reference(slots: torch.Tensor, device_words: torch.Tensor, seq: torch.Tensor) -> None:
+    """The upload kernel's spec: slot ``seq % NUM_SLOTS``'s words, as many as its header says, to the device."""
+    slot = int(seq[0]) % NUM_SLOTS
+    n = int(slots[slot, 0])
+    device_words[:n] = slots[slot, HEAD_WORDS : HEAD_WORDS + n]
 
 
 class Pack:

@@ -136,7 +136,9 @@ class StepTranslator:
         scatter = defer and self._truth.static
         trash = [(w, step_plan.trash_bytes(w.geometry, rows, w.n_write, shape.tokens)) for w in work if w.windowed]
         dev = self._send(pack, common, truth, scatter=scatter, trash=trash)
-        launches = [self._scatter(dev[common["truth_meta"]])] if scatter else []
+        kernels = all(w.path == "kernel" for w in work)
+        launches: list[translate_kernel.Launch] = [*self._staging.uploads(scatter and kernels)]  # slotted: first
+        launches += [self._scatter(dev[common["truth_meta"]])] if scatter else []
         truth_table = self._truth_table(truth, [dev[common[k]] for k in _TRUTH_ARRAYS], defer, launches)
         batches = self._batches(work, kwargs, dev, common, (shape, truth_table, b, n_tok), launches, defer)
         tr = Translation(
@@ -148,7 +150,7 @@ class StepTranslator:
             block_table=kwargs.get("block_table") is not None,
             prelude=translate_kernel.Launches(tuple(launches)) if launches else None,
         )
-        if engine is not None and not rows.rows_too_long and all(w.path == "kernel" for w in work):
+        if engine is not None and not rows.rows_too_long and kernels:
             windows = [w.arrays["trash"] for w, _ in trash]
             views = tuple([dev[common[k]] for k in REGION_ARRAYS] + [dev[i] for i in windows])
             region = functools.partial(StagedRegion, pack, common, self._staging.generation, windows)
@@ -266,8 +268,9 @@ class StepTranslator:
 
     def follow(self, fence: CopyFence | None) -> None:
         """Tell the staging's copies have run from ``fence``: the pump's of the manager whose host steps follow each
-        translation on the same stream (see :mod:`.staging`)."""
-        self._staging.fence = fence
+        translation on the same stream (see :mod:`.staging`); where that manager publishes, the staging is slotted
+        and each step's work uploads its bytes (the layout whose launches are deferred)."""
+        self._staging.follow(fence, slotted=self.kernel and self._truth.static)
 
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
