@@ -89,18 +89,47 @@ def test_a_step_is_captured_the_second_time_its_tensors_are_seen_and_replayed_af
     assert manager().graph_stats() == dict.fromkeys(stats, 0)  # no graphs in use: every count zero
 
 
-def test_with_first_sight_a_step_is_captured_after_its_first_eager_run() -> None:
+def test_with_first_sight_a_step_is_captured_before_it_runs_and_replayed_at_once() -> None:
     mgr = manager()
     log: list[str] = []
     mgr._graphs = StepGraphs(lambda work: FakeGraph(work, log), first_sight=True)
     run(mgr, 6, None, static=True)
-    # step 0 (the prefill, seen once) and step 1 (the first decode) each ran eagerly and were captured right after;
+    # step 0 (the prefill, seen once) and step 1 (the first decode) were each captured and replayed, no eager run;
     # steps 2..5 replay the decode's graph
-    assert log == ["capture", "capture", "replay", "replay", "replay", "replay"]
+    assert log == ["capture", "replay", "capture", "replay", "replay", "replay", "replay", "replay"]
     stats = mgr.graph_stats()
     assert {k: stats[k] for k in ("graph_replays", "graph_captures", "graph_eager_steps")} == {
-        "graph_replays": 4, "graph_captures": 2, "graph_eager_steps": 2,
+        "graph_replays": 6, "graph_captures": 2, "graph_eager_steps": 0,
     }  # fmt: skip
+
+
+def test_a_capture_that_fails_at_first_sight_runs_the_step_eagerly_and_captures_it_after() -> None:
+    """A capture may fail (a driver that cannot load a kernel's module during a capture): the step then runs eagerly,
+    is captured after, as without ``first_sight``, and finds what launching every kernel finds."""
+    plain = manager()
+    want = run(plain, 12, fault_at=7, static=True)
+    mgr = manager()
+    log: list[str] = []
+    failures = [True, False, True]  # each key's capture at first sight fails, the one after its eager run does not
+
+    def factory(work: Callable[[], None]) -> FakeGraph:
+        if failures and failures.pop(0):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return FakeGraph(work, log)
+
+    mgr._graphs = StepGraphs(factory, first_sight=True)
+    got = run(mgr, 12, fault_at=7, static=True)
+    assert mgr._graphs is not None and mgr._graphs.capture_failures == 2
+    stats = mgr.graph_stats()
+    # step 0: its capture failed, it ran eagerly and the retry was captured; step 1: a failed capture, an eager run,
+    # then captured; steps 2..11 replay
+    assert {k: stats[k] for k in ("graph_replays", "graph_captures", "graph_eager_steps")} == {
+        "graph_replays": 10, "graph_captures": 2, "graph_eager_steps": 2,
+    }  # fmt: skip
+    assert [(r.step, r.total, r.affected_request_ids) for r in got if r is not None] == [
+        (r.step, r.total, r.affected_request_ids) for r in want if r is not None
+    ]
+    assert mgr.stats() == plain.stats() and plain.stats()["violations"] > 0
 
 
 def test_replayed_steps_find_what_launching_every_kernel_finds() -> None:
@@ -239,11 +268,11 @@ def test_cuda_step_graphs_captured_at_first_sight_and_again_after_a_clear_match_
     mgr = CanaryManager([group], CAPS, CanaryConfig(mode=Mode.LOG), device="cuda", static_batches=True)
     graphs = mgr._graphs
     got = run_cuda(mgr, 20, fault_at=11, clear_at=8)
-    # steps 0 (the prefill) and 1 (the first decode) ran eagerly and were captured; 2..7 replayed; the clear at 8:
-    # step 8 ran eagerly and was captured again (on a new pool), 9..19 replayed
+    # steps 0 (the prefill) and 1 (the first decode) were captured before they ran and replayed; 2..7 replayed; the
+    # clear at 8: step 8 was captured again (on a new pool) and replayed, 9..19 replayed
     assert mgr._graphs is graphs is not None
     assert {k: v for k, v in graphs.stats().items() if not k.endswith("_us")} == {
-        "graph_replays": 17, "graph_captures": 3, "graph_eager_steps": 3,
+        "graph_replays": 20, "graph_captures": 3, "graph_eager_steps": 0,
     }  # fmt: skip
     assert mgr.stats() == eager.stats()
     assert mgr.stats()["violations"] > 0 and mgr.health_failure_counts() == {"kernels_ran": 0, "phase": 0}

@@ -15,6 +15,8 @@
 #             and on (GPU busy time, the canary's kernels, the host's time in each CUDA runtime call)
 #   interference scripts/gpu/launch_interference.py: does canary-like work between two steps slow the engine's next
 #             step (its Python leaving the caches cold, or its CUDA calls)?
+#   launches  scripts/gpu/graph_launches.py on LAUNCH_MODELS (default dense hybrid): the demo's step graphs, their
+#             nodes by type and the host time of one launch (GPU idle, and behind a stand-in engine step)
 #   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
@@ -75,6 +77,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
                  PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_PHASES:-150}" python3 \
                    scripts/gpu/phase_probe.py --model "$model" --pairs "${PAIRS:-5}" >"$OUT/phases_old_$model.txt" 2>&1
                done ;;
+    launches) for model in ${LAUNCH_MODELS:-dense hybrid}; do
+                timeout "${T_LAUNCHES:-90}" python3 scripts/gpu/graph_launches.py --model "$model" \
+                  >"$OUT/launches_$model.txt" 2>&1
+              done ;;
     timeline) for model in ${TIMELINE_MODELS:-dense}; do
                 timeout "${T_TIMELINE:-120}" python3 scripts/gpu/device_timeline.py --model "$model" \
                   >"$OUT/timeline_$model.txt" 2>&1

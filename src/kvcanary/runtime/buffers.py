@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from kvcanary.canary import GroupCanary
 from kvcanary.digest_canary import GroupDigest
 from kvcanary.schema import NUM_COUNTERS, ROW_WIDTH
 from kvcanary.workspace import ViolationLog
+
+if TYPE_CHECKING:
+    from kvcanary.runtime.step_graphs import Prelude
 
 PHASE_BEFORE = 0
 PHASE_AFTER = 1
@@ -115,6 +119,23 @@ class StepWork:
                 digest.verify_and_stamp(batch, log)  # the forward has written this step's K/V
         self._batches = ()
         self.close()
+
+    def bound(
+        self, batches: Sequence[StepBatch], prelude: Prelude | None = None, publish: Callable[[], None] | None = None
+    ) -> Callable[[], None]:
+        """One step's whole device work as one call (what a step graph captures): ``prelude`` (the adapter's work
+        that fills ``batches``), :meth:`before` and :meth:`after` on ``batches`` (validated by the caller), then
+        ``publish`` (the outbox's, see :mod:`.publish`)."""
+
+        def step_work() -> None:
+            if prelude is not None:
+                prelude.run()
+            self.before(batches)
+            self.after()
+            if publish is not None:
+                publish()
+
+        return step_work
 
     def close(self) -> None:
         """The step's close: snapshot the live log and counters, add the counters to the totals, clear the live

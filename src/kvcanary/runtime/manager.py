@@ -230,7 +230,9 @@ class CanaryManager:
         hands them again only when nothing in them changed (the transformers adapter's steady steps).
         """
         graphs, publish = self._graphs, self._pump.publish_for(self._step)  # with a publisher: the graph publishes
-        if graphs is None or self._open or (self._cuda and self._stream_capturing()) or self._published(publish):
+        # A second forward in one host step whose outbox was published already runs eagerly, unpublished.
+        second = publish is None and self._pump.publisher is not None
+        if graphs is None or self._open or (self._cuda and self._stream_capturing()) or second:
             if prelude is not None:
                 prelude.run()
             self.before_forward(batches)
@@ -241,33 +243,26 @@ class CanaryManager:
             self._eager_forwards += 1
             self._pump.published_step = self._step
             return
+        step_work = self._work.bound(ordered, prelude, publish)
+        if graphs.first_sight:  # captured before it runs (no eager run first) and replayed; the checks run here
+            validate_step(list(self.canaries.values()), ordered, self.config.check_values)
+            if graphs.capture_and_replay(key, step_work):
+                self._eager_forwards += 1
+                self._pump.published_step = self._step
+                return
         started = time.perf_counter_ns()
         if prelude is not None:
             prelude.run()
         self.before_forward(batches)
         self.after_forward()
-        work = self._work
         if publish is not None:
             publish()
         self._pump.published_step = self._step
-
-        def step_work() -> None:
-            if prelude is not None:
-                prelude.run()
-            work.before(ordered)
-            work.after()
-            if publish is not None:
-                publish()
-
         try:
             graphs.ran_eagerly(key, step_work, started)
         except Exception:  # a capture the driver refused: the step ran eagerly already; stay eager from now on
             logger.exception("kvcanary: capturing the canary's step graph failed; the canary runs eagerly from now on")
             self._graphs = None
-
-    def _published(self, publish: Callable[[], None] | None) -> bool:
-        """Whether this host step's outbox was published already (a second forward: it runs eagerly, unpublished)."""
-        return publish is None and self._pump.publisher is not None
 
     def graph_stats(self) -> dict[str, int]:
         """The canary's own graphs: steps replayed, captured and run eagerly (:meth:`StepGraphs.stats`; zero where

@@ -10,14 +10,15 @@ A graph bakes in its kernels' arguments: the batch tensors' addresses and shapes
 flags derived from them.  So a step's batches are keyed by the (address, shape, stride, dtype) of every
 tensor in them; a step whose key was captured replays the graph -- the same launches an eager run would
 issue, reading whatever the tensors hold now -- and validation, already passed by the captured step's
-identical metadata, is not repeated.  A key is captured after a step of it ran eagerly (so every kernel is
-compiled and the work of that step is done): by default the second time it is seen, since an adapter that hands
-in fresh tensors sees most keys once (prefill chunks); with ``first_sight``, for an adapter whose batch tensors
-are static buffers from a bounded set of shapes (the transformers translator's shape classes), the first time:
-each recurring key then runs eagerly once instead of twice (issue 14's batch-32 workload: 17 eager steps and 8
-captures a run of 73 steps, each about 1.4 ms), and a key seen once costs one capture it never replays.  At most
-:data:`MAX_GRAPHS` are kept, least recently used evicted.  Adapters raise the hit rate by keeping the batch
-tensors at stable addresses (static buffers, the engine's own).
+identical metadata, is not repeated.  By default a key is captured the second time it is seen, after that step ran
+eagerly, since an adapter that hands in fresh tensors sees most keys once (prefill chunks).  With ``first_sight``,
+for an adapter whose batch tensors are static buffers from a bounded set of shapes (the transformers translator's
+shape classes), a key is captured the first time it is seen, before it has run, and replayed at once: a new key
+costs one capture and no eager run (on the GPU demo's hybrid model each new key cost an eager step of about 1.8 ms
+and a capture of as much, three keys a run of 352 steps).  A kernel not compiled yet compiles inside the capture
+(drivers since CUDA 12.3 load modules during a capture); a capture that fails anyway runs the step eagerly and
+captures it after, as before.  At most :data:`MAX_GRAPHS` are kept, least recently used evicted.  Adapters raise
+the hit rate by keeping the batch tensors at stable addresses (static buffers, the engine's own).
 
 An adapter may hand in a :class:`Prelude`: device work of its own that fills the step's batches (the
 transformers translation).  It runs first, joins the graph, and its key joins the step's.
@@ -158,6 +159,7 @@ class StepGraphs:
         self.capture_ns = 0  # host time in captures
         self.eager_steps = 0  # steps that ran eagerly (every step whose key has no graph yet)
         self.eager_ns = 0  # their host time, captures left out
+        self.capture_failures = 0  # captures at first sight that failed (those steps ran eagerly)
 
     def replay(self, key: Hashable) -> bool:
         """Replay the graph captured for ``key``; False (nothing run) when there is none."""
@@ -165,6 +167,26 @@ class StepGraphs:
         if graph is None:
             return False
         self._graphs.move_to_end(key)
+        graph.replay()
+        self.replays += 1
+        return True
+
+    @property
+    def first_sight(self) -> bool:
+        return self._first_sight
+
+    def capture_and_replay(self, key: Hashable, work: Callable[[], None]) -> bool:
+        """A key seen for the first time, with ``first_sight``: capture ``work`` and replay it, so the step runs from
+        its graph at once, with no eager run before the capture (what a new shape class cost twice: each kernel's
+        launch path in Python, then again under capture).  False, with nothing run, when the capture failed (the
+        caller runs the step eagerly, and :meth:`ran_eagerly` captures it again after)."""
+        start = time.perf_counter_ns()
+        try:
+            graph = self._factory(work)
+        except Exception:
+            self.capture_failures += 1
+            return False
+        self._keep(key, graph, start)
         graph.replay()
         self.replays += 1
         return True
@@ -183,8 +205,12 @@ class StepGraphs:
                 return
             del self._seen[key]
         start = time.perf_counter_ns()
-        self._graphs[key] = self._factory(work)
-        self.capture_ns += time.perf_counter_ns() - start
+        self._keep(key, self._factory(work), start)
+
+    def _keep(self, key: Hashable, graph: Graph, started_ns: int) -> None:
+        """``graph`` captured for ``key`` from ``started_ns``: kept (the least recently used dropped past the limit)."""
+        self._graphs[key] = graph
+        self.capture_ns += time.perf_counter_ns() - started_ns
         self.captures += 1
         if len(self._graphs) > self._max:
             self._graphs.popitem(last=False)
@@ -208,8 +234,8 @@ GRAPH_STAT_KEYS = ("graph_replays", "graph_captures", "graph_capture_us", "graph
 class CudaStepGraph:
     """``work`` captured on a side stream (ordered after the current one), replayed on the current stream.
 
-    Capture records and does not run the work; the caller ran this step eagerly already.  The capture
-    mode is thread-local: the engine may use CUDA from other threads meanwhile.
+    Capture records and does not run the work: the caller ran this step eagerly already, or replays the graph next.
+    The capture mode is thread-local: the engine may use CUDA from other threads meanwhile.
     """
 
     def __init__(self, work: Callable[[], None], pool: Any, calls: CudaCalls) -> None:
