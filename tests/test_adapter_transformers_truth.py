@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
+from kvcanary.adapters.transformers_cb.host_batch import REFRESH, History, HostBatch
 from kvcanary.adapters.transformers_cb.staging import Staging
 from kvcanary.adapters.transformers_cb.truth_store import TruthStore, TruthUpdate
 from kvcanary.schema import UNKNOWN_TOKEN
@@ -40,6 +40,40 @@ def test_history_reads_prompt_then_generated_and_freezes_its_length_and_tail() -
     assert h[-1] == 3 * History.TAIL - 1 and h.tokens(0, 3) == [1, 2, 0]
 
 
+def test_the_capture_keeps_the_refresh_window_and_the_query_and_a_step_reads_no_older_token() -> None:
+    """The engine capture copies the newest REFRESH + query tokens: what the truth store compares and sends for a
+    request sent up to this step's query.  A decode step and a prefill chunk after it read nothing older (once
+    captured, the history's engine lists are swapped for ones that fail on any read: the tail has it all)."""
+    from types import SimpleNamespace
+
+    class Untouchable(list[int]):
+        def __getitem__(self, index: object) -> object:
+            raise AssertionError("read from the engine's list: the capture's tail was too short")
+
+    prompt, generated = list(range(1000, 1100)), [7]
+    store = TruthStore(1, 400, torch.device("cpu"))
+
+    def step(query: int) -> TruthUpdate:
+        state = SimpleNamespace(request_id="a", position_offset=len(prompt) + len(generated) - query,
+                                initial_tokens=prompt, generated_tokens=generated)  # fmt: skip
+        host = HostBatch.from_future_states([SimpleNamespace(state=state, query_length=query)])
+        h = host.truth[0]
+        assert isinstance(h, History) and len(h.tail) == min(REFRESH + query, len(h))
+        h._initial, h._generated = Untouchable(), Untouchable()  # type: ignore[misc]
+        return store.plan(host, [True])
+
+    assert len(step(len(prompt) + 1).cells) == 101  # first sight: the whole history
+    generated.append(8)
+    up = step(1)
+    assert up.tokens.tolist() == [8] and up.cells.tolist() == [store.width + 101]
+    generated[-2] = 5  # a token rewritten inside the window compared, then one more
+    generated.append(9)
+    up = step(1)
+    assert up.tokens.tolist() == [5, 8, 9] and up.cells.tolist() == [store.width + k for k in (100, 101, 102)]
+    generated += [10, 11, 12]  # a chunk of three new tokens
+    assert step(3).tokens.tolist() == [10, 11, 12]
+
+
 def naive(histories: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     lens = np.array([min(len(h), width) for h in histories], dtype=np.int64)
     out = np.full((len(histories) + 1, max(1, int(lens.max(initial=0)))), UNKNOWN_TOKEN, dtype=np.int32)
@@ -53,7 +87,12 @@ def on_device(up: TruthUpdate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return tuple(torch.from_numpy(np.asarray(a)) for a in (up.cells, up.tokens, up.gather))  # type: ignore[return-value]
 
 
-def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_are_sent() -> None:
+# What a history keeps: by hand (the default), and as the engine capture builds it for a step of one query token.
+KEEPS = [History.TAIL, REFRESH + 1]
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_are_sent(keep: int) -> None:
     rng = random.Random(1)
     width, rows = 200, 4
     store = TruthStore(rows, width, torch.device("cpu"))
@@ -75,7 +114,7 @@ def test_the_gathered_truth_equals_a_table_built_from_scratch_and_only_changes_a
             request_ids=tuple(ids),
             past_lens=(0,) * len(ids),
             query_lens=(1,) * len(ids),
-            truth=tuple(History(*reqs[rid]) for rid in ids),
+            truth=tuple(History(*reqs[rid], keep) for rid in ids),
         )
         live = [True] * len(ids)
         up = store.plan(host, live)
@@ -97,13 +136,14 @@ def test_rows_left_out_get_row_zero_and_no_truth() -> None:
     assert up.gather.tolist()[2] == 0 and up.lens.tolist() == [3, 0] and up.width == 3
 
 
-def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only() -> None:
+@pytest.mark.parametrize("keep", KEEPS)
+def test_a_decode_step_sends_its_new_tokens_and_any_rewritten_ones_only(keep: int) -> None:
     width = 400
     store = TruthStore(2, width, torch.device("cpu"))
     reqs = {"a": (list(range(1, 300)), [5]), "b": (list(range(200, 260)), [6])}
 
     def step() -> tuple[int, torch.Tensor]:
-        host = HostBatch(("a", "b"), (0, 0), (1, 1), tuple(History(*reqs[r]) for r in ("a", "b")))
+        host = HostBatch(("a", "b"), (0, 0), (1, 1), tuple(History(*reqs[r], keep) for r in ("a", "b")))
         up = store.plan(host, [True, True])
         got = store.apply(up, *on_device(up))
         want, lens = naive([reqs[r][0] + reqs[r][1] for r in ("a", "b")], width)

@@ -13,7 +13,8 @@ from typing import Any
 
 from kvcanary.schema import UNKNOWN_TOKEN
 
-_TAIL = 64  # History.TAIL, as a module constant for its initialiser (no class attribute lookup)
+REFRESH = 32  # the truth store's compare window: positions before a request's newest sent token (see truth_store)
+_TAIL = 2 * REFRESH  # History.TAIL, as a module constant for its initialiser (no class attribute lookup)
 WARMUP_PREFIX = "__warmup_"  # request ids of transformers' warm-up batches (fake requests, never-written KV)
 _WARMUP_LEN = len(WARMUP_PREFIX)
 
@@ -21,23 +22,29 @@ _WARMUP_LEN = len(WARMUP_PREFIX)
 class History(Sequence[int]):
     """A request's token history (prompt, then generated tokens) as the scheduler held it at capture, read
     without copying it: copying every request's history each step cost time in proportion to the whole
-    context (issue 14).  Its length is fixed at capture; the newest :data:`TAIL` tokens are copied then, so
+    context (issue 14).  Its length is fixed at capture; the newest ``keep`` tokens are copied then, so
     a rewind or rewrite of the newest tokens after capture does not change what this step claims.  Older
     positions are read from the engine's lists when asked (they only ever grow at the end); a position the
     engine no longer holds reads as the unknown token (not checked).
+
+    The capture keeps :data:`REFRESH` plus the step's query length: what the truth store compares and sends for
+    a request that was sent up to this step's query (the usual step), and no more.  Each token copied is a
+    Python object touched, and in a serving loop those are cold: on the GPU demo a batch row cost the steady
+    step about 15 us, and the tail was most of what a row touched.  Built by hand (tests, benchmarks), a history
+    keeps :data:`TAIL`.
     """
 
-    TAIL = _TAIL  # twice the truth store's refresh window (see truth_store.REFRESH)
+    TAIL = _TAIL  # twice the truth store's refresh window
 
     __slots__ = ("_generated", "_initial", "size", "tail", "tail_start")
 
-    def __init__(self, initial: Sequence[int], generated: Sequence[int]) -> None:
+    def __init__(self, initial: Sequence[int], generated: Sequence[int], keep: int = _TAIL) -> None:
         self._initial, self._generated = initial, generated
         # Public for the truth store's per-row loop (attribute reads, not calls): the length and the tail's copy.
         # Built once per request and step, cold: no calls beyond the slices (each a copy already for a list).
         k = len(initial)
         self.size = n = k + len(generated)
-        self.tail_start = start = n - _TAIL if n > _TAIL else 0
+        self.tail_start = start = n - keep if n > keep else 0
         if start >= k:
             tail = generated[start - k :]
         else:  # a list's slice is a new list already: extended in place, not copied again
@@ -88,8 +95,9 @@ class HostBatch:  # dataclass's initialiser takes a path nothing else on the ste
             state = fs.state
             ids.append(str(state.request_id))
             past.append(state.position_offset)
-            query.append(fs.query_length)
-            truth.append(History(state.initial_tokens, state.generated_tokens))
+            q = fs.query_length
+            query.append(q)
+            truth.append(History(state.initial_tokens, state.generated_tokens, REFRESH + q))
         return cls(tuple(ids), tuple(past), tuple(query), tuple(truth), True)
 
     @property

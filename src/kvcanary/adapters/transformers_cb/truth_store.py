@@ -8,8 +8,8 @@ only each request's newest tokens -- the ones it has not sent yet, plus those of
 :data:`REFRESH` that differ from what was sent for them, so a rewind or rewrite of recent history (a
 rolled-back token) still reaches the device -- and the step's truth is gathered from the persistent rows on
 the device.  The host keeps a mirror of each request's last ``REFRESH`` tokens as sent, to compare with.
-``REFRESH`` is half of :attr:`History.TAIL`, so that a step of up to ``REFRESH`` new tokens reads every
-token it compares from the history's own copy of its newest tokens (cheap), not from the engine's lists.
+The engine capture's :class:`History` copies the newest ``REFRESH`` tokens plus the step's query, so that a step
+reads every token it compares and sends from that copy (cheap), not from the engine's lists.
 
 Rows are reused least recently used first (when none is free, half of the idle ones are freed at once); a request
 that comes back after losing its row is sent whole.
@@ -26,10 +26,9 @@ from collections.abc import Sequence
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews, pad_rows
-from kvcanary.adapters.transformers_cb.host_batch import History, HostBatch
+from kvcanary.adapters.transformers_cb.host_batch import REFRESH, History, HostBatch
 from kvcanary.schema import UNKNOWN_TOKEN
 
-REFRESH = History.TAIL // 2  # positions before a request's newest sent token compared (and resent if changed)
 _KEPT = 4 * REFRESH  # a request's sent window kept as built up to this length, else cut to its last REFRESH
 
 
