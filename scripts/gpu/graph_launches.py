@@ -1,10 +1,13 @@
 """What launching the canary's real step graphs costs the host, and what is in them (not run by CI).
 
-The demo's phase "plan/verify/stamp" is mostly one graph launch a step (the canary's step graph, replayed).  This
-runs the demo's clean workload on CUDA with each captured graph's nodes counted by type (read from the capture
-itself, just before it ends), then launches every kept graph again, timed on the host: with the GPU idle before each
-launch, and behind a stand-in engine step (many small kernels queued first, as the forward is).  A one-kernel graph
-is timed the same way, as the floor.  Usage: PYTHONPATH=src python scripts/gpu/graph_launches.py [--model dense]
+The demo's phase "plan/verify/stamp" is one graph launch a step (the canary's step graph, replayed) and the Python
+around it.  This runs the demo's clean workload on CUDA with each captured graph's nodes counted by type (read from
+the capture itself, just before it ends), then launches every kept graph again, timed on the host: with the GPU idle
+before each launch, behind a stand-in engine step (many small kernels queued first, as the forward is), and behind
+it with the host's caches flushed.  In a serving loop the launch runs cold: at a28f7b5 a launch took 2-4 us in a
+loop while the phase read 28-93 us, and the CPU demo's cold proxy puts the Python of ``forward_step``'s replay path
+at about 7 us.  A one-kernel graph is timed the same way, as the floor.
+Usage: PYTHONPATH=src python scripts/gpu/graph_launches.py [--model dense]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from probe_args import demo_options
 
@@ -24,6 +28,7 @@ from kvcanary.runtime import step_graphs
 from kvcanary.runtime.cuda_calls import CudaCalls
 
 ROUNDS = 200
+FLUSH_BYTES = 256 << 20  # larger than any host CPU's last-level cache
 ENGINE_KERNELS = 120  # about the engine's launches a step on the 2-layer demo models
 
 
@@ -39,13 +44,19 @@ def node_types(rt: Any) -> collections.Counter[str]:
         return collections.Counter({"unreadable": 1})
 
 
-def timed_launches(launch: Callable[[], None], engine: Callable[[], None] | None) -> float:
-    """Median host time of ``launch`` (us) over :data:`ROUNDS`, the GPU idle before each or behind ``engine``."""
+def timed_launches(
+    launch: Callable[[], None], engine: Callable[[], None] | None, flush: np.ndarray | None = None
+) -> float:
+    """Median host time of ``launch`` (us) over :data:`ROUNDS`, the GPU idle before each or behind ``engine``;
+    with ``flush`` (a buffer larger than the CPU's caches), the host's caches flushed just before each launch, as
+    a serving loop's engine step leaves them (the driver's launch path then runs cold)."""
     times = []
     for _ in range(ROUNDS):
         torch.cuda.synchronize()
         if engine is not None:
             engine()
+        if flush is not None:
+            flush += 1
         start = time.perf_counter_ns()
         launch()
         times.append((time.perf_counter_ns() - start) / 1000)
@@ -97,14 +108,16 @@ def main() -> int:
         x.add_(1)
         floor.capture_end()
     calls = CudaCalls(torch.cuda.current_device())
+    flush = np.zeros(FLUSH_BYTES, dtype=np.uint8)
     print(f"model {opts.model}: {len(graphs)} step graphs captured; host time of one launch, median of {ROUNDS} (us)")
-    print(f"{'graph':<28}{'nodes':>6}{'idle':>9}{'behind':>9}  node types")
+    print(f"{'graph':<28}{'nodes':>6}{'idle':>9}{'behind':>9}{'cold':>9}  node types (cold: behind, caches flushed)")
     rows = [("one kernel", collections.Counter({"kernel": 1}), calls.graph_launch(floor))]
     rows += [(f"step graph {i}", types, g.replay) for i, (g, types) in enumerate(graphs)]
     for name, types, launch in rows:
         idle, behind = timed_launches(launch, None), timed_launches(launch, engine)
+        cold = timed_launches(launch, engine, flush)
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(types.items()))
-        print(f"{name:<28}{sum(types.values()):>6}{idle:>9.1f}{behind:>9.1f}  {kinds}")
+        print(f"{name:<28}{sum(types.values()):>6}{idle:>9.1f}{behind:>9.1f}{cold:>9.1f}  {kinds}")
     return 0
 
 
