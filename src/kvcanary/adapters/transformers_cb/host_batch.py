@@ -28,10 +28,9 @@ class History(Sequence[int]):
     engine no longer holds reads as the unknown token (not checked).
 
     The capture keeps :data:`REFRESH` plus the step's query length: what the truth store compares and sends for
-    a request that was sent up to this step's query (the usual step), and no more.  Each token copied is a
-    Python object touched, and in a serving loop those are cold: on the GPU demo a batch row cost the steady
-    step about 15 us, and the tail was most of what a row touched.  Built by hand (tests, benchmarks), a history
-    keeps :data:`TAIL`.
+    a request that was sent up to this step's query (the usual step), and no more: each token copied is a Python
+    object touched, cold in a serving loop (the CPU cold proxy moved by about 1 us on the hybrid demo, so the
+    tail is not what a batch row's cost is).  Built by hand (tests, benchmarks), a history keeps :data:`TAIL`.
     """
 
     TAIL = _TAIL  # twice the truth store's refresh window

@@ -37,14 +37,15 @@ import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
 from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
+from kvcanary.runtime.publish import NUM_BUFFERS as PUBLISH_BUFFERS
 from kvcanary.runtime.pump import CopyFence
 
 ALIGN = 64
 _INITIAL_BYTES = 1 << 16
 _RING = 3  # pinned buffers to start with: a step's copy has run long before the buffer comes round again
 # Slotted mode (see Staging.follow): host step k's bytes go to slot k % NUM_SLOTS, which step k - 4's upload read last;
-# that upload ran before step k - 4's publish, which host step k - 1 took (as for the publisher's four buffers).
-NUM_SLOTS = 4
+# that upload ran before step k - 4's publish, which host step k - 1 took: the publisher's buffers, and as many.
+NUM_SLOTS = PUBLISH_BUFFERS
 HEAD_WORDS = ALIGN // 8  # a slot's header (its first word: the int64 words to upload), the data aligned after it
 UPLOAD_BLOCK = 1024
 
