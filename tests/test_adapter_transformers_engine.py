@@ -217,3 +217,27 @@ def test_install_on_a_continuous_batching_manager_serving_requests() -> None:
     assert stats["steps"] > 5 and stats["verified_slots"] > 0 and stats["violations"] == 0
     with pytest.raises(TypeError, match="ContinuousBatchingManager"):
         install(object())
+
+
+def test_the_step_clock_times_every_step_and_only_steps(clean: tuple[str, RunResult]) -> None:
+    """The demo's share compares the engine's steps: the clock ran in the clean run (inside its wall time), and on
+    a run of its own it counts exactly the forwards the canary verified, leaves the loop's waits out and is
+    removed on exit."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    from kvcanary.adapters.transformers_cb.step_clock import StepClock
+
+    kind, run = clean
+    assert run.step_seconds is not None and 0 < run.step_seconds < run.seconds
+    if kind != "dense":
+        return
+    body = continuous_api.ContinuousBatchingManager._generation_loop_body
+    model = build_model("dense")
+    with install(model, CanaryConfig(mode=Mode.LOG)) as canary:
+        with StepClock() as clock:
+            tiny_generate(model)
+        canary.flush()
+        steps = canary.stats()["steps"]
+    assert clock.available and clock.steps == steps > 0
+    assert 0 < clock.seconds < 60
+    assert continuous_api.ContinuousBatchingManager._generation_loop_body is body  # restored

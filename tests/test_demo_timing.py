@@ -47,15 +47,15 @@ def test_rounds_must_be_positive() -> None:
 
 def test_a_violation_in_a_timed_clean_run_fails_the_demo() -> None:
     pytest.importorskip("transformers")
-    from kvcanary import demo
+    from kvcanary.demo_summary import summary
     from test_cli_demo import fake_result
 
     good = fake_result(0, True)
     timed = dataclasses.replace(good, timing=ShareTiming((1.0,), (1.25,)))
-    assert timed.passed and "share of step time: 20.0%" in demo.summary(timed)
+    assert timed.passed and "share of step time: 20.0%" in summary(timed)
     bad = dataclasses.replace(timed, timed_violations=3)
     assert not bad.passed
-    assert "the timed clean runs raised 3 violations" in demo.summary(bad)
+    assert "the timed clean runs raised 3 violations" in summary(bad)
 
 
 def test_the_host_time_line_names_steady_steps_only_where_there_were_some() -> None:

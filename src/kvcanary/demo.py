@@ -18,6 +18,7 @@ sliding-window group exists, so their runs show no prefix hits, cached reuse or 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import sys
 import time
 from typing import Any, TextIO
@@ -25,17 +26,15 @@ from typing import Any, TextIO
 import torch
 
 from kvcanary.adapters.transformers_cb.selftest.workload import (
-    DEMO_NUM_BLOCKS,
     MODEL_KINDS,
-    PAGE_SIZE,
-    SLIDING_WINDOW,
     build_model,
     build_prompts,
     engine_configs,
     quiet_engine_logs,
 )
+from kvcanary.adapters.transformers_cb.step_clock import StepClock
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
-from kvcanary.demo_timing import ROUNDS, ShareTiming, host_time_lines, time_share, timing_lines
+from kvcanary.demo_timing import ROUNDS, ShareTiming, time_share
 from kvcanary.ops import Backend
 from kvcanary.runtime import StepReport
 from kvcanary.selftest.protocol import Injection
@@ -99,6 +98,12 @@ class RunResult:
     reports: list[StepReport]
     first_detection_step: int | None = None
     injected: Injection | None = None
+    step_seconds: float | None = None  # the engine's steps only (:class:`StepClock`); None where not timed
+
+    @property
+    def timed_seconds(self) -> float:
+        """What the share compares: the steps' seconds where they were timed, else the run's."""
+        return self.seconds if self.step_seconds is None else self.step_seconds
 
     def first_report(self) -> StepReport | None:
         """The first report naming a corrupted request, at or after the injection."""
@@ -179,6 +184,20 @@ def generate_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -
     return n
 
 
+def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> tuple[int, float, float | None]:
+    """:func:`generate_waves` timed: the sequences, the run's seconds and the engine's steps' seconds (None where
+    the step clock is not available).  The previous run's garbage is collected and its device work finished
+    first, so that neither is timed here."""
+    gc.collect()
+    if torch.device(options.device).type == "cuda":
+        torch.cuda.synchronize(options.device)
+    with StepClock() as clock:
+        start = time.perf_counter()
+        n = generate_waves(model, prompts, options)
+        seconds = time.perf_counter() - start
+    return n, seconds, clock.seconds if clock.available else None
+
+
 def run_workload(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -207,9 +226,7 @@ def run_workload(
     try:
         if fault is not None:
             injector = attach_fault(canary, fault, after_step=options.fault_after_step, seed=options.seed)
-        start = time.perf_counter()
-        outputs = generate_waves(model, prompts, options)
-        seconds = time.perf_counter() - start
+        outputs, seconds, step_seconds = timed_waves(model, prompts, options)
         canary.flush()
         canary.check_effective()
         return RunResult(
@@ -220,6 +237,7 @@ def run_workload(
             reports=canary.reports,
             first_detection_step=canary.first_report_step,
             injected=None if injector is None else injector.injection,
+            step_seconds=step_seconds,
         )
     finally:
         if injector is not None:
@@ -229,13 +247,13 @@ def run_workload(
 
 def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> float:
     """The workload with the canary off (mode ``off``: hooks installed, no canary work; this also keeps
-    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`)."""
+    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`): the seconds the
+    share compares (the engine's steps where timed, see :attr:`RunResult.timed_seconds`)."""
     from kvcanary.adapters.transformers_cb import install
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
-        start = time.perf_counter()
-        generate_waves(model, prompts, options)
-        return time.perf_counter() - start
+        _, seconds, step_seconds = timed_waves(model, prompts, options)
+    return seconds if step_seconds is None else step_seconds
 
 
 def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
@@ -264,86 +282,8 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
         def timed(i: int) -> tuple[float, int]:
             label, shown = ("clean", progress) if i == 0 else (f"timed {i + 1}", None)
             runs.append(run_workload(model, prompts, options, label=label, progress=shown))
-            return runs[-1].seconds, runs[-1].stats["violations"]
+            return runs[-1].timed_seconds, runs[-1].stats["violations"]
 
         timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options), options.rounds)
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]), tuple(r.stats for r in runs))
-
-
-# ---------------------------------------------------------------------------- the summary
-
-
-def _features_line(kind: str, f: dict[str, int]) -> str:
-    parts = []
-    if kind == "dense":
-        parts.append(f"prefix hits {f['prefix_hits']} ({f['prefix_tokens']:,} tokens)")
-        parts.append(f"cached block reuse {f['cached_block_reuse']}")
-        parts.append(f"in-place de-dup {f['dedup_swaps']}")
-    else:
-        parts.append("prefix sharing n/a (transformers disables it with a sliding group)")
-    parts.append(f"forks {f['forks']} ({f['fork_block_copies']} block copies)")
-    parts.append(f"offloads {f['offloads']} / restores {f['restores']}")
-    if kind != "dense":
-        parts.append(f"ring wrap-arounds {f['ring_wraps']:,}")
-    return "; ".join(parts)
-
-
-def summary(result: DemoResult) -> str:
-    o, c, x = result.options, result.clean, result.faulted
-    lines = [
-        f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
-        f"device {o.device}, canary backend {o.backend.value}"
-        + (", asynchronous batching" if o.async_batching else "")
-        + (", CUDA graphs" if o.cuda_graphs else ""),
-        f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "
-        "engine, x 2 sampled sequences, "
-        f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {DEMO_NUM_BLOCKS[o.model]} blocks, CPU offload on",
-        "",
-        f"clean run: {c.stats['steps']:,} steps, {c.stats['verified_slots']:,} slots verified, "
-        f"{c.stats['stamped']:,} stamped, {c.stats['violations']} violations "
-        f"({c.seconds:.1f} s, {c.outputs} sequences)",
-        f"  engine features exercised: {_features_line(o.model, c.features)}",
-    ]
-    if c.stats["steps"]:
-        lines.extend(host_time_lines(c.stats, c.features))
-    lines.extend(timing_lines(result.timing, result.timed_stats))
-    lines.append("")
-    inj = x.injected
-    if inj is None:
-        lines.append(f"faulted run ({o.fault}): no step was eligible for the fault; nothing was injected")
-    else:
-        lines.append(f"faulted run ({o.fault}): at step {inj.step}, request {x.injected_request!r}: {inj.detail}")
-        if x.detected:
-            lines.append(
-                f"  caught at step {x.first_detection_step} ({x.stats['violations']} violation rows over the run); "
-                "the first report:"
-            )
-            first = x.first_report()
-            assert first is not None  # detected
-            lines.extend("  " + line for line in first.block().splitlines())
-        else:
-            lines.append(f"  NOT caught ({x.stats['violations']} violation rows)")
-    lines.append("")
-    if result.passed:
-        lines.append("result: PASS (the clean run raised no violation and the injected fault was caught)")
-    else:
-        why = []
-        if c.stats["violations"]:
-            why.append(f"the clean run raised {c.stats['violations']} violations")
-        if result.timed_violations:
-            why.append(f"the timed clean runs raised {result.timed_violations} violations")
-        if not x.detected:
-            why.append("the injected fault was not caught")
-        if not c.stats["steps"]:
-            why.append("the canary verified no step")
-        lines.append("result: FAIL (" + "; ".join(why) + ")")
-    return "\n".join(lines)
-
-
-def _model_desc(kind: str) -> str:
-    return {
-        "dense": "Llama, 2 full-attention layers",
-        "hybrid": f"Qwen2, 1 sliding-window (W={SLIDING_WINDOW}) + 1 full-attention layer",
-        "sliding": f"Mistral, 2 sliding-window layers (W={SLIDING_WINDOW})",
-    }[kind]

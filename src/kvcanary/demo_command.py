@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvcanary.cli_checks import run_engine_command
-    from kvcanary.demo import DemoOptions, run_demo, summary
+    from kvcanary.demo import DemoOptions, run_demo
+    from kvcanary.demo_summary import summary
     from kvcanary.ops import Backend
 
     def options() -> DemoOptions:

@@ -4,8 +4,9 @@
 One timed run of each side moved the share by tens of points from one device call to the next (0.0 % and 36.5 %
 for the same host time per step): the engine's run time drifts and jitters far more than the canary costs.  So
 the two sides run in turn, ROUNDS pairs, the order flipping each pair (a drift then favours neither side), and
-the share reported is the median of the pairs' shares.  Every canary run is a full clean run: one with a
-violation fails the demo like the clean run would.
+the share reported is the median of the pairs' shares.  What each side times is the engine's steps (see
+:mod:`kvcanary.adapters.transformers_cb.step_clock`), not the set-up and clean-up around them.  Every canary run
+is a full clean run: one with a violation fails the demo like the clean run would.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def timed_host_line(stats: Sequence[dict[str, int]]) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class ShareTiming:
-    """The seconds of each pair's runs, without and with the canary."""
+    """The seconds of each pair's runs, without and with the canary (the engine's steps where they were timed)."""
 
     without: tuple[float, ...]
     with_canary: tuple[float, ...]
@@ -92,7 +93,7 @@ class ShareTiming:
     def line(self) -> str:
         pairs = ", ".join(f"{s:.1%}" for s in self.shares)
         return (
-            f"without the canary: {statistics.median(self.without):.2f} s, with it: "
+            f"the engine's steps without the canary: {statistics.median(self.without):.2f} s, with it: "
             f"{statistics.median(self.with_canary):.2f} s (medians of {len(self.without)} alternating runs each); "
             f"the canary's share of step time: {self.share:.1%} (median of the pairs: {pairs})"
         )

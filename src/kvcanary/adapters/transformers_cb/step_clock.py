@@ -1,0 +1,55 @@
+"""The engine's step time: what ``kvcanary demo --baseline`` compares with and without the canary.
+
+A timed demo run's wall time holds more than steps: the engine builds its cache and batch processor, starts and
+joins its loop thread, runs a full garbage collection at the end of each ``generate_batch`` (about 0.1 s a
+collection with a model and torch loaded) and waits between waves.  That part is a quarter of a GPU demo run, none
+of it the canary's, and it moves from run to run by more than the canary costs.  The clock sums the engine's
+generation-loop bodies that ran a step (the manager's batch counter moved): scheduling, offload and restore,
+the inputs' preparation, the forward with the canary's tap, the batch update, so every per-step cost of the canary
+(its set-up in the first step, mirroring the engine's block moves) is inside, and the loop's waits for requests
+are not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvcanary.adapters.patching import PatchSet
+
+
+class StepClock:
+    """Seconds and count of the engine's steps while entered (every manager of the process; the bodies run on the
+    manager's loop thread, read the totals after ``generate_batch`` returned).  ``available`` is False where this
+    transformers has no generation-loop body to time; the totals then stay 0."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+        self.available = False
+        self._patches = PatchSet(exclusive=False)
+
+    def __enter__(self) -> StepClock:
+        from transformers.generation.continuous_batching import continuous_api
+
+        manager = getattr(continuous_api, "ContinuousBatchingManager", None)
+        if manager is not None and callable(getattr(manager, "_generation_loop_body", None)):
+            self._patches.wrap(manager, "_generation_loop_body", self._timed)
+            self.available = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patches.restore()
+
+    def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def body(manager: Any, *args: Any, **kwargs: Any) -> Any:
+            before = getattr(manager, "current_batch", None)
+            start = time.perf_counter()
+            out = original(manager, *args, **kwargs)
+            if getattr(manager, "current_batch", None) != before:  # a step ran (not a wait for requests)
+                self.seconds += time.perf_counter() - start
+                self.steps += 1
+            return out
+
+        return body
