@@ -37,7 +37,11 @@ def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
     assert timing.share == pytest.approx(0.1)
     line = timing.line()
     assert "the canary's share of step time: 10.0%" in line and "0.0%, " not in line.split("pairs:")[0]
-    assert "without the canary: 9.00 s, with it: 10.50 s" in line
+    assert "without the canary: 9.00 s, with it: 10.50 s" in line and "wall time" not in line
+    # With the runs' wall seconds kept too (the steps' compared), their share is given beside: pairs 5, 20 and 0 %.
+    walled = dataclasses.replace(timing, walls=((19.0, 20.0, 21.0), (20.0, 25.0, 20.0)))
+    assert walled.share == timing.share and walled.wall_share == pytest.approx(0.05)
+    assert walled.line().endswith("; of the runs' wall time: 5.0%")
 
 
 def test_rounds_must_be_positive() -> None:
@@ -91,6 +95,8 @@ def test_the_added_time_is_split_into_the_canarys_timed_work_and_the_rest() -> N
     assert line is not None and line.startswith("  time added per step (medians of the pairs): 1.000 ms;")
     assert "host time in the step 0.400, each cache's set-up 0.040, mirroring the engine's block moves 0.020" in line
     assert "the rest 0.540 " in line  # 1.000 - 0.460
+    # the timed work alone: 0.46 ms a step of 4.6 / 500 = 9.2 ms (the median pair's time with the canary)
+    assert "the canary's timed work alone is 5.0% of the time with it" in line
     assert added_time_line(timing, [run, run]) is None  # a run's stats missing: nothing to split
     lines = timing_lines(timing, [run, run, run])
     assert len(lines) == 3 and "share of step time" in lines[1] and lines[2] == line

@@ -245,15 +245,15 @@ def run_workload(
         canary.uninstall()
 
 
-def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> float:
+def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> tuple[float, float]:
     """The workload with the canary off (mode ``off``: hooks installed, no canary work; this also keeps
     the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`): the seconds the
-    share compares (the engine's steps where timed, see :attr:`RunResult.timed_seconds`)."""
+    share compares (the engine's steps where timed, see :attr:`RunResult.timed_seconds`) and the run's."""
     from kvcanary.adapters.transformers_cb import install
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
         _, seconds, step_seconds = timed_waves(model, prompts, options)
-    return seconds if step_seconds is None else step_seconds
+    return seconds if step_seconds is None else step_seconds, seconds
 
 
 def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
@@ -278,12 +278,19 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
         warm = dataclasses.replace(options, requests=min(WARM_UP, options.requests), follow_up=0)
         run_workload(model, prompts[: warm.requests], warm, label="warm-up")
         runs: list[RunResult] = []
+        walls: list[float] = []  # the baseline runs' wall seconds
 
         def timed(i: int) -> tuple[float, int]:
             label, shown = ("clean", progress) if i == 0 else (f"timed {i + 1}", None)
             runs.append(run_workload(model, prompts, options, label=label, progress=shown))
             return runs[-1].timed_seconds, runs[-1].stats["violations"]
 
-        timing, violations = time_share(timed, lambda: time_baseline(model, prompts, options), options.rounds)
+        def baseline() -> float:
+            seconds, wall = time_baseline(model, prompts, options)
+            walls.append(wall)
+            return seconds
+
+        timing, violations = time_share(timed, baseline, options.rounds)
+        timing = dataclasses.replace(timing, walls=(tuple(walls), tuple(r.seconds for r in runs)))
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]), tuple(r.stats for r in runs))

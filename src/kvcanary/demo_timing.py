@@ -80,15 +80,23 @@ class ShareTiming:
 
     without: tuple[float, ...]
     with_canary: tuple[float, ...]
+    # The same runs' wall seconds (set-up, the engine's end-of-run collections and waits included), without and with
+    # the canary, where the compared seconds are the steps': the share as the demo measured it before the step clock.
+    walls: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @property
     def shares(self) -> list[float]:
         """Per pair: the time the canary added, as a share of the run with it (0 where it added none)."""
-        return [max(w - b, 0.0) / w if w else 0.0 for b, w in zip(self.without, self.with_canary, strict=True)]
+        return _shares(self.without, self.with_canary)
 
     @property
     def share(self) -> float:
         return statistics.median(self.shares)
+
+    @property
+    def wall_share(self) -> float | None:
+        """The median share of the pairs' wall times (None where they were not kept)."""
+        return None if self.walls is None else statistics.median(_shares(*self.walls))
 
     def line(self) -> str:
         pairs = ", ".join(f"{s:.1%}" for s in self.shares)
@@ -96,7 +104,12 @@ class ShareTiming:
             f"the engine's steps without the canary: {statistics.median(self.without):.2f} s, with it: "
             f"{statistics.median(self.with_canary):.2f} s (medians of {len(self.without)} alternating runs each); "
             f"the canary's share of step time: {self.share:.1%} (median of the pairs: {pairs})"
+            + ("" if (wall := self.wall_share) is None else f"; of the runs' wall time: {wall:.1%}")
         )
+
+
+def _shares(without: Sequence[float], with_canary: Sequence[float]) -> list[float]:
+    return [max(w - b, 0.0) / w if w else 0.0 for b, w in zip(without, with_canary, strict=True)]
 
 
 def added_time_line(timing: ShareTiming, stats: Sequence[dict[str, int]]) -> str | None:
@@ -105,19 +118,22 @@ def added_time_line(timing: ShareTiming, stats: Sequence[dict[str, int]]) -> str
     ``stats``: each timed canary run's, in the order of ``timing.with_canary``."""
     if len(stats) != len(timing.with_canary) or not stats or not all(s.get("steps") for s in stats):
         return None
-    parts: dict[str, list[float]] = {"added": [], "tap": [], "setup": [], "mirror": [], "rest": []}
+    parts: dict[str, list[float]] = {"added": [], "tap": [], "setup": [], "mirror": [], "rest": [], "floor": []}
     for before, after, s in zip(timing.without, timing.with_canary, stats, strict=True):
         ms = 1000 / s["steps"]
         added, tap = (after - before) * ms, s["tap_us"] / 1000 * ms / 1000
         setup, mirror = s.get("setup_us", 0) / 1000 * ms / 1000, s.get("mirror_us", 0) / 1000 * ms / 1000
-        for key, value in zip(parts, (added, tap, setup, mirror, added - tap - setup - mirror), strict=True):
+        own = tap + setup + mirror
+        floor = own / (after * ms) if after else 0.0
+        for key, value in zip(parts, (added, tap, setup, mirror, added - own, floor), strict=True):
             parts[key].append(value)
     m = {k: statistics.median(v) for k, v in parts.items()}
     return (
         f"  time added per step (medians of the pairs): {m['added']:.3f} ms; the canary's host time in the step "
         f"{m['tap']:.3f}, each cache's set-up {m['setup']:.3f}, mirroring the engine's block moves {m['mirror']:.3f}, "
         f"the rest {m['rest']:.3f} (none of the canary's timed work: the engine's own work ran longer, or waited for "
-        "the canary's device work)"
+        f"the canary's device work); the canary's timed work alone is {m['floor']:.1%} of the time with it (a floor "
+        "under the share: it is timed inside the runs, without the pairs' noise)"
     )
 
 
