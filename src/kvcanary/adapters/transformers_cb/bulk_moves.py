@@ -10,6 +10,7 @@ bytes go astray on either side leaves records that the next read of those blocks
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,9 @@ from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.runtime import streams
+
+
+_OFFLOADED = operator.attrgetter("state.is_cpu_offloaded")  # a batch row's request is in the CPU swap pool
 
 
 class BulkMoveWrappers:
@@ -75,10 +79,11 @@ class BulkMoveWrappers:
         def restore_scheduled_requests(om: Any, requests_in_batch: list[Any]) -> Any:
             b = self._binding()
             mine = b is not None and b.is_for(om.cache) and getattr(om, "_cpu_pool", None) is not None
-            # Called every step: with no request in the swap pool (the engine's map empty) no row is scanned.
+            # Called every step: with no request in the swap pool (the engine's map empty) no row is scanned, and
+            # otherwise the rows' flags are read in C (a generator over them cost about 0.15 us a row).
             restored = 0
             if mine and getattr(om, "_request_id_to_cpu_blocks", True):
-                restored = sum(1 for fs in requests_in_batch if fs.state.is_cpu_offloaded)
+                restored = sum(map(_OFFLOADED, requests_in_batch))
             if b is None or not restored:
                 return original(om, requests_in_batch)
             with self._observer(b, om) as seen:
