@@ -15,6 +15,7 @@ Usage: ``PYTHONPATH=src python benchmarks/bench_host_step.py --commit <sha> [--r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -169,7 +170,7 @@ def measure_launch(groups: int, batch: int, prefix: int, steps: int, device: str
     return out | {"groups": groups, "batch": batch, "prefix": prefix, "steps": steps}
 
 
-def breakdown(iters: int = 2000) -> dict[str, float]:
+def breakdown(iters: int = 2000) -> dict[str, object]:
     """Median host time of host_step's pieces (printed, not stored): where the microseconds go."""
     group, caps, _ = decode_batch(8, 16, 1, "cuda")
     mgr = CanaryManager([group], {group.name: caps}, CanaryConfig(mode=Mode.LOG), device="cuda")
@@ -189,7 +190,7 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
     calls = CudaCalls(torch.cuda.current_device())
     fallback = CudaCalls(torch.cuda.current_device(), bindings=False)
     fallback_transfer = fallback.download(host, outbox)
-    out = {
+    out: dict[str, object] = {
         "copy_non_blocking_us": timed(lambda: host.copy_(outbox, non_blocking=True)),
         "event_record_us": timed(lambda: event.record(stream)),
         "event_synchronize_done_us": timed(event.synchronize),
@@ -198,12 +199,15 @@ def breakdown(iters: int = 2000) -> dict[str, float]:
         "pump_send_torch_us": timed(lambda: fallback_transfer.send(outbox.nbytes)),
         "pump_landed_torch_us": timed(fallback_transfer.landed),
     }
-    if calls.through_bindings:  # the pump's path where cuda.bindings is installed: the copy and its record
-        transfer = calls.download(host, outbox)
-        out |= {
-            "pump_send_bindings_us": timed(lambda: transfer.send(outbox.nbytes)),
-            "pump_landed_bindings_us": timed(transfer.landed),
-        }
+    for path in ("bindings", "cudart"):  # the pump's direct paths, where there: the copy and its record
+        direct = CudaCalls(torch.cuda.current_device(), runtime=path)
+        if direct.through_bindings:
+            transfer = direct.download(host, outbox)
+            out |= {
+                f"pump_send_{path}_us": timed(functools.partial(transfer.send, outbox.nbytes)),
+                f"pump_landed_{path}_us": timed(transfer.landed),
+            }
+    out["calls_path"] = calls.path  # the path the canary takes
     return out
 
 

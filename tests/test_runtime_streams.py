@@ -15,13 +15,29 @@ def needs_cuda() -> None:
         pytest.skip("needs a CUDA device")
 
 
-def cuda_calls(bindings: bool) -> CudaCalls:
-    """The calls of the current device, through the bindings or torch (skipped where the bindings are missing)."""
+PATHS = ["cudart", "bindings", "torch"]  # the runtime torch loaded through ctypes, cuda-python's bindings, torch
+
+
+def cuda_calls(path: str) -> CudaCalls:
+    """The calls of the current device by ``path`` (skipped where that path is missing)."""
     needs_cuda()
-    calls = CudaCalls(torch.cuda.current_device(), bindings=bindings)
-    if bindings and not calls.through_bindings:
-        pytest.skip("cuda.bindings is not installed")
+    direct = path != "torch"
+    calls = CudaCalls(torch.cuda.current_device(), bindings=direct, runtime=path if direct else None)
+    if direct and not calls.through_bindings:
+        pytest.skip(f"no {path} calls here")
+    assert calls.path.startswith({"cudart": "cudart", "bindings": "cuda.bindings", "torch": "torch"}[path])
     return calls
+
+
+def test_the_calls_take_the_runtime_torch_loaded_when_it_is_there() -> None:
+    """On a CPU build no runtime is loaded: no direct calls, and asking for them is not an error."""
+    from kvcanary.runtime import cuda_calls as module
+
+    found = module.cudart_calls()
+    if not torch.cuda.is_available():
+        assert found is None
+    elif found is not None:  # a build that loads libcudart dynamically
+        assert found.name == "cudart through ctypes" and CudaCalls(torch.cuda.current_device()).path == found.name
 
 
 @pytest.mark.gpu
@@ -42,9 +58,9 @@ def test_using_makes_the_stream_current_and_restores_the_previous_one() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bindings", [True, False])
-def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(bindings: bool) -> None:
-    calls = cuda_calls(bindings)
+@pytest.mark.parametrize("path", PATHS)
+def test_the_event_marks_the_current_stream_and_the_copy_runs_on_it(path: str) -> None:
+    calls = cuda_calls(path)
     src = torch.arange(1000, dtype=torch.int64, device="cuda")
     dst = torch.zeros(1000, dtype=torch.int64, pin_memory=True)
     transfer = calls.download(dst, src)
@@ -72,9 +88,9 @@ def test_the_download_refuses_what_it_cannot_copy() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bindings", [True, False])
-def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool) -> None:
-    calls = cuda_calls(bindings)
+@pytest.mark.parametrize("path", PATHS)
+def test_the_upload_copies_the_first_bytes_on_the_current_stream(path: str) -> None:
+    calls = cuda_calls(path)
     dst = torch.zeros(64, dtype=torch.uint8, device="cuda")
     src = torch.arange(64, dtype=torch.uint8).pin_memory()
     upload = calls.upload(dst, src)
@@ -95,9 +111,9 @@ def test_the_upload_copies_the_first_bytes_on_the_current_stream(bindings: bool)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bindings", [True, False])
-def test_the_graph_launch_replays_on_the_current_stream(bindings: bool) -> None:
-    calls = cuda_calls(bindings)
+@pytest.mark.parametrize("path", PATHS)
+def test_the_graph_launch_replays_on_the_current_stream(path: str) -> None:
+    calls = cuda_calls(path)
     x = torch.zeros(16, dtype=torch.int64, device="cuda")
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]

@@ -1,83 +1,161 @@
 """The host step's CUDA calls -- a device-to-host copy and an event record on the current stream -- at the cost
-of the CUDA call itself, and the staging's host-to-device upload.
+of the CUDA call itself, and the staging's host-to-device upload and the step graph's launch.
 
 Every host step copies the outbox into pinned host memory and records an event behind it (see
 :mod:`~kvcanary.runtime.pump`).  Through torch each call costs host time beyond the CUDA call:
 ``copy_(non_blocking=True)`` dispatches, builds a tensor iterator and records an event for the caching host
-allocator; ``Event.record()`` builds the current stream's Python object.  Through cuda-python's runtime
-bindings (``cuda.bindings.runtime``) the copy takes 2.2-3.9 us against torch's 3.3-5.9, the record 1.0-1.8
-against 2.8-5.4 (``bench_host_step.py``'s breakdown on the H200 host, two runs of one call).  A query costs
-the same either way measured in a loop; it goes through the bindings too, since in a serving loop every path
-a step touches is cold and the step's uploads and records have just warmed this one.  The bindings are used
-where installed, with the stream handle from torch's C entry point (the stream torch would use); elsewhere
-torch's calls do the same thing.  The buffers are the callers' own (pinned, kept), so no allocator needs to
-know about a copy in flight.  A :class:`Transfer` makes a copy and its record in one Python call: in a serving
-loop the step runs with every cache cold, and each distinct function it runs costs microseconds there.
+allocator; ``Event.record()`` builds the current stream's Python object.  So the per-step calls go straight to the
+CUDA runtime's C entry points, by the first of these that is there:
+
+* the runtime torch itself loaded (``libcudart``, found among the process's mapped libraries), through ``ctypes``:
+  each call converts its integer arguments in C and returns the error code as an int;
+* cuda-python's runtime bindings (``cuda.bindings.runtime``): each call also builds its result's error enum in Python
+  (cuda-bindings' enums), the larger part of a call's host time with the caches cold, as they are in a serving loop;
+* torch's own calls, which do the same thing.
+
+Measured by ``bench_host_step.py`` on the H200 host, the bindings' copy took 2.2-3.9 us against torch's 3.3-5.9 and
+the record 1.0-1.8 against 2.8-5.4.  The stream handle is torch's current one, from its C entry point.  The buffers
+are the callers' own (pinned, kept), so no allocator needs to know about a copy in flight.  A :class:`Transfer`
+makes a copy and its record in one Python call: in a serving loop the step runs with every cache cold, and each
+distinct function it runs costs microseconds there.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 
 
-def _runtime_bindings() -> ModuleType | None:
+class RuntimeCalls:
+    """The runtime calls the per-step path makes, each returning the CUDA error code (compared with :attr:`ok` and
+    :attr:`not_ready`); ``name`` says which way they go."""
+
+    __slots__ = ("d2h", "event_query", "event_record", "exec_handle", "graph_launch", "h2d", "memcpy_async", "name",
+                 "not_ready", "ok")  # fmt: skip
+
+    def __init__(self, name: str, *, ok: Any, not_ready: Any, h2d: Any, d2h: Any) -> None:
+        self.name = name
+        self.ok, self.not_ready, self.h2d, self.d2h = ok, not_ready, h2d, d2h
+        self.memcpy_async: Callable[[int, int, int, Any, int], Any] = _missing
+        self.event_record: Callable[[int, int], Any] = _missing
+        self.event_query: Callable[[int], Any] = _missing
+        self.graph_launch: Callable[[Any, int], Any] = _missing
+        self.exec_handle: Callable[[int], Any] = int  # a graph exec's handle as graph_launch takes it
+
+
+def _missing(*args: Any) -> Any:
+    raise RuntimeError("kvcanary: this CUDA runtime call was not bound")
+
+
+def _loaded_cudart() -> str | None:
+    """The path of the CUDA runtime library this process has loaded (torch's), or None."""
     try:
-        from cuda.bindings import runtime  # type: ignore[import-not-found,import-untyped,unused-ignore]
-    except Exception:  # not installed (a CPU machine, an older CUDA stack): torch's calls instead
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:  # not Linux
         return None
-    return runtime  # type: ignore[no-any-return,unused-ignore]
+    return None
+
+
+def cudart_calls() -> RuntimeCalls | None:
+    """The calls through ``ctypes`` into the runtime torch loaded; None where it is not found (a CPU build, a runtime
+    linked statically) or lacks an entry point."""
+    path = _loaded_cudart()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.PyDLL(path)  # the calls keep the GIL: a released one may go to another thread for milliseconds
+        entries = [lib.cudaMemcpyAsync, lib.cudaEventRecord, lib.cudaEventQuery, lib.cudaGraphLaunch]
+    except (OSError, AttributeError):
+        return None
+    ptr, c_int = ctypes.c_void_p, ctypes.c_int
+    argtypes = [(ptr, ptr, ctypes.c_size_t, c_int, ptr), (ptr, ptr), (ptr,), (ptr, ptr)]
+    for fn, types in zip(entries, argtypes, strict=True):
+        fn.argtypes, fn.restype = types, c_int
+    calls = RuntimeCalls("cudart through ctypes", ok=0, not_ready=600, h2d=1, d2h=2)  # cudaSuccess, cudaErrorNotReady
+    calls.memcpy_async, calls.event_record, calls.event_query, calls.graph_launch = entries
+    return calls
+
+
+def bindings_calls() -> RuntimeCalls | None:
+    """The calls through cuda-python's runtime bindings; None where they are not installed."""
+    try:
+        from cuda.bindings import runtime as rt  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except Exception:  # not installed (a CPU machine, an older CUDA stack)
+        return None
+    err, kind = rt.cudaError_t, rt.cudaMemcpyKind
+    calls = RuntimeCalls(
+        "cuda.bindings", ok=err.cudaSuccess, not_ready=err.cudaErrorNotReady, h2d=kind.cudaMemcpyHostToDevice,
+        d2h=kind.cudaMemcpyDeviceToHost,
+    )  # fmt: skip
+    calls.memcpy_async = lambda dst, src, n, k, stream: rt.cudaMemcpyAsync(dst, src, n, k, stream)[0]
+    calls.event_record = lambda event, stream: rt.cudaEventRecord(event, stream)[0]
+    calls.event_query = lambda event: rt.cudaEventQuery(event)[0]
+    calls.graph_launch = lambda graph, stream: rt.cudaGraphLaunch(graph, stream)[0]
+    calls.exec_handle = lambda raw: rt.cudaGraphExec_t(init_value=raw)
+    return calls
 
 
 class CudaCalls:
-    """The calls for one device; ``bindings=False`` takes torch's path even where the bindings are installed."""
+    """The calls for one device; ``bindings=False`` takes torch's path wherever a direct one exists, ``runtime``
+    names one direct path (``"cudart"``, ``"bindings"``) instead of the first found."""
 
-    def __init__(self, device_index: int, *, bindings: bool = True) -> None:
+    def __init__(self, device_index: int, *, bindings: bool = True, runtime: str | None = None) -> None:
         self.device_index = device_index
-        self._rt = _runtime_bindings() if bindings else None
+        found = {"cudart": cudart_calls, "bindings": bindings_calls}
+        self._rt: RuntimeCalls | None = None
+        if bindings:
+            for name in (runtime,) if runtime is not None else tuple(found):
+                self._rt = found[name]()
+                if self._rt is not None:
+                    break
         self._raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
-        if self._rt is not None:
-            self._ok = self._rt.cudaError_t.cudaSuccess
-            self._d2h = self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-            self._h2d = self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice
-            self._not_ready = self._rt.cudaError_t.cudaErrorNotReady
 
     @property
     def through_bindings(self) -> bool:
+        """Whether the calls go straight to the runtime (through ``ctypes`` or cuda-python), not through torch."""
         return self._rt is not None
+
+    @property
+    def path(self) -> str:
+        return "torch" if self._rt is None else self._rt.name
 
     def download(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
         """Copies of ``src`` (a CUDA tensor) into ``dst`` (pinned host memory of the same size).  Both tensors
         must outlive it."""
         if dst.nbytes != src.nbytes or not dst.is_pinned() or src.device.type != "cuda":
             raise ValueError("download: dst must be pinned host memory of src's size, src a CUDA tensor")
-        return Transfer(self, dst, src, self._d2h if self._rt is not None else None)
+        return Transfer(self, dst, src, self._rt.d2h if self._rt is not None else None)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> Transfer:
         """Copies of the first bytes of ``src`` (pinned host bytes) into ``dst`` (a CUDA byte tensor of the same
         size).  Both tensors must outlive it."""
         if dst.nbytes != src.nbytes or not src.is_pinned() or dst.device.type != "cuda" or dst.element_size() != 1:
             raise ValueError("upload: src must be pinned host bytes of dst's size, dst a CUDA byte tensor")
-        return Transfer(self, dst, src, self._h2d if self._rt is not None else None)
+        return Transfer(self, dst, src, self._rt.h2d if self._rt is not None else None)
 
     def graph_launch(self, graph: Any) -> Callable[[], None]:
         """A launch of ``graph`` (a captured ``torch.cuda.CUDAGraph``, kept alive by the caller) on the current
-        stream.  Through the bindings where installed: torch's replay also guards the device, brings the random
+        stream.  Straight to the runtime where it can: torch's replay also guards the device, brings the random
         number generators' state up to date and asks the driver its version on every call, none of which a graph
         of the canary's kernels (no random numbers) needs."""
         raw = getattr(graph, "raw_cuda_graph_exec", None)
         if self._rt is None or raw is None:
             return graph.replay  # type: ignore[no-any-return]
-        return functools.partial(self._launch, self._rt.cudaGraphExec_t(init_value=raw()))
+        return functools.partial(self._launch, self._rt.exec_handle(raw()))
 
     def _launch(self, graph_exec: Any) -> None:
-        assert self._rt is not None
-        (err,) = self._rt.cudaGraphLaunch(graph_exec, self._raw_stream(self.device_index))
-        if err != self._ok:
+        rt = self._rt
+        assert rt is not None
+        err = rt.graph_launch(graph_exec, self._raw_stream(self.device_index))
+        if err != rt.ok:
             raise RuntimeError(f"kvcanary: cudaGraphLaunch failed: {err!r}")
 
 
@@ -110,8 +188,8 @@ class Transfer:
             self._dst[:nbytes].copy_(self._src[:nbytes], non_blocking=True)
             return
         dst, src, kind = self._args
-        (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, kind, calls._raw_stream(calls.device_index))
-        if err != calls._ok:
+        err = rt.memcpy_async(dst, src, nbytes, kind, calls._raw_stream(calls.device_index))
+        if err != rt.ok:
             raise RuntimeError(f"kvcanary: a {nbytes}-byte asynchronous copy failed: {err!r}")
 
     def send(self, nbytes: int) -> None:
@@ -126,10 +204,10 @@ class Transfer:
             return
         dst, src, kind = self._args
         stream = calls._raw_stream(calls.device_index)
-        (err,) = rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream)
-        if err == calls._ok:
-            (err,) = rt.cudaEventRecord(self._handle, stream)
-        if err != calls._ok:
+        err = rt.memcpy_async(dst, src, nbytes, kind, stream)
+        if err == rt.ok:
+            err = rt.event_record(self._handle, stream)
+        if err != rt.ok:
             raise RuntimeError(f"kvcanary: a {nbytes}-byte asynchronous copy or its event record failed: {err!r}")
 
     def landed(self) -> bool:
@@ -143,10 +221,10 @@ class Transfer:
         rt = calls._rt
         if rt is None:
             return bool(self._event.query())
-        (err,) = rt.cudaEventQuery(self._handle)
-        if err == calls._ok:
+        err = rt.event_query(self._handle)
+        if err == rt.ok:
             return True
-        if err == calls._not_ready:
+        if err == rt.not_ready:
             return False
         raise RuntimeError(f"kvcanary: cudaEventQuery failed: {err!r}")
 
