@@ -22,7 +22,6 @@ from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.runtime import streams
 
-
 _OFFLOADED = operator.attrgetter("state.is_cpu_offloaded")  # a batch row's request is in the CPU swap pool
 
 
