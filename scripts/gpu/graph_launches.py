@@ -6,7 +6,8 @@ the capture itself, just before it ends), then launches every kept graph again, 
 before each launch, behind a stand-in engine step (many small kernels queued first, as the forward is), and behind
 it with the host's caches flushed.  In a serving loop the launch runs cold: at a28f7b5 a launch took 2-4 us in a
 loop while the phase read 28-93 us, and the CPU demo's cold proxy puts the Python of ``forward_step``'s replay path
-at about 7 us.  A one-kernel graph is timed the same way, as the floor.
+at about 7 us.  A one-kernel graph is timed the same way, as the floor, launched by each way the canary can launch
+(the CUDA runtime through ctypes, cuda-python's bindings, torch's replay).
 Usage: PYTHONPATH=src python scripts/gpu/graph_launches.py [--model dense]
 """
 
@@ -111,7 +112,15 @@ def main() -> int:
     flush = np.zeros(FLUSH_BYTES, dtype=np.uint8)
     print(f"model {opts.model}: {len(graphs)} step graphs captured; host time of one launch, median of {ROUNDS} (us)")
     print(f"{'graph':<28}{'nodes':>6}{'idle':>9}{'behind':>9}{'cold':>9}  node types (cold: behind, caches flushed)")
-    rows = [("one kernel", collections.Counter({"kernel": 1}), calls.graph_launch(floor))]
+    one = collections.Counter({"kernel": 1})
+    rows = [
+        (f"one kernel ({calls.path})", one, calls.graph_launch(floor)),
+        ("one kernel (torch replay)", one, floor.replay),
+    ]
+    for path in ("cudart", "bindings"):  # the launch by each direct path, where it is there
+        direct = CudaCalls(torch.cuda.current_device(), runtime=path)
+        if direct.through_bindings and direct.path != calls.path:
+            rows.append((f"one kernel ({direct.path})", one, direct.graph_launch(floor)))
     rows += [(f"step graph {i}", types, g.replay) for i, (g, types) in enumerate(graphs)]
     for name, types, launch in rows:
         idle, behind = timed_launches(launch, None), timed_launches(launch, engine)
