@@ -103,7 +103,9 @@ def test_with_first_sight_a_step_is_captured_before_it_runs_and_replayed_at_once
     }  # fmt: skip
 
 
-def test_a_capture_that_fails_at_first_sight_runs_the_step_eagerly_and_captures_it_after() -> None:
+def test_a_capture_that_fails_at_first_sight_runs_the_step_eagerly_and_captures_it_after(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A capture may fail (a driver that cannot load a kernel's module during a capture): the step then runs eagerly,
     is captured after, as without ``first_sight``, and finds what launching every kernel finds."""
     plain = manager()
@@ -121,6 +123,10 @@ def test_a_capture_that_fails_at_first_sight_runs_the_step_eagerly_and_captures_
     got = run(mgr, 12, fault_at=7, static=True)
     assert mgr._graphs is not None and mgr._graphs.capture_failures == 2
     stats = mgr.graph_stats()
+    assert stats["graph_capture_failures"] == 2 and plain.graph_stats()["graph_capture_failures"] == 0
+    # the first failure is logged with its exception, the second only counted
+    failed = [r for r in caplog.records if "capturing the canary's step graph failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None and "not permitted" in str(failed[0].exc_info[1])
     # step 0: its capture failed, it ran eagerly and the retry was captured; step 1: a failed capture, an eager run,
     # then captured; steps 2..11 replay
     assert {k: stats[k] for k in ("graph_replays", "graph_captures", "graph_eager_steps")} == {

@@ -27,6 +27,7 @@ transformers translation).  It runs first, joins the graph, and its key joins th
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,8 @@ import torch
 
 from kvcanary.batch import StepBatch
 from kvcanary.runtime.cuda_calls import CudaCalls
+
+logger = logging.getLogger("kvcanary")
 
 MAX_GRAPHS = 64
 MAX_SEEN = 4096  # keys seen once and remembered (bounded state)
@@ -185,6 +188,11 @@ class StepGraphs:
             graph = self._factory(work)
         except Exception:
             self.capture_failures += 1
+            if self.capture_failures == 1:  # each later one is counted (graph_capture_failures), not logged
+                logger.warning(
+                    "kvcanary: capturing the canary's step graph failed; the step runs eagerly and is captured after",
+                    exc_info=True,
+                )
             return False
         self._keep(key, graph, start)
         graph.replay()
@@ -223,12 +231,19 @@ class StepGraphs:
 
     def stats(self) -> dict[str, int]:
         """Steps replayed, graphs captured and steps run eagerly, with the host time of the captures and of the eager
-        steps (where a steady serving loop's mean time in the canary's launches goes: replays are cheap)."""
-        counts = (self.replays, self.captures, self.capture_ns // 1000, self.eager_steps, self.eager_ns // 1000)
+        steps (where a steady serving loop's mean time in the canary's launches goes: replays are cheap), and the
+        captures at first sight that failed."""
+        counts = (
+            self.replays, self.captures, self.capture_ns // 1000, self.eager_steps, self.eager_ns // 1000,
+            self.capture_failures,
+        )  # fmt: skip
         return dict(zip(GRAPH_STAT_KEYS, counts, strict=True))
 
 
-GRAPH_STAT_KEYS = ("graph_replays", "graph_captures", "graph_capture_us", "graph_eager_steps", "graph_eager_us")
+GRAPH_STAT_KEYS = (
+    "graph_replays", "graph_captures", "graph_capture_us", "graph_eager_steps", "graph_eager_us",
+    "graph_capture_failures",
+)  # fmt: skip
 
 
 class CudaStepGraph:
