@@ -79,6 +79,7 @@ def test_the_step_graph_line_says_what_captures_and_eager_steps_cost_a_step_wher
         "captures and eager steps 0.037 ms a step"
     )
     assert graph_line(stats) == want and host_time_lines(stats, {})[-1] == want
+    assert graph_line(stats | {"graph_capture_failures": 2}) == want + "; 2 captures failed (those steps ran eagerly)"
 
 
 def test_the_timed_runs_line_gives_each_runs_host_time_per_step_and_their_median() -> None:

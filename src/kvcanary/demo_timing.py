@@ -57,9 +57,11 @@ def graph_line(stats: dict[str, int]) -> str | None:
     capture_ms, eager_ms = stats.get("graph_capture_us", 0) / 1000, stats.get("graph_eager_us", 0) / 1000
     per_step = (capture_ms + eager_ms) / stats["steps"]
     each = f" ({capture_ms / captures:.1f} ms each)" if captures else ""
+    failed = stats.get("graph_capture_failures", 0)
     return (
         f"  canary step graphs: {replays:,} steps replayed, {captures} captured{each}, {eager} run eagerly "
         f"({eager_ms / max(eager, 1):.2f} ms each): captures and eager steps {per_step:.3f} ms a step"
+        + (f"; {failed} captures failed (those steps ran eagerly)" if failed else "")
     )
 
 
