@@ -21,6 +21,9 @@ DEMO_LINE = re.compile(
     r"host step (?P<host_step>[\d.]+)\)"
 )
 DEMO_SHARE = re.compile(r"the canary's share of step time: (?P<share>[\d.]+)%")
+DEMO_WALL = re.compile(r"of the runs' wall time: (?P<share>[\d.]+)%")  # from ffdb7a5, beside the steps' share
+DEMO_FLOOR = re.compile(r"the canary's timed work alone is (?P<share>[\d.]+)%")
+DEMO_STEPS = re.compile(r"the engine's steps without the canary")  # from 059ada1 the share compares the steps
 DEMO_TIMED = re.compile(r"host time per step of each timed run: [\d., ]+ ms \(median (?P<median>[\d.]+) ms\)")
 
 
@@ -41,7 +44,8 @@ def demo_section() -> list[str]:
             continue
         gpu, commit, model = f.stem.rsplit("-", 2)[0], f.stem.split("-")[-2], f.stem.split("demo_")[-1]
         runs = "-" if timed is None else f"{float(timed['median']) * 1000:.0f}"
-        rows.append((model, commit, m, "-" if share is None else share["share"], f, gpu, runs))
+        shares = _shares(text, share)
+        rows.append((model, commit, m, shares, f, gpu, runs))
     if not rows:
         return []
     lines = ["", "## Host time per step on the GPU demo (`scripts/gpu/demo_gpu.sh`)", ""]
@@ -51,20 +55,35 @@ def demo_section() -> list[str]:
         "step time against the same workload with the canary off. Goals (issue 14): at most 150 us (dense) and "
         "250 us (hybrid) per step, a share of at most 5 % on every model. `total` and the phases are the clean run's "
         "means; `timed runs` the median of the timed canary runs' means (from 229a3f6; each run a new install, so "
-        "each captures its own step graphs). The host CPU differs with the machine: compare rows of one GPU and call."
+        "each captures its own step graphs). The host CPU differs with the machine: compare rows of one GPU and call. "
+        "`share %` is the median of the alternating pairs' shares: up to dedbe74 of the runs' wall time (`wall %`), "
+        "from 059ada1 of the engine's steps (`steps %`, the set-up, end-of-run collections and waits left out of "
+        "both sides). `floor %` is the canary's own timed work (the tap, each cache's set-up, mirroring the engine's "
+        "block moves) as a share of the steps with it: timed inside the runs, it is free of the pairs' noise, and "
+        "the share of step time cannot be under it."
     )
     lines += ["", "| model | gpu | commit | total us | median us | capture | translation | plan/verify/stamp "
-              "| host step | timed runs us | share % | source |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for model, commit, m, share, f, gpu, runs in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
+              "| host step | timed runs us | steps % | wall % | floor % | source |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for model, commit, m, shares, f, gpu, runs in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
         us = {k: float(v) * 1000 for k, v in m.groupdict().items()}
         lines.append(
             f"| {model} | {gpu} | {commit} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "
-            f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {runs} | {share} "
+            f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {runs} | {' | '.join(shares)} "
             f"| `{f.relative_to(HERE)}` |"
         )
     lines += DEMO_NOTES
     return lines
+
+
+def _shares(text: str, share: re.Match[str] | None) -> tuple[str, str, str]:
+    """A demo file's share of the steps, of the wall time and its floor ("-" where the file has none)."""
+    wall, floor = DEMO_WALL.search(text), DEMO_FLOOR.search(text)
+    if share is None:
+        return "-", "-", "-"
+    if DEMO_STEPS.search(text) is None:  # before the step clock: the one share is the wall time's
+        return "-", share["share"], "-"
+    return share["share"], "-" if wall is None else wall["share"], "-" if floor is None else floor["share"]
 
 
 def host_section() -> list[str]:
