@@ -246,6 +246,26 @@ def test_translation_on_cuda_never_waits_and_matches_the_cpu(window: int) -> Non
 
 
 @pytest.mark.gpu
+def test_a_slotted_staging_on_cuda_keeps_no_copy_ring_even_after_it_grows() -> None:
+    """Slotted, the sends go to pinned slots that the step's upload launch copies: the copy ring's pinned buffers
+    (each the staging's capacity) are dropped when it turns slotted and not built again when it grows."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    st = Staging(torch.device("cuda"))
+    assert st.host_buffers > 0  # copied: the ring
+    fence = CopyFence()
+    fence.seq = torch.zeros(2, dtype=torch.int64, device="cuda")
+    st.follow(fence, slotted=True)
+    assert st.host_buffers == 0 and st.upload() is not None
+    (view,) = st.send([array.array("q", range(st.capacity // 4))])  # twice the capacity: it grows
+    upload = st.upload()
+    assert upload is not None and st.host_buffers == 0
+    upload.run()
+    torch.cuda.synchronize()
+    assert view.tolist() == list(range(len(view)))
+
+
+@pytest.mark.gpu
 def test_staging_on_cuda_never_overwrites_a_copy_in_flight() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -180,8 +180,8 @@ class LaggedPump:
         if self.publish_misses == 1:
             logger.error("kvcanary: the outbox of host step %d was never published; copied instead", buf.step)
         buf.tensor.copy_(self._outbox)
-        if self.publisher is not None:  # the next publish is the next host step's
-            self.publisher.state[0] = self.fence.next_step
+        assert self.publisher is not None  # only a publisher's buffers catch up
+        self.publisher.state[0] = self.fence.next_step  # the next publish is the next host step's
 
     @property
     def pending_steps(self) -> tuple[int, ...]:

@@ -123,6 +123,9 @@ class Staging:
         assert self.fence is not None and self.fence.seq is not None
         if self._slots is not None:
             self._retired_slots.append(self._slots)
+        else:  # slotted from now on: the copy ring is not used again (kept only while a copy of it may be queued)
+            self._retired += [u for u in self._ring if not self._landed(u)]
+            self._ring = []
         words = HEAD_WORDS + self._capacity // 8
         slots = self._slots = torch.zeros((NUM_SLOTS, words), dtype=torch.int64, pin_memory=self._calls is not None)
         self._heads = [slots[i].numpy().data for i in range(NUM_SLOTS)]
@@ -135,7 +138,7 @@ class Staging:
 
     @property
     def host_buffers(self) -> int:
-        """Pinned buffers in the ring (CUDA; 0 on CPU)."""
+        """Pinned buffers in the copy ring (CUDA, not slotted; 0 otherwise)."""
         return len(self._ring)
 
     def _grow(self, need: int) -> None:
@@ -151,7 +154,8 @@ class Staging:
             self._on_host = self._device_buf.numpy().data
             return
         self._retired = [u for u in self._retired + self._ring if not self._landed(u)]
-        self._ring = [_Upload(self._device_buf, self._calls) for _ in range(_RING)]
+        # Slotted, the sends write pinned slots and the step's upload copies them: no copy ring.
+        self._ring = [] if self._slots is not None else [_Upload(self._device_buf, self._calls) for _ in range(_RING)]
         self._next = 0
 
     def _landed(self, up: _Upload) -> bool:

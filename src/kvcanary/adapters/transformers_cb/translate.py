@@ -99,7 +99,7 @@ class StepTranslator:
         self._truth = TruthStore(max_batch, max_context, self.device, static_out=static)  # kept between steps
         self._stable = StableWrites(self.device) if static else None
         self.kernel = static if kernel is None else kernel  # the read-index path in one Triton launch
-        self.bucket = static if bucket is None else bucket
+        self.bucket = static if bucket is None else bucket  # this and max_tokens: settable after construction
         self._kept = KeptSteps()  # by shape class: what a steady step reuses
         self._classes = ShapeClasses(max_batch)
         self.steady_steps = 0  # steps that did
@@ -117,7 +117,7 @@ class StepTranslator:
         b = host.batch_size
         n_tok, padded = forward_tokens(kwargs, host, self.max_batch)
         rows = step_plan.RowPlan.of(host, self.width)
-        shape_class = self._shape_class(b, n_tok)
+        shape_class = self._classes.of(b, n_tok, self.bucket, self.max_tokens)  # rows and tokens, rounded up
         engine = engine_tensors(kwargs, self.geometries) if keeps else None
         shape = self._shape(b, kwargs, n_tok)
         sizes = index_sizes(kwargs, self.geometries, n_tok)
@@ -216,7 +216,7 @@ class StepTranslator:
         if reading is None:
             return None
         signatures, sizes, n_tok = reading
-        shape = self._classes.of(b, n_tok, self.bucket, self.max_tokens)  # as _shape_class, one call fewer
+        shape = self._classes.of(b, n_tok, self.bucket, self.max_tokens)
         found = None if n_query > n_tok else self._kept.find(shape, signatures)
         if found is None:
             return None
@@ -293,10 +293,6 @@ class StepTranslator:
         """Group ``i``'s three staged sizes (the view recurs with the staging's)."""
         return self._views.get((sizes.data_ptr(), i), lambda: sizes[3 * i : 3 * i + 3])
 
-    def _shape_class(self, b: int, n_tok: int) -> tuple[int, int]:
-        """The rows and tokens of a step's batch tensors on the one-launch path: rounded up to a class when padded."""
-        return self._classes.of(b, n_tok, self.bucket, self.max_tokens)  # both settable after construction
-
     def _shape(self, b: int, kwargs: Mapping[str, Any], n_tok: int) -> StepShape:
         """The step's rows and token tensors: with the kernel, the translator's own buffers (the launch fills them),
         so padding to a shape class views nothing of the engine's."""
@@ -305,7 +301,7 @@ class StepTranslator:
             if not self.bucket:
                 return StepShape(b, flat(ids), flat(pos))
             return StepShape.padded(b, ids, pos, self.max_batch, self.max_tokens)
-        b, n_tok = self._shape_class(b, n_tok)
+        b, n_tok = self._classes.of(b, n_tok, self.bucket, self.max_tokens)
         if self._stable is None:
             own = torch.empty(2, n_tok, dtype=torch.int64, device=self.device)
             return StepShape(b, own[0], own[1])
