@@ -102,8 +102,7 @@ class RunResult:
 
     @property
     def timed_seconds(self) -> float:
-        """What the share compares: the steps' seconds where they were timed, else the run's."""
-        return self.seconds if self.step_seconds is None else self.step_seconds
+        return compared_seconds(self.seconds, self.step_seconds)
 
     def first_report(self) -> StepReport | None:
         """The first report naming a corrupted request, at or after the injection."""
@@ -184,6 +183,11 @@ def generate_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -
     return n
 
 
+def compared_seconds(seconds: float, step_seconds: float | None) -> float:
+    """What the share compares of a timed run: the engine's steps' seconds where they were timed, else the run's."""
+    return seconds if step_seconds is None else step_seconds
+
+
 def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> tuple[int, float, float | None]:
     """:func:`generate_waves` timed: the sequences, the run's seconds and the engine's steps' seconds (None where
     the step clock is not available).  The previous run's garbage is collected and its device work finished
@@ -245,15 +249,15 @@ def run_workload(
         canary.uninstall()
 
 
-def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> tuple[float, float]:
+def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> tuple[float, float | None]:
     """The workload with the canary off (mode ``off``: hooks installed, no canary work; this also keeps
-    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`): the seconds the
-    share compares (the engine's steps where timed, see :attr:`RunResult.timed_seconds`) and the run's."""
+    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`): the run's seconds and
+    the engine's steps' (as :func:`timed_waves` gives them)."""
     from kvcanary.adapters.transformers_cb import install
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
         _, seconds, step_seconds = timed_waves(model, prompts, options)
-    return seconds if step_seconds is None else step_seconds, seconds
+    return seconds, step_seconds
 
 
 def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
@@ -286,9 +290,9 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
             return runs[-1].timed_seconds, runs[-1].stats["violations"]
 
         def baseline() -> float:
-            seconds, wall = time_baseline(model, prompts, options)
-            walls.append(wall)
-            return seconds
+            seconds, step_seconds = time_baseline(model, prompts, options)
+            walls.append(seconds)
+            return compared_seconds(seconds, step_seconds)
 
         timing, violations = time_share(timed, baseline, options.rounds)
         timing = dataclasses.replace(timing, walls=(tuple(walls), tuple(r.seconds for r in runs)))
