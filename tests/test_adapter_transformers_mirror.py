@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.layout import RecordStore
+from kvcanary.layout import RecordRows, RecordStore
 from test_adapter_transformers_cost import sync_debug
 from transformers_helpers import PAGE, geometry
 
@@ -280,3 +281,51 @@ def test_a_mirrored_move_is_one_gather_and_one_write_a_view() -> None:
         host.restore(g, back, restore)
     assert (counted.ops, counted.index_puts) == (2 * fields + 1, fields)  # + the host block numbers' tensor
     assert [links(g, back, b) for b in (8, 9)] == [links(g, rec, b) for b in (2, 3)]
+
+
+def two_groups(g: GroupGeometry, blocks: list[int]) -> tuple[RecordRows, list[RecordStore]]:
+    """Two groups' records stamped alike but distinct (the second's links offset), as rows and as separate stores."""
+    rows, single = RecordRows.allocate(g.num_slots, 2), [stamped(g, blocks), stamped(g, blocks)]
+    single[1].links[single[1].links != 0] += 1
+    for dst, src in zip(rows.stores(), single, strict=True):
+        for a, b in zip(dst.fields(), src.fields(), strict=True):
+            a.copy_(b)
+    return rows, single
+
+
+def test_an_offload_and_restore_of_two_groups_laid_out_as_rows_are_mirrored_at_once_as_one_by_one() -> None:
+    """Groups over one cache tensor see each move land in both (the hybrid model): as rows of one tensor pair their
+    records take half the device ops, and end as mirroring the groups one by one leaves them."""
+    g, names = geometry(), ("a", "b")
+    rows, single = two_groups(g, [1, 2, 3])
+    saves = [byte_moves.HostSave(names, (5, 6), torch.tensor([1, 2])), byte_moves.HostSave(names, (2,), None)]
+    restore = byte_moves.BlockWrite(names, torch.tensor([8, 9, 10]), None, (6, 5, 2))
+    joint_host, host = mirror.HostRecords(), mirror.HostRecords()
+    with CountedOps() as joint_ops:
+        assert joint_host.save_all_rows(names, PAGE, rows, saves, 8, mirror.MoveIndex())
+        assert joint_host.restore_rows(names, PAGE, rows, restore, mirror.MoveIndex())
+    with CountedOps() as one_by_one:
+        for name, rec in zip(names, single, strict=True):
+            geo = dataclasses.replace(g, name=name)
+            host.save_all(geo, rec, saves, 8)
+            host.restore(geo, rec, restore)
+    got = [[links(g, rec, b) for b in (8, 9, 10)] for rec in rows.stores()]
+    assert got == [[links(g, rec, b) for b in (8, 9, 10)] for rec in single]
+    assert got[0][:2] == [links(g, single[0], 2), links(g, single[0], 1)] and got[0][2] == [0] * PAGE  # 2: no source
+    assert got[0] != got[1] and joint_ops.index_puts * 2 == one_by_one.index_puts
+
+
+def test_host_records_kept_group_by_group_are_not_joined_later() -> None:
+    """A group whose host records were saved on their own (a move that did not land in both) keeps them: the joint
+    path declines and the caller mirrors group by group, so no saved record is lost."""
+    g, names = geometry(), ("a", "b")
+    rows, _ = two_groups(g, [1])
+    host = mirror.HostRecords()
+    geo = dataclasses.replace(g, name="a")
+    host.save_all(geo, rows.stores()[0], [byte_moves.HostSave(("a",), (3,), torch.tensor([1]))], 8)
+    saves = [byte_moves.HostSave(names, (4,), torch.tensor([1]))]
+    assert not host.save_all_rows(names, PAGE, rows, saves, 8, mirror.MoveIndex())
+    restore = byte_moves.BlockWrite(names, torch.tensor([7]), None, (3,))
+    assert not host.restore_rows(names, PAGE, rows, restore, mirror.MoveIndex())
+    host.restore(geo, rows.stores()[0], restore)
+    assert links(g, rows.stores()[0], 7) == links(g, rows.stores()[0], 1) != [0] * PAGE

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvcanary.arguments import require_affordable
 from kvcanary.batch import StepBatch, validate_batch
-from kvcanary.layout import CanaryGroup, RecordStore
+from kvcanary.layout import CanaryGroup, RecordRows, RecordStore
 from kvcanary.ops import Backend
 from kvcanary.ops import reference as ref
 from kvcanary.workspace import Capacities, GroupState, PlanWorkspace, ViolationLog
@@ -30,6 +32,23 @@ def uses_kernels(backend: Backend, device: torch.device) -> bool:
     return backend is Backend.TRITON or device.type == "cuda"
 
 
+def shared_records(groups: Sequence[CanaryGroup], device: torch.device) -> dict[str, RecordStore]:
+    """By group name, the records of groups that share their slot count with another, allocated as the rows of one
+    :class:`~kvcanary.layout.RecordRows` per slot count (a block move landing in all of them alike is then mirrored
+    with one gather and one write a tensor); a group whose slot count no other has is left out (it allocates its
+    own)."""
+    by_slots: dict[int, list[str]] = {}
+    for g in groups:
+        by_slots.setdefault(g.num_slots, []).append(g.name)
+    out: dict[str, RecordStore] = {}
+    for slots, names in by_slots.items():
+        if len(names) > 1:
+            nbytes = len(names) * slots * RecordStore.BYTES_PER_SLOT
+            require_affordable(f"the records of groups {names}", nbytes, device, num_slots=slots, groups=len(names))
+            out.update(zip(names, RecordRows.allocate(slots, len(names), device).stores(), strict=True))
+    return out
+
+
 class GroupCanary:
     """Records and workspaces for one KV index space, allocated once from declared capacities.
 
@@ -45,18 +64,23 @@ class GroupCanary:
         caps: Capacities,
         device: torch.device | str = "cpu",
         backend: Backend = Backend.AUTO,
+        records: RecordStore | None = None,
     ) -> None:
+        """``records``: the group's store, allocated by the caller (rows of a :class:`~kvcanary.layout.RecordRows`
+        shared with other groups; checked as affordable by the caller), else allocated here."""
         caps.check_covers(group.window)
         self.group = group
         self.caps = caps
         self.device = resolve_device(device)
         self.backend = backend
-        per_slot = RecordStore.BYTES_PER_SLOT + PlanWorkspace.MARK_BYTES_PER_SLOT
+        if records is not None and (records.num_slots != group.num_slots or records.device != self.device):
+            raise ValueError(f"group {group.name!r}: its records must be {group.num_slots} slots on {self.device}")
+        per_slot = PlanWorkspace.MARK_BYTES_PER_SLOT + (RecordStore.BYTES_PER_SLOT if records is None else 0)
         require_affordable(
             f"group {group.name!r}", group.num_slots * per_slot, self.device, num_slots=group.num_slots,
             bytes_per_slot=per_slot,
         )  # fmt: skip
-        self.records = RecordStore.allocate(group.num_slots, self.device)
+        self.records = RecordStore.allocate(group.num_slots, self.device) if records is None else records
         self.workspace = PlanWorkspace.allocate(caps, self.device, num_slots=group.num_slots)
         self._planned: tuple[int, int] | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Sequence
 from typing import cast
 
@@ -189,6 +190,98 @@ class RecordStore:
             dst.copy_(src)
         out.digests = None if self.digests is None else self.digests.clone()
         return out
+
+
+class RecordRows:
+    """The records of several groups of one slot count as the rows of two tensors: group ``g``'s tokens and positions
+    are rows ``2g`` and ``2g + 1`` of one int32 tensor, its links row ``g`` of one int64 tensor (:meth:`allocate`).
+
+    Each group's :class:`RecordStore` views its own rows, so the kernels see what they always see.  Groups laid over
+    one engine cache tensor see each block move land in all of them alike (the transformers hybrid model's two);
+    mirrored per group, a move cost one gather and one write per field view and group, and as rows of one tensor it
+    costs one each per tensor for all the groups (:meth:`copy_blocks`).  Digests are per store: rows of stores with
+    digests are not joined (:meth:`of`)."""
+
+    def __init__(self, pairs: torch.Tensor, links: torch.Tensor) -> None:
+        if pairs.shape[0] != 2 * links.shape[0] or pairs.shape[1] != links.shape[1]:
+            raise ValueError(f"pairs {tuple(pairs.shape)} must hold two rows for each of links {tuple(links.shape)}")
+        self.pairs, self.links = pairs, links
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by page size: built once
+
+    @classmethod
+    def allocate(cls, num_slots: int, groups: int, device: torch.device | str = "cpu") -> RecordRows:
+        """Zeroed rows for ``groups`` stores of ``num_slots`` slots, each row at a 128-byte boundary (as
+        :meth:`RecordStore.allocate` lays one store out)."""
+        stride = -(-num_slots // _ROW_ALIGN) * _ROW_ALIGN
+        pairs = torch.zeros(2 * groups, stride, dtype=torch.int32, device=device)
+        links = torch.zeros(groups, stride, dtype=torch.int64, device=device)
+        return cls(pairs[:, :num_slots], links[:, :num_slots])
+
+    @classmethod
+    def of(cls, stores: Sequence[RecordStore]) -> RecordRows | None:
+        """The rows ``stores`` are, in this order, when they are consecutive rows laid out as :meth:`allocate` lays
+        them and none carries digests; else None (mirror them one by one)."""
+        if not stores or any(s.digests is not None or not s._row_gap for s in stores):
+            return None
+        first = stores[0]
+        storages = {(s.tokens.untyped_storage().data_ptr(), s.links.untyped_storage().data_ptr()) for s in stores}
+        links_stride = _link_stride(stores)
+        if len(storages) != 1 or links_stride is None:
+            return None
+        n, slots, row = len(stores), first.num_slots, first._row_gap
+        try:
+            pairs = first.tokens.as_strided((2 * n, slots), (row, 1))
+            links = first.links.as_strided((n, slots), (links_stride, 1))
+        except RuntimeError:  # past the end of the allocation
+            return None
+        for g, s in enumerate(stores):
+            at = (s.tokens.data_ptr(), s.links.data_ptr()) == (pairs[2 * g].data_ptr(), links[g].data_ptr())
+            if not at or (s.num_slots, s._row_gap) != (slots, row):
+                return None
+        return cls(pairs, links)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.links.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.links.device
+
+    def stores(self) -> list[RecordStore]:
+        """Each group's store: views of its rows."""
+        return [RecordStore(self.pairs[2 * g], self.pairs[2 * g + 1], self.links[g]) for g in range(len(self.links))]
+
+    def blocks(self, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both tensors as ``[rows, blocks, page]`` over the slots of whole blocks (see :meth:`RecordStore.blocks`)."""
+        views = self._views.get(page)
+        if views is None:
+            whole = self.num_slots - self.num_slots % page
+            pairs, links = (t[:, :whole].view(t.shape[0], -1, page) for t in (self.pairs, self.links))
+            views = self._views[page] = (pairs, links)
+        return views
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, page: int, source: RecordRows | None = None) -> None:
+        """:meth:`RecordStore.copy_blocks` for every group at once (``source``: rows of as many groups)."""
+        source = source or self
+        for to, of in zip(self.blocks(page), source.blocks(page), strict=True):
+            to.index_copy_(1, dst, of.index_select(1, src))
+
+    def clear_blocks(self, blocks: torch.Tensor, page: int) -> None:
+        """:meth:`RecordStore.clear_blocks` for every group at once."""
+        for t in self.blocks(page):
+            t.index_fill_(1, blocks, 0)
+
+
+def _link_stride(stores: Sequence[RecordStore]) -> int | None:
+    """The distance between consecutive stores' links (elements), the same for all; None when it is not."""
+    if len(stores) == 1:
+        return int(stores[0].links.shape[0])
+    gaps = {b.links.data_ptr() - a.links.data_ptr() for a, b in itertools.pairwise(stores)}
+    size = stores[0].links.element_size()
+    if len(gaps) != 1 or (gap := gaps.pop()) <= 0 or gap % size or gap // size < stores[0].num_slots:
+        return None
+    return gap // size
 
 
 def block_index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:

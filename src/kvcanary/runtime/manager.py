@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvcanary.batch import StepBatch
-from kvcanary.canary import GroupCanary, resolve_device, uses_kernels
+from kvcanary.canary import GroupCanary, resolve_device, shared_records, uses_kernels
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.digest import DigestLayout
 from kvcanary.digest_canary import GroupDigest
@@ -103,9 +103,9 @@ class CanaryManager:
         self.copy_fence: CopyFence | None = None  # the pump's progress, for copies on its stream (pump.CopyFence)
         if not self._enabled:
             return
-
+        records = shared_records(self.groups, self.device)
         for g in groups:
-            self.canaries[g.name] = GroupCanary(g, caps_of[g.name], self.device, backend)
+            self.canaries[g.name] = GroupCanary(g, caps_of[g.name], self.device, backend, records.get(g.name))
         self._kernels = uses_kernels(backend, self.device)
         self._cuda = self.device.type == "cuda"
         self._stream_capturing = stream_capturing_probe()

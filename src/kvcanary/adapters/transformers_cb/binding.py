@@ -17,6 +17,7 @@ from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.config import CanaryConfig
 from kvcanary.digest import DigestLayout
+from kvcanary.layout import RecordRows
 from kvcanary.ops import Backend
 from kvcanary.runtime import CanaryManager, FailRequestCallback, StepReport
 from kvcanary.workspace import Capacities
@@ -41,6 +42,7 @@ class Binding:
         self.host = mirror.HostRecords()  # records of the CPU swap pool, by host block
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
         self._host_layouts: dict[str, tuple[int, DigestLayout | None]] = {}  # group -> (pool address, layout)
+        self._rows: dict[tuple[str, ...], RecordRows | None] = {}  # see rows(): the layout found once
 
     def is_for(self, cache: Any) -> bool:
         return self._cache() is cache
@@ -57,6 +59,18 @@ class Binding:
 
     def records(self, name: str) -> Any:
         return self.manager.canaries[name].records
+
+    def rows(self, names: tuple[str, ...]) -> RecordRows | None:
+        """The records of groups ``names`` as rows of one tensor pair (:class:`~kvcanary.layout.RecordRows`), for a
+        move that lands in all of them alike; None where they are not laid out so, differ in page size or carry
+        digests (the move is then mirrored group by group)."""
+        if len(names) < 2:
+            return None
+        if names not in self._rows:
+            one_page = len({self.geometries[n].page_size for n in names}) == 1
+            self._rows[names] = RecordRows.of([self.records(n) for n in names]) if one_page else None
+        rows = self._rows[names]
+        return None if rows is None or any(self.records(n).digests is not None for n in names) else rows
 
     def host_layout(self, name: str, om: Any) -> DigestLayout | None:
         """Group ``name``'s digest layout over ``om``'s CPU swap pool (built once per pool; None without a

@@ -63,10 +63,11 @@ class BulkMoveWrappers:
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
             with streams.StreamSwitch(om._compute_stream):
-                for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
-                    saves = [save for save in seen.host_saves if name in save.groups]
-                    rows = int(om._cpu_views[name].shape[0])
-                    b.host.save_all(b.geometries[name], b.records(name), saves, rows, index)
+                if not _save_rows(b, om, seen.host_saves, index):  # else group by group
+                    for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
+                        saves = [save for save in seen.host_saves if name in save.groups]
+                        rows = int(om._cpu_views[name].shape[0])
+                        b.host.save_all(b.geometries[name], b.records(name), saves, rows, index)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.offloads += len(done)
             self._features.soft_resets += len(victims) - len(done)
@@ -91,10 +92,11 @@ class BulkMoveWrappers:
             index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
                 for write in seen.writes:
-                    for name in write.groups:
-                        if write.source_host_blocks is not None:
+                    joint = write.source_host_blocks is not None and _restore_rows(b, write, index)
+                    for name in write.groups:  # unless every group's records were restored at once
+                        if not joint and write.source_host_blocks is not None:
                             b.host.restore(b.geometries[name], b.records(name), write, index)
-                        else:  # bytes of no host block: a device gather, or nothing known
+                        elif not joint:  # bytes of no host block: a device gather, or nothing known
                             mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
                         _digest_moved(b, name, write, index, om)
             self.mirror_ns += time.perf_counter_ns() - start
@@ -106,6 +108,28 @@ class BulkMoveWrappers:
     def _observer(self, b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
         allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
         return byte_moves.BlockWriteObserver(self._views.keys(allocators), host_pool=om._cpu_tensor)
+
+
+def _save_rows(b: Binding, om: Any, saves: list[byte_moves.HostSave], index: mirror.MoveIndex) -> bool:
+    """One offload's saves mirrored into all their groups at once, where every save landed in the same groups and
+    their records are rows of one tensor pair (:meth:`Binding.rows`) with host views of one size; False, nothing
+    done, otherwise."""
+    groups = {save.groups for save in saves}
+    rows = b.rows(next(iter(groups))) if len(groups) == 1 else None
+    if rows is None:
+        return False
+    (names,) = groups
+    host_blocks = {int(om._cpu_views[n].shape[0]) for n in names}
+    page = b.geometries[names[0]].page_size
+    return len(host_blocks) == 1 and b.host.save_all_rows(names, page, rows, saves, host_blocks.pop(), index)
+
+
+def _restore_rows(b: Binding, write: byte_moves.BlockWrite, index: mirror.MoveIndex) -> bool:
+    """One restore write mirrored into all its groups at once, where their records are rows of one tensor pair and
+    so are their host records; False, nothing done, otherwise."""
+    rows = b.rows(write.groups)
+    page = b.geometries[write.groups[0]].page_size
+    return rows is not None and b.host.restore_rows(write.groups, page, rows, write, index)
 
 
 def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, index: mirror.MoveIndex, om: Any = None) -> None:

@@ -11,13 +11,14 @@ reads, which the canary reports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
 from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite, HostSave
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.layout import RecordStore, block_index
+from kvcanary.layout import RecordRows, RecordStore, block_index
 
 
 class MoveIndex:
@@ -78,6 +79,7 @@ class HostRecords:
 
     def __init__(self) -> None:
         self._stores: dict[str, RecordStore] = {}
+        self._joint: dict[tuple[str, ...], tuple[RecordRows, list[RecordStore]]] = {}  # rows made for groups at once
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -112,15 +114,8 @@ class HostRecords:
         copy into a block must land after the earlier one, which one scatter would not order."""
         store = self._store_like(geometry, host_blocks, records)
         index = MoveIndex() if index is None else index
-        batch: list[HostSave] = []
-        blocks: set[int] = set()
-        for save in saves:
-            if not blocks.isdisjoint(save.host_blocks):
-                _save_batch(geometry, store, records, batch, index)
-                batch, blocks = [], set()
-            batch.append(save)
-            blocks.update(save.host_blocks)
-        _save_batch(geometry, store, records, batch, index)
+        for batch in _batches(saves):
+            _save_batch(geometry.page_size, store, records, batch, index)
 
     def restore(
         self, geometry: GroupGeometry, records: RecordStore, write: BlockWrite, index: MoveIndex | None = None
@@ -140,13 +135,73 @@ class HostRecords:
             return
         records.copy_blocks(index.hosts(hosts, records.device), dst, page, source=store)
 
+    def save_all_rows(
+        self, names: tuple[str, ...], page: int, rows: RecordRows, saves: Sequence[HostSave], host_blocks: int,
+        index: MoveIndex,
+    ) -> bool:  # fmt: skip
+        """:meth:`save_all` for groups ``names`` at once, their device records the rows ``rows`` (every save's
+        groups being ``names``): into host records laid out as rows too; False, nothing done, where the groups'
+        host records exist as separate stores or too small (then save them one by one)."""
+        store = self._host_rows(names, host_blocks * page, rows.device, create=True)
+        if store is None:
+            return False
+        for batch in _batches(saves):
+            _save_batch(page, store, rows, batch, index)
+        return True
+
+    def restore_rows(
+        self, names: tuple[str, ...], page: int, rows: RecordRows, write: BlockWrite, index: MoveIndex
+    ) -> bool:
+        """:meth:`restore` for groups ``names`` at once (``rows``: their device records); False, nothing done, where
+        their host records are not rows of one tensor pair (then restore them one by one)."""
+        store = self._host_rows(names, 0, rows.device, create=False)
+        if store is None:
+            return False
+        dst = index.blocks((write.dest,), rows.device)
+        hosts = write.source_host_blocks or ()
+        if not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
+            rows.clear_blocks(dst, page)
+        else:
+            rows.copy_blocks(index.hosts(hosts, rows.device), dst, page, source=store)
+        return True
+
+    def _host_rows(self, names: tuple[str, ...], slots: int, device: torch.device, create: bool) -> RecordRows | None:
+        """The host records of ``names`` as rows of one tensor pair, of at least ``slots`` slots: the ones made for
+        them, while each group's store is still its view of them, or (``create``, where none of the groups has a
+        store) new ones, each group's store a view of its rows."""
+        joint = self._joint.get(names)
+        if joint is not None and all(self._stores.get(n) is s for n, s in zip(names, joint[1], strict=True)):
+            return joint[0] if joint[0].num_slots >= slots else None
+        if not create or any(n in self._stores for n in names):
+            return None
+        rows = RecordRows.allocate(slots, len(names), device)
+        stores = rows.stores()
+        self._stores.update(zip(names, stores, strict=True))
+        self._joint[names] = (rows, stores)
+        return rows
+
     def clear(self) -> None:
         self._stores.clear()
+        self._joint.clear()
 
 
-def _save_batch(
-    geometry: GroupGeometry, store: RecordStore, records: RecordStore, batch: list[HostSave], index: MoveIndex
-) -> None:
+def _batches(saves: Sequence[HostSave]) -> Iterator[list[HostSave]]:
+    """Consecutive saves joined until a host block repeats (see :meth:`HostRecords.save_all`)."""
+    batch: list[HostSave] = []
+    blocks: set[int] = set()
+    for save in saves:
+        if not blocks.isdisjoint(save.host_blocks):
+            yield batch
+            batch, blocks = [], set()
+        batch.append(save)
+        blocks.update(save.host_blocks)
+    yield batch
+
+
+_Records = TypeVar("_Records", RecordStore, RecordRows)  # one group's store, or several groups' rows
+
+
+def _save_batch(page: int, store: _Records, records: _Records, batch: list[HostSave], index: MoveIndex) -> None:
     """Copies into distinct host blocks: the blocks of no known source cleared, the others copied, one op each."""
     device = records.device
     cleared: list[int] = []
@@ -158,7 +213,6 @@ def _save_batch(
         else:
             copied += save.host_blocks
             sources.append(save.source_blocks)
-    page = geometry.page_size
     if cleared:
         store.clear_blocks(index.hosts(cleared, device), page)
     if sources:
