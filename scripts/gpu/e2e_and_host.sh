@@ -6,7 +6,8 @@
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
 #   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
-#   profile   scripts/gpu/host_profile.py (where the tap's host time goes; PROFILE_MODELS, default dense)
+#   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
+#             default tap: tap, mirror, setup)
 #   probe     scripts/gpu/share_probe.py on PROBE_MODELS (default hybrid): the share beyond the tap's host time
 #   phases    scripts/gpu/phase_probe.py on PHASE_MODELS (default dense hybrid sliding): where in the engine's loop
 #             the time the canary adds lands (PAIRS alternating pairs, default 5)
@@ -63,7 +64,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
                  --model "$model" --device cuda --baseline --quiet >>"$OUT/demo_old.txt" 2>&1
              done ;;
     profile) for model in ${PROFILE_MODELS:-dense}; do
-               timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model "$model" >>"$OUT/profile.txt" 2>&1
+               timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model "$model" --targets "${PROFILE_TARGETS:-tap}" \
+                 >>"$OUT/profile.txt" 2>&1
              done ;;
     probe) for model in ${PROBE_MODELS:-hybrid}; do
              timeout "${T_PROBE:-120}" python3 scripts/gpu/share_probe.py --model "$model" --top 30 \

@@ -1,7 +1,9 @@
-"""Where the canary's host time goes on the GPU demo: cProfile around the adapter's step tap.
+"""Where the canary's host time goes on the GPU demo: cProfile around the adapter's step tap, its mirror, its set-up.
 
 Runs the demo's clean workload (``kvcanary demo``'s model and prompts, no fault) on CUDA with a profiler
-enabled only inside ``StepTap._tap`` (the engine thread), and prints the tap timer's
+enabled only inside the parts named by ``--targets`` (the engine thread): ``tap`` (``StepTap._tap``), ``mirror``
+(the wrappers of the engine's bulk KV moves, the engine's own move included) and ``setup`` (``Bindings.bind``,
+which makes each cache's canary), one profiled run each, and prints the tap timer's
 per-phase means and the top functions by own time and by cumulative time.  The profiler inflates the
 absolute numbers (each Python call costs more under it); the split is what this is for.
 
@@ -27,27 +29,44 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from kvcanary import demo
+from kvcanary.adapters.transformers_cb.binding import Bindings
+from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
 from kvcanary.adapters.transformers_cb.step_tap import StepTap
 
+# What each target profiles: (class, method, whether the method is a factory whose returned wrapper is profiled).
+TARGETS: dict[str, tuple[tuple[type, str, bool], ...]] = {
+    "tap": ((StepTap, "_tap", False),),
+    "mirror": tuple((BulkMoveWrappers, name, True) for name in ("copy_blocks", "offload", "restore")),
+    "setup": ((Bindings, "bind", False),),
+}
 
-@contextlib.contextmanager
-def profiled_taps() -> Iterator[cProfile.Profile]:
-    """A profiler enabled only inside ``StepTap._tap`` (on the engine's thread) for the block."""
-    prof = cProfile.Profile()
-    original = StepTap._tap
 
-    def tap(self: Any, *a: Any, **k: Any) -> None:
+def _profiled(prof: cProfile.Profile, fn: Any) -> Any:
+    def run(*a: Any, **k: Any) -> Any:
         prof.enable()
         try:
-            original(self, *a, **k)
+            return fn(*a, **k)
         finally:
             prof.disable()
 
-    StepTap._tap = tap  # type: ignore[method-assign]
+    return run
+
+
+@contextlib.contextmanager
+def profiled(target: str) -> Iterator[cProfile.Profile]:
+    """A profiler enabled only inside ``target``'s methods (see :data:`TARGETS`; on the engine's thread)."""
+    prof = cProfile.Profile()
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in TARGETS[target]]
+    for (owner, name, factory), (_, _, original) in zip(TARGETS[target], saved, strict=True):
+        if factory:
+            setattr(owner, name, lambda self, engine_fn, f=original: _profiled(prof, f(self, engine_fn)))
+        else:
+            setattr(owner, name, _profiled(prof, original))
     try:
         yield prof
     finally:
-        StepTap._tap = original  # type: ignore[method-assign]
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def call_costs(device: str) -> dict[str, float]:
@@ -108,22 +127,33 @@ def print_profile(prof: cProfile.Profile, top: int) -> None:
 def main() -> int:
     p = probe_args.demo_parser(__doc__.splitlines()[0])
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--targets", default="tap", help="comma-separated: tap, mirror, setup (one profiled run each)")
     args = p.parse_args()
+    targets = args.targets.split(",")
+    if unknown := set(targets) - set(TARGETS):
+        p.error(f"unknown targets {sorted(unknown)}: choose from {sorted(TARGETS)}")
     opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     with demo.quiet_engine_logs():
         demo.run_workload(model, prompts, opts, label="warm-up")  # compile the kernels, warm the allocators
-        with profiled_taps() as prof:
-            result = demo.run_workload(model, prompts, opts, label="profiled")
-    s = result.stats
+        for target in targets:
+            with profiled(target) as prof:
+                result = demo.run_workload(model, prompts, opts, label="profiled")
+            report(args.model, target, result.stats, prof, args.top)
+    return 0
+
+
+def report(model: str, target: str, s: dict[str, Any], prof: cProfile.Profile, top: int) -> None:
+    """The run's tap phases per step, then the profile of ``target``."""
     steps = max(s["steps"], 1)
     phases = {
         k[4:-3] or "total": round(v / steps, 1) for k, v in s.items() if k.startswith("tap_") and k.endswith("_us")
     }
     phases.pop("median", None)
-    print(f"model {args.model}: {s['steps']} steps, host us per step under the profiler: {phases}")
-    print_profile(prof, args.top)
-    return 0
+    mirror, setup = round(s.get("mirror_us", 0) / steps, 1), round(s.get("setup_us", 0) / steps, 1)
+    print(f"=== model {model}, profiled: {target}; {s['steps']} steps, host us per step: {phases}, "
+          f"mirror {mirror}, set-up {setup}")
+    print_profile(prof, top)
 
 
 if __name__ == "__main__":
