@@ -151,8 +151,10 @@ def report(model: str, target: str, s: dict[str, Any], prof: cProfile.Profile, t
     }
     phases.pop("median", None)
     mirror, setup = round(s.get("mirror_us", 0) / steps, 1), round(s.get("setup_us", 0) / steps, 1)
-    print(f"=== model {model}, profiled: {target}; {s['steps']} steps, host us per step: {phases}, "
-          f"mirror {mirror}, set-up {setup}")
+    print(
+        f"=== model {model}, profiled: {target}; {s['steps']} steps, host us per step: {phases}, "
+        f"mirror {mirror}, set-up {setup}"
+    )
     print_profile(prof, top)
 
 
