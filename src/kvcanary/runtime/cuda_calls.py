@@ -7,7 +7,8 @@ Every host step copies the outbox into pinned host memory and records an event b
 allocator; ``Event.record()`` builds the current stream's Python object.  So the per-step calls go straight to the
 CUDA runtime's C entry points, by the first of these that is there:
 
-* the runtime torch itself loaded (``libcudart``, found among the process's mapped libraries), through ``ctypes``:
+* the runtime torch itself loaded (``libcudart``, by the soname of torch's CUDA version, else found among the
+  process's mapped libraries), through ``ctypes``:
   each call converts its integer arguments in C and returns the error code as an int;
 * cuda-python's runtime bindings (``cuda.bindings.runtime``): each call also builds its result's error enum in Python
   (cuda-bindings' enums), the larger part of a call's host time with the caches cold, as they are in a serving loop;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -55,23 +57,46 @@ def _loaded_cudart() -> str | None:
     """The path of the CUDA runtime library this process has loaded (torch's), or None."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split(maxsplit=5)[-1].strip()
-                if "/libcudart.so" in path:
-                    return path
+            text = maps.read()  # one read and one search: a process with CUDA loaded maps a thousand lines or more
     except OSError:  # not Linux
         return None
-    return None
+    at = text.find("/libcudart.so")
+    if at < 0:
+        return None
+    start, end = text.rfind("\n", 0, at) + 1, text.find("\n", at)
+    fields = text[start : end if end >= 0 else len(text)].split(maxsplit=5)
+    return fields[-1].strip() if len(fields) == 6 else None  # the path: the line's sixth field
+
+
+def _resident(name: str) -> ctypes.PyDLL | None:
+    """The library ``name`` (a soname or a path) if this process has loaded it already, else None: ``RTLD_NOLOAD``
+    never loads one.  A ``PyDLL``: the calls keep the GIL (a released one may go to another thread for
+    milliseconds)."""
+    try:
+        return ctypes.PyDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except (OSError, AttributeError):  # not loaded; AttributeError: a platform without RTLD_NOLOAD
+        return None
+
+
+def _loaded_runtime() -> ctypes.PyDLL | None:
+    """The CUDA runtime torch loaded: by the soname of torch's CUDA version (``libcudart.so.<major>``: microseconds),
+    else by its path in the process's memory map (reading ``/proc/self/maps`` took about 2 ms on a GPU host, where
+    CUDA maps a thousand lines or more, on each cache's set-up); None where neither finds it."""
+    version = torch.version.cuda
+    lib = _resident(f"libcudart.so.{version.split('.')[0]}") if version else None
+    if lib is None:
+        path = _loaded_cudart()
+        lib = None if path is None else _resident(path)
+    return lib
 
 
 def cudart_calls() -> RuntimeCalls | None:
     """The calls through ``ctypes`` into the runtime torch loaded; None where it is not found (a CPU build, a runtime
     linked statically) or lacks an entry point."""
-    path = _loaded_cudart()
-    if path is None:
+    lib = _loaded_runtime()
+    if lib is None:
         return None
     try:
-        lib = ctypes.PyDLL(path)  # the calls keep the GIL: a released one may go to another thread for milliseconds
         entries = [lib.cudaMemcpyAsync, lib.cudaEventRecord, lib.cudaEventQuery, lib.cudaGraphLaunch]
     except (OSError, AttributeError):
         return None
