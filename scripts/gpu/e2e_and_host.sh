@@ -8,6 +8,7 @@
 #   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
 #             default tap: tap, mirror, setup)
+#   setup     scripts/gpu/setup_costs.py on SETUP_MODELS (default dense hybrid): each piece of a cache's set-up, 3 runs
 #   probe     scripts/gpu/share_probe.py on PROBE_MODELS (default hybrid): the share beyond the tap's host time
 #   phases    scripts/gpu/phase_probe.py on PHASE_MODELS (default dense hybrid sliding): where in the engine's loop
 #             the time the canary adds lands (PAIRS alternating pairs, default 5)
@@ -67,6 +68,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
                timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model "$model" --targets "${PROFILE_TARGETS:-tap}" \
                  >>"$OUT/profile.txt" 2>&1
              done ;;
+    setup) for model in ${SETUP_MODELS:-dense hybrid}; do
+             timeout "${T_SETUP:-90}" python3 scripts/gpu/setup_costs.py --model "$model" --runs 3 >"$OUT/setup_$model.txt" 2>&1
+           done ;;
     probe) for model in ${PROBE_MODELS:-hybrid}; do
              timeout "${T_PROBE:-120}" python3 scripts/gpu/share_probe.py --model "$model" --top 30 \
                >"$OUT/probe_$model.txt" 2>&1
