@@ -34,7 +34,7 @@ from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.config import CanaryConfig, Mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model benchmarks share
-from host_profile import print_profile, profiled_taps, tap_probe
+from host_profile import print_profile, profiled, tap_probe
 
 from qwen3_model import QWEN3_06B, TOY, build_model, transformers_version
 
@@ -143,7 +143,7 @@ def main() -> int:
             graphs = False
         try:
             with (
-                profiled_taps() if name in args.profile.split(",") else contextlib.nullcontext() as prof,
+                profiled("tap") if name in args.profile.split(",") else contextlib.nullcontext() as prof,
                 tap_probe(dev, 2 if args.toy else 20) if args.probe else contextlib.nullcontext() as probe,
             ):
                 rec = run_one(model, prompts, graphs, args.toy)
