@@ -12,6 +12,10 @@ import torch
 
 from kvcanary.arguments import require_enum, require_int, require_int_tuple
 
+# Whole blocks of a move: an int64 index on the records' device, or a run of consecutive blocks as a slice, which
+# selects them as a view: no index to build and send, no gather (a host pool's blocks often come in runs).
+Blocks = torch.Tensor | slice
+
 
 class GroupKind(enum.Enum):
     FULL = "full"
@@ -168,20 +172,21 @@ class RecordStore:
             views = self._block_views[page, joint] = tuple(r[:, :whole].view(r.shape[0], -1, page) for r in rows)
         return views
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, page: int, source: RecordStore | None = None) -> None:
+    def copy_blocks(self, src: Blocks, dst: Blocks, page: int, source: RecordStore | None = None) -> None:
         """Mirror an engine's copy of whole blocks: the records of blocks ``src`` (of ``source``, default this store)
-        into blocks ``dst`` (int64) of this store.  One gather and one write per :meth:`blocks` view (the tokens and
-        positions share one): a move of the GPU demo's made sixteen device ops per group through per-slot indices,
-        the engine's moves the largest share of the canary's host time on the hybrid model."""
+        into blocks ``dst`` of this store (see :data:`Blocks`; a run only where ``source`` is another store).  One
+        gather and one write per :meth:`blocks` view (the tokens and positions share one; a run of ``src`` is a view,
+        no gather): a move of the GPU demo's made sixteen device ops per group through per-slot indices, the engine's
+        moves the largest share of the canary's host time on the hybrid model."""
         source = source or self
         joint = bool(self._row_gap) == bool(source._row_gap)  # laid out alike: the joint views line up
         for to, of in zip(self.blocks(page, joint), source.blocks(page, joint), strict=True):
-            to.index_copy_(1, dst, of.index_select(1, src))
+            _put(to, dst, _take(of, src))
 
-    def clear_blocks(self, blocks: torch.Tensor, page: int) -> None:
-        """No record in whole blocks ``blocks`` (int64): their bytes come from nowhere the canary knows."""
+    def clear_blocks(self, blocks: Blocks, page: int) -> None:
+        """No record in whole blocks ``blocks``: their bytes come from nowhere the canary knows."""
         for t in self.blocks(page):
-            t.index_fill_(1, blocks, 0)
+            _clear(t, blocks)
 
     def clone(self) -> RecordStore:
         """A copy laid out as :meth:`allocate` lays a store out (tokens and positions joint), whatever this one's."""
@@ -261,16 +266,16 @@ class RecordRows:
             views = self._views[page] = (pairs, links)
         return views
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, page: int, source: RecordRows | None = None) -> None:
+    def copy_blocks(self, src: Blocks, dst: Blocks, page: int, source: RecordRows | None = None) -> None:
         """:meth:`RecordStore.copy_blocks` for every group at once (``source``: rows of as many groups)."""
         source = source or self
         for to, of in zip(self.blocks(page), source.blocks(page), strict=True):
-            to.index_copy_(1, dst, of.index_select(1, src))
+            _put(to, dst, _take(of, src))
 
-    def clear_blocks(self, blocks: torch.Tensor, page: int) -> None:
+    def clear_blocks(self, blocks: Blocks, page: int) -> None:
         """:meth:`RecordStore.clear_blocks` for every group at once."""
         for t in self.blocks(page):
-            t.index_fill_(1, blocks, 0)
+            _clear(t, blocks)
 
 
 def _link_stride(stores: Sequence[RecordStore]) -> int | None:
@@ -282,6 +287,33 @@ def _link_stride(stores: Sequence[RecordStore]) -> int | None:
     if len(gaps) != 1 or (gap := gaps.pop()) <= 0 or gap % size or gap // size < stores[0].num_slots:
         return None
     return gap // size
+
+
+def block_run(blocks: Sequence[int]) -> slice | None:
+    """``blocks`` as a slice when they are consecutive and ascending (and not negative), else None."""
+    if not blocks or blocks[0] < 0:
+        return None
+    first, n = blocks[0], len(blocks)
+    return slice(first, first + n) if tuple(blocks) == tuple(range(first, first + n)) else None
+
+
+def _take(view: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """Blocks along dimension 1 of ``view``: a view of a run, a gather of an index."""
+    return view[:, blocks] if isinstance(blocks, slice) else view.index_select(1, blocks)
+
+
+def _put(view: torch.Tensor, blocks: Blocks, values: torch.Tensor) -> None:
+    if isinstance(blocks, slice):
+        view[:, blocks] = values  # a run past the view's end is a shape mismatch, refused as an index past it
+    else:
+        view.index_copy_(1, blocks, values)
+
+
+def _clear(view: torch.Tensor, blocks: Blocks) -> None:
+    if isinstance(blocks, slice):
+        view[:, blocks] = 0
+    else:
+        view.index_fill_(1, blocks, 0)
 
 
 def block_index(blocks: Sequence[int], device: torch.device) -> torch.Tensor:

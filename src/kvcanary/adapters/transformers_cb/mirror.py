@@ -18,7 +18,7 @@ import torch
 
 from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite, HostSave
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
-from kvcanary.layout import RecordRows, RecordStore, block_index
+from kvcanary.layout import Blocks, RecordRows, RecordStore, block_index, block_run
 
 
 class MoveIndex:
@@ -26,14 +26,15 @@ class MoveIndex:
 
     On the hybrid model the groups share one cache tensor: each observed write (and each offload's saves) matches
     them all and is mirrored once per group, over the same block numbers.  Each index is an op or two of host time
-    on CUDA (host block numbers: a pinned tensor and its copy), so it is built for the first group only.  Keyed by
-    what it is built from and the records' device; the key's tensors are held so that their ``id`` cannot be
-    reused while the cache lives.  One per move: not kept across moves (nor streams).
+    on CUDA (host block numbers: a pinned tensor and its copy, unless they are a run, see :meth:`hosts`), so it is
+    built for the first group only.  Keyed by what it is built from and the records' device; the key's tensors are
+    held so that their ``id`` cannot be reused while the cache lives.  One per move: not kept across moves (nor
+    streams).
     """
 
     def __init__(self) -> None:
         self._ids: dict[tuple[tuple[int, ...], torch.device], tuple[Sequence[torch.Tensor], torch.Tensor]] = {}
-        self._hosts: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._hosts: dict[tuple[tuple[int, ...], torch.device], Blocks] = {}
 
     def blocks(self, ids: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The engine's block-number tensors ``ids``, joined, as the int64 index on ``device`` (:func:`_blocks`)."""
@@ -43,12 +44,14 @@ class MoveIndex:
             kept = self._ids[key] = (ids, _blocks(ids[0] if len(ids) == 1 else torch.cat(list(ids)), device))
         return kept[1]
 
-    def hosts(self, blocks: Sequence[int], device: torch.device) -> torch.Tensor:
-        """Host block numbers as the int64 index on ``device`` (:func:`~kvcanary.layout.block_index`)."""
+    def hosts(self, blocks: Sequence[int], device: torch.device) -> Blocks:
+        """Host block numbers as the int64 index on ``device`` (:func:`~kvcanary.layout.block_index`), or as a slice
+        where they are a run (:func:`~kvcanary.layout.block_run`: no index built, no copy sent, no gather)."""
         key = (tuple(blocks), device)
         index = self._hosts.get(key)
         if index is None:
-            index = self._hosts[key] = block_index(key[0], device)
+            run = block_run(key[0])
+            index = self._hosts[key] = block_index(key[0], device) if run is None else run
         return index
 
 
