@@ -28,7 +28,7 @@ import gc
 import importlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import probe_args
@@ -52,18 +52,6 @@ _TIMED = (
 _CANARY = ("tap_capture_us", "tap_translate_us", "tap_launch_us", "tap_host_step_us", "mirror_us", "setup_us")
 
 
-def _timed(original: Callable[..., Any], key: str, ns: collections.Counter[str]) -> Callable[..., Any]:
-    def timed(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter_ns()
-        try:
-            return original(*a, **k)
-        finally:
-            ns[key] += time.perf_counter_ns() - start
-            ns[key + "_calls"] += 1
-
-    return timed
-
-
 @contextlib.contextmanager
 def phase_clocks() -> Iterator[collections.Counter[str]]:
     """Each phase's nanoseconds, its methods wrapped outermost (after the canary's own patches)."""
@@ -72,7 +60,7 @@ def phase_clocks() -> Iterator[collections.Counter[str]]:
     for key, module, owner, method in _TIMED:
         cls = getattr(importlib.import_module(f"{_CB}.{module}"), owner)
         undo.append((cls, method, cls.__dict__[method]))
-        setattr(cls, method, _timed(getattr(cls, method), key, ns))
+        setattr(cls, method, probe_args.timed(getattr(cls, method), key, ns))
     try:
         yield ns
     finally:
@@ -85,7 +73,7 @@ def engine_compute_clock(ns: collections.Counter[str]) -> Iterator[None]:
     """``ModelRunner.compute_batch`` timed as the engine's own (entered before the canary's install wraps it)."""
     cls = importlib.import_module(f"{_CB}.model_runner").ModelRunner
     original = cls.__dict__["compute_batch"]
-    cls.compute_batch = _timed(original, "engine_compute", ns)
+    cls.compute_batch = probe_args.timed(original, "engine_compute", ns)
     try:
         yield
     finally:

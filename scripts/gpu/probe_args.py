@@ -1,8 +1,13 @@
-"""The command line the demo probes share (``--model``, ``--device``), parsed into demo options (scripts/gpu only)."""
+"""The command line the demo probes share (``--model``, ``--device``), parsed into demo options, and their clock
+(scripts/gpu only)."""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
 
 from kvcanary import demo
 
@@ -23,3 +28,17 @@ def options_of(args: argparse.Namespace, **extra: object) -> demo.DemoOptions:
 def demo_options(description: str, default_model: str = "dense") -> demo.DemoOptions:
     """For a probe with no options of its own: parse the shared ones."""
     return options_of(demo_parser(description, default_model).parse_args())
+
+
+def timed(original: Callable[..., Any], key: str, ns: collections.Counter[str]) -> Callable[..., Any]:
+    """``original`` with its host time added to ``ns[key]`` and its calls counted in ``ns[key + "_calls"]``."""
+
+    def run(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return original(*a, **k)
+        finally:
+            ns[key] += time.perf_counter_ns() - start
+            ns[key + "_calls"] += 1
+
+    return run

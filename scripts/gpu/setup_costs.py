@@ -14,7 +14,6 @@ import collections
 import importlib
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import probe_args
@@ -42,17 +41,6 @@ PIECES = (
 )
 
 
-def _clocked(name: str, fn: Callable[..., Any], spent: collections.Counter[str]) -> Callable[..., Any]:
-    def run(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter_ns()
-        try:
-            return fn(*a, **k)
-        finally:
-            spent[name] += time.perf_counter_ns() - start
-
-    return run
-
-
 def install_clocks(spent: collections.Counter[str]) -> None:
     """Wrap every piece where it is defined and wherever a kvcanary module imported it by name."""
     for module_name, path in PIECES:
@@ -62,9 +50,9 @@ def install_clocks(spent: collections.Counter[str]) -> None:
             owner = getattr(owner, p)
         raw = owner.__dict__[attr]
         if isinstance(raw, classmethod):
-            setattr(owner, attr, classmethod(_clocked(path, raw.__func__, spent)))
+            setattr(owner, attr, classmethod(probe_args.timed(raw.__func__, path, spent)))
             continue
-        wrapped = _clocked(path, raw, spent)
+        wrapped = probe_args.timed(raw, path, spent)
         setattr(owner, attr, wrapped)
         if not parents:  # a module-level function: also where it was imported by name
             for mod in list(sys.modules.values()):
@@ -104,7 +92,8 @@ def main() -> int:
             spent.clear()
             result = demo.run_workload(model, prompts, opts, label=f"run {run}")
             setup = result.stats.get("setup_us", 0) / 1000
-            pieces = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(spent.items(), key=lambda kv: -kv[1]))
+            times = sorted(((k, v) for k, v in spent.items() if not k.endswith("_calls")), key=lambda kv: -kv[1])
+            pieces = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in times)
             print(f"run {run}: set-up {setup:.2f} ms ({result.stats['steps']} steps); pieces, ms: {pieces}")
     if torch.cuda.is_available():
         print("bare allocations, ms:", bare_allocations())

@@ -128,8 +128,7 @@ class RecordStore:
         # Tokens and positions are the two rows of one tensor (each row contiguous, as the kernels load it): a block
         # move then gathers and writes both with one op each (see :meth:`blocks`).  The rows start at 128-byte
         # boundaries, as separate allocations would: the kernels specialise their pointers on alignment.
-        stride = -(-num_slots // _ROW_ALIGN) * _ROW_ALIGN
-        pair = torch.zeros(2, stride, dtype=torch.int32, device=device)
+        pair = torch.zeros(2, _row_stride(num_slots), dtype=torch.int32, device=device)
         return cls(pair[0, :num_slots], pair[1, :num_slots], torch.zeros(num_slots, dtype=torch.int64, device=device))
 
     @property
@@ -217,7 +216,7 @@ class RecordRows:
     def allocate(cls, num_slots: int, groups: int, device: torch.device | str = "cpu") -> RecordRows:
         """Zeroed rows for ``groups`` stores of ``num_slots`` slots, each row at a 128-byte boundary (as
         :meth:`RecordStore.allocate` lays one store out)."""
-        stride = -(-num_slots // _ROW_ALIGN) * _ROW_ALIGN
+        stride = _row_stride(num_slots)
         pairs = torch.zeros(2 * groups, stride, dtype=torch.int32, device=device)
         links = torch.zeros(groups, stride, dtype=torch.int64, device=device)
         return cls(pairs[:, :num_slots], links[:, :num_slots])
@@ -276,6 +275,12 @@ class RecordRows:
         """:meth:`RecordStore.clear_blocks` for every group at once."""
         for t in self.blocks(page):
             _clear(t, blocks)
+
+
+def _row_stride(num_slots: int) -> int:
+    """Elements from one record row to the next: ``num_slots`` rounded up so that every row starts at a 128-byte
+    boundary (the kernels specialise their pointers on alignment)."""
+    return -(-num_slots // _ROW_ALIGN) * _ROW_ALIGN
 
 
 def _link_stride(stores: Sequence[RecordStore]) -> int | None:

@@ -8,8 +8,8 @@ allocator; ``Event.record()`` builds the current stream's Python object.  So the
 CUDA runtime's C entry points, by the first of these that is there:
 
 * the runtime torch itself loaded (``libcudart``, by the soname of torch's CUDA version, else found among the
-  process's mapped libraries), through ``ctypes``:
-  each call converts its integer arguments in C and returns the error code as an int;
+  process's mapped libraries), through ``ctypes``: each call converts its integer arguments in C and returns the
+  error code as an int;
 * cuda-python's runtime bindings (``cuda.bindings.runtime``): each call also builds its result's error enum in Python
   (cuda-bindings' enums), the larger part of a call's host time with the caches cold, as they are in a serving loop;
 * torch's own calls, which do the same thing.

@@ -92,12 +92,14 @@ class BulkMoveWrappers:
             index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
                 for write in seen.writes:
-                    joint = write.source_host_blocks is not None and _restore_rows(b, write, index)
-                    for name in write.groups:  # unless every group's records were restored at once
-                        if not joint and write.source_host_blocks is not None:
-                            b.host.restore(b.geometries[name], b.records(name), write, index)
-                        elif not joint:  # bytes of no host block: a device gather, or nothing known
-                            mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
+                    from_host = write.source_host_blocks is not None
+                    joint = from_host and _restore_rows(b, write, index)
+                    for name in write.groups:
+                        if not joint:  # else every group's records were restored at once
+                            if from_host:
+                                b.host.restore(b.geometries[name], b.records(name), write, index)
+                            else:  # bytes of no host block: a device gather, or nothing known
+                                mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
                         _digest_moved(b, name, write, index, om)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.restores += restored

@@ -127,16 +127,10 @@ class HostRecords:
         from; blocks read from no known host block (or from a pool never saved into) get no record.  ``index``:
         the restore's index tensors, shared with the other groups the write is mirrored into."""
         index = MoveIndex() if index is None else index
-        dst, page = index.blocks((write.dest,), records.device), geometry.page_size
-        hosts = write.source_host_blocks or ()
         store = self._stores.get(geometry.name)
-        if store is None or not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
-            records.clear_blocks(dst, page)
-            return
-        if (store.digests is None) != (records.digests is None):  # digests turned on after this store was made
-            records.clear_blocks(dst, page)
-            return
-        records.copy_blocks(index.hosts(hosts, records.device), dst, page, source=store)
+        if store is not None and (store.digests is None) != (records.digests is None):
+            store = None  # digests turned on after this store was made: its records do not carry them
+        _restore_write(geometry.page_size, records, store, write, index)
 
     def save_all_rows(
         self, names: tuple[str, ...], page: int, rows: RecordRows, saves: Sequence[HostSave], host_blocks: int,
@@ -160,12 +154,7 @@ class HostRecords:
         store = self._host_rows(names, 0, rows.device, create=False)
         if store is None:
             return False
-        dst = index.blocks((write.dest,), rows.device)
-        hosts = write.source_host_blocks or ()
-        if not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
-            rows.clear_blocks(dst, page)
-        else:
-            rows.copy_blocks(index.hosts(hosts, rows.device), dst, page, source=store)
+        _restore_write(page, rows, store, write, index)
         return True
 
     def _host_rows(self, names: tuple[str, ...], slots: int, device: torch.device, create: bool) -> RecordRows | None:
@@ -202,6 +191,17 @@ def _batches(saves: Sequence[HostSave]) -> Iterator[list[HostSave]]:
 
 
 _Records = TypeVar("_Records", RecordStore, RecordRows)  # one group's store, or several groups' rows
+
+
+def _restore_write(page: int, records: _Records, store: _Records | None, write: BlockWrite, index: MoveIndex) -> None:
+    """Each device block ``write`` wrote gets the records of the host block of ``store`` it was read from; none where
+    a host block is unknown or past the host records, or there are none (``store`` None)."""
+    dst = index.blocks((write.dest,), records.device)
+    hosts = write.source_host_blocks or ()
+    if store is None or not hosts or min(hosts) < 0 or (max(hosts) + 1) * page > store.num_slots:
+        records.clear_blocks(dst, page)
+    else:
+        records.copy_blocks(index.hosts(hosts, records.device), dst, page, source=store)
 
 
 def _save_batch(page: int, store: _Records, records: _Records, batch: list[HostSave], index: MoveIndex) -> None:
