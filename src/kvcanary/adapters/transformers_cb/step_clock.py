@@ -22,11 +22,13 @@ from kvcanary.adapters.patching import PatchSet
 class StepClock:
     """Seconds and count of the engine's steps while entered (every manager of the process; the bodies run on the
     manager's loop thread, read the totals after ``generate_batch`` returned).  ``available`` is False where this
-    transformers has no generation-loop body to time; the totals then stay 0."""
+    transformers has no generation-loop body to time; the totals then stay 0.  ``keep``: also keep each step's
+    seconds, in order (``durations``: where the time went within a run, for the GPU probes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
         self.seconds = 0.0
         self.steps = 0
+        self.durations: list[float] | None = [] if keep else None
         self.available = False
         self._patches = PatchSet(exclusive=False)
 
@@ -48,8 +50,11 @@ class StepClock:
             start = time.perf_counter()
             out = original(manager, *args, **kwargs)
             if getattr(manager, "current_batch", None) != before:  # a step ran (not a wait for requests)
-                self.seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.seconds += took
                 self.steps += 1
+                if self.durations is not None:
+                    self.durations.append(took)
             return out
 
         return body
