@@ -58,9 +58,12 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)), StepClock(keep=True) as clock:
-        with CollectorClock() as collector:
-            demo.generate_waves(model, prompts, opts)
+    with (
+        install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)),
+        StepClock(keep=True) as clock,
+        CollectorClock() as collector,
+    ):
+        demo.generate_waves(model, prompts, opts)
     return {"canary": canary, "steps": clock.durations, "gc_seconds": collector.seconds}
 
 
