@@ -11,7 +11,10 @@ Writes ``step_times_<model>.json`` (per run: side, pinned, steps' seconds, colle
 prints each run's total, median and 90th-percentile step, and the pairs' shares by the run totals and by the steps'
 medians.
 
-Usage: PYTHONPATH=src python scripts/gpu/step_times.py [--model dense] [--pairs 6] [--pin 4] [--out DIR]
+With ``--sides off,on,thread`` a third side runs the canary's step tap on a thread of its own (``tap_thread``).
+
+Usage: PYTHONPATH=src python scripts/gpu/step_times.py [--model dense] [--pairs 6] [--pin 4] [--sides off,on]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,47 +57,74 @@ class CollectorClock:
         gc.callbacks.remove(self)
 
 
-def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, Any]:
+SIDES = {"off": (Mode.OFF, False), "on": (Mode.LOG, False), "thread": (Mode.LOG, True)}  # mode, tap_thread
+
+
+def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, side: str) -> dict[str, Any]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    mode, thread = SIDES[side]
     with (
-        install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)),
+        install(model, CanaryConfig(mode=mode), tap_thread=thread) as canary,
         StepClock(keep=True) as clock,
         CollectorClock() as collector,
     ):
         demo.generate_waves(model, prompts, opts)
-    return {"canary": canary, "steps": clock.durations, "gc_seconds": collector.seconds}
+    tap = canary.stats().get("tap_us", 0) / max(len(clock.durations or ()), 1) if mode is Mode.LOG else 0
+    return {"side": side, "canary": mode is Mode.LOG, "steps": clock.durations, "gc_seconds": collector.seconds,
+            "tap_us": tap}  # fmt: skip
 
 
 def line(run: dict[str, Any]) -> str:
     steps = sorted(run["steps"])
     p90 = steps[int(0.9 * (len(steps) - 1))]
     return (
-        f"  {'on ' if run['canary'] else 'off'} total {sum(steps):.3f} s, {len(steps)} steps, median "
-        f"{statistics.median(steps) * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, collector {run['gc_seconds']:.3f} s"
+        f"  {run['side']:6} total {sum(steps):.3f} s, {len(steps)} steps, median "
+        f"{statistics.median(steps) * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, collector {run['gc_seconds']:.3f} s, "
+        f"tap {run['tap_us']:.0f} us a step"
     )
 
 
-def pairs_line(runs: list[dict[str, Any]]) -> str:
-    off = [r for r in runs if not r["canary"]]
-    on = [r for r in runs if r["canary"]]
+def pairs_line(runs: list[dict[str, Any]], side: str = "on") -> str:
+    off = [r for r in runs if r["side"] == "off"]
+    on = [r for r in runs if r["side"] == side]
     by_total = [max(sum(b["steps"]) - sum(a["steps"]), 0) / sum(b["steps"]) for a, b in zip(off, on, strict=True)]
     med = statistics.median
     by_median = [max(med(b["steps"]) - med(a["steps"]), 0) / med(b["steps"]) for a, b in zip(off, on, strict=True)]
     fmt = ", ".join
     return (
-        f"  shares by run totals: {fmt(f'{s:.1%}' for s in by_total)} (median {med(by_total):.1%}); by the steps' "
-        f"medians: {fmt(f'{s:.1%}' for s in by_median)} (median {med(by_median):.1%})"
+        f"  {side}: shares by run totals: {fmt(f'{s:.1%}' for s in by_total)} (median {med(by_total):.1%}); "
+        f"by the steps' medians: {fmt(f'{s:.1%}' for s in by_median)} (median {med(by_median):.1%})"
+    )
+
+
+def by_step_line(runs: list[dict[str, Any]], side: str = "on", first: int = 3) -> str:
+    """Each step's median over the runs of a side, compared step by step (the workload is the same every run): what
+    the first ``first`` steps added, and the mean and median added a step over the rest."""
+    med = statistics.median
+    on = [r["steps"] for r in runs if r["side"] == side]
+    off = [r["steps"] for r in runs if r["side"] == "off"]
+    n = min(map(len, on + off))
+    added = [(med(r[i] for r in on) - med(r[i] for r in off)) * 1e3 for i in range(n)]
+    head = ", ".join(f"{a:.2f}" for a in added[:first])
+    rest = added[first:]
+    return (
+        f"  {side}: step by step (medians over the runs): the first {first} steps added {head} ms; the other "
+        f"{len(rest)} added {statistics.fmean(rest):.3f} ms a step (median {med(rest):.3f})"
     )
 
 
 def main() -> None:
     p = probe_args.demo_parser(__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=6)
-    p.add_argument("--pin", type=int, default=0, help="also run the pairs pinned to this many CPUs (0: not)")
+    p.add_argument("--pairs", type=int, default=6, help="rounds: each runs every side once, in a rotating order")
+    p.add_argument("--pin", type=int, default=0, help="also run the rounds pinned to this many CPUs (0: not)")
+    p.add_argument("--sides", default="off,on", help=f"comma-separated, off first: {', '.join(SIDES)}")
     p.add_argument("--out", default=".")
     args = p.parse_args()
+    sides = args.sides.split(",")
+    if sides[0] != "off" or len(sides) < 2 or not set(sides) <= set(SIDES):
+        p.error(f"--sides: off, then one or more of {', '.join(SIDES)}; got {args.sides}")
     opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     every = sorted(os.sched_getaffinity(0))
@@ -103,16 +133,18 @@ def main() -> None:
     with demo.quiet_engine_logs():
         for name, cpus in settings:
             os.sched_setaffinity(0, cpus)  # this thread; the engine's loop threads start from it and inherit it
-            for side in (False, True):  # warm-up
+            for side in sides:  # warm-up
                 one_run(model, prompts, opts, side)
             runs = []
             for r in range(args.pairs):
-                for side in (True, False) if r % 2 else (False, True):
-                    runs.append(dict(one_run(model, prompts, opts, side), setting=name))
-            print(f"model {args.model}, {name} (CPUs {cpus[0]}-{cpus[-1]}), {args.pairs} alternating pairs")
+                order = sides[r % len(sides) :] + sides[: r % len(sides)]
+                runs += [dict(one_run(model, prompts, opts, side), setting=name) for side in order]
+            print(f"model {args.model}, {name} (CPUs {cpus[0]}-{cpus[-1]}), {args.pairs} rounds of {args.sides}")
             for run in runs:
                 print(line(run))
-            print(pairs_line(runs), flush=True)
+            for side in sides[1:]:
+                print(pairs_line(runs, side))
+                print(by_step_line(runs, side), flush=True)
             kept += runs
     os.sched_setaffinity(0, every)
     out = pathlib.Path(args.out) / f"step_times_{args.model}.json"

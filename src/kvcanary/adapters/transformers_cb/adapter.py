@@ -63,6 +63,7 @@ class TransformersCBAdapter:
         unpinned_cpu_offload: bool = True,
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
+        tap_thread: bool = False,
     ) -> None:
         model = _model_of(model)
         config = CanaryConfig() if config is None else config
@@ -87,7 +88,7 @@ class TransformersCBAdapter:
         self._features = FeatureCounters()
         self._bindings = Bindings(self._new_binding, self._reports.collect)
         self._tap = StepTap(
-            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step
+            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step, tap_thread
         )
         self._moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
 
@@ -109,6 +110,8 @@ class TransformersCBAdapter:
         try:
             self._bindings.retire()
         finally:
+            if self._tap.thread is not None:
+                self._tap.thread.close()
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
