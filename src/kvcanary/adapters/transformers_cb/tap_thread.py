@@ -43,7 +43,7 @@ class TapThread:
             fn(*args)
             return
         c = torch._C
-        stream = c._cuda_getCurrentStream(c._cuda_getDevice()) if torch.cuda.is_initialized() else None
+        stream = c._cuda_getCurrentStream(c._cuda_getDevice()) if _cuda_in_use() else None
         self._job = (fn, args, stream)
         self._go.release()
         self._done.acquire()
@@ -53,7 +53,7 @@ class TapThread:
 
     def _start(self, inference: bool) -> None:
         self._inference = inference
-        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        device = torch.cuda.current_device() if _cuda_in_use() else None
         self._thread = threading.Thread(target=self._loop, args=(device,), name="kvcanary-tap", daemon=True)
         self._thread.start()
 
@@ -85,3 +85,8 @@ class TapThread:
             self._go.release()
             self._thread.join()
             self._thread = None
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process initialised CUDA (asking for a device or stream otherwise would initialise it)."""
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
