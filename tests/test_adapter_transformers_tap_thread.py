@@ -122,3 +122,21 @@ def test_a_fault_is_caught_with_the_tap_on_its_thread_and_raise_mode_raises_out_
                 tiny_generate(model, n=4)
         finally:
             injector.detach()
+
+
+def test_the_tap_thread_is_off_by_default_on_the_cpu_and_a_bad_value_is_refused() -> None:
+    from kvcanary import CanaryConfig, Mode
+    from kvcanary.adapters.transformers_cb import install
+    from kvcanary.demo import build_model
+
+    model = build_model("dense")
+    with install(model, CanaryConfig(mode=Mode.LOG)) as canary:
+        assert canary._tap.thread is None  # the model is on the CPU
+    with install(model, CanaryConfig(mode=Mode.LOG), tap_thread=True) as canary:
+        assert canary._tap.thread is not None
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    compute = ModelRunner.compute_batch
+    with pytest.raises(TypeError, match="tap_thread"):
+        install(model, CanaryConfig(mode=Mode.LOG), tap_thread="yes")
+    assert ModelRunner.compute_batch is compute  # refused before anything was patched

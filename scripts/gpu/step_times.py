@@ -71,9 +71,13 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, side: 
         CollectorClock() as collector,
     ):
         demo.generate_waves(model, prompts, opts)
-    tap = canary.stats().get("tap_us", 0) / max(len(clock.durations or ()), 1) if mode is Mode.LOG else 0
+    stats = canary.stats() if mode is Mode.LOG else {}
+    tap = stats.get("tap_us", 0) / max(len(clock.durations or ()), 1)
+    failed = stats.get("violations", 0) + stats.get("health_failures", 0) + stats.get("adapter_errors", 0)
+    if failed:  # every canary run is a clean run, as in the demo
+        raise SystemExit(f"a clean {side} run reported {failed} violations, health failures or adapter errors: {stats}")
     return {"side": side, "canary": mode is Mode.LOG, "steps": clock.durations, "gc_seconds": collector.seconds,
-            "tap_us": tap}  # fmt: skip
+            "tap_us": tap, "verified": stats.get("verified_slots", 0)}  # fmt: skip
 
 
 def line(run: dict[str, Any]) -> str:
@@ -82,7 +86,7 @@ def line(run: dict[str, Any]) -> str:
     return (
         f"  {run['side']:6} total {sum(steps):.3f} s, {len(steps)} steps, median "
         f"{statistics.median(steps) * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, collector {run['gc_seconds']:.3f} s, "
-        f"tap {run['tap_us']:.0f} us a step"
+        f"tap {run['tap_us']:.0f} us a step, {run['verified']:,} slots verified"
     )
 
 

@@ -8,7 +8,8 @@ engine's core keeps the engine's.  The hand-off is synchronous: the engine's thr
 interpreter lock) until the tap is done, so the two never contend for the interpreter and the tap sees the step
 exactly where it would have run inline.  What torch keeps per thread is carried over: the CUDA device and stream
 that were current on the engine's thread, and its inference mode (the tap's tensors were made under it).  An
-exception of the tap is raised again on the engine's thread.
+exception of the tap is raised again on the engine's thread.  On by default where the model is on CUDA
+(``install(tap_thread=...)``); on the CPU the tap's own compute dominates and it stays inline.
 """
 
 from __future__ import annotations
