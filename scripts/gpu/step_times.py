@@ -7,7 +7,7 @@ workload in alternating pairs, as ``kvcanary demo --baseline`` does, keeping eve
 (every step a little: the machine), or a few steps much slower (a collection, a stall), or the canary's steps.
 With ``--pin N`` the same pairs run again with the process on N fixed CPUs (threads then stay on them).
 
-Writes ``step_times_<model>.json`` (per run: side, pinned, steps' seconds, collector seconds) under ``--out`` and
+Writes ``step_times_<model>.json`` (per run: side, setting, steps' microseconds, collector seconds) under ``--out`` and
 prints each run's total, median and 90th-percentile step, and the pairs' shares by the run totals and by the steps'
 medians.
 
@@ -151,8 +151,11 @@ def main() -> None:
                 print(by_step_line(runs, side), flush=True)
             kept += runs
     os.sched_setaffinity(0, every)
+    for run in kept:  # whole microseconds: the file is kept with the results
+        run["steps"] = [round(t * 1e6) for t in run["steps"]]
+        run["unit"] = "us"
     out = pathlib.Path(args.out) / f"step_times_{args.model}.json"
-    out.write_text(json.dumps(kept))
+    out.write_text(json.dumps(kept, separators=(",", ":")))
 
 
 if __name__ == "__main__":
