@@ -11,10 +11,7 @@ Writes ``step_times_<model>.json`` (per run: side, setting, steps' microseconds,
 prints each run's total, median and 90th-percentile step, and the pairs' shares by the run totals and by the steps'
 medians.
 
-With ``--sides off,on,thread`` a third side runs the canary's step tap on a thread of its own (``tap_thread``).
-
-Usage: PYTHONPATH=src python scripts/gpu/step_times.py [--model dense] [--pairs 6] [--pin 4] [--sides off,on]
-       [--out DIR]
+Usage: PYTHONPATH=src python scripts/gpu/step_times.py [--model dense] [--pairs 6] [--pin 4] [--out DIR]
 """
 
 from __future__ import annotations
@@ -57,16 +54,16 @@ class CollectorClock:
         gc.callbacks.remove(self)
 
 
-SIDES = {"off": (Mode.OFF, False), "on": (Mode.LOG, False), "thread": (Mode.LOG, True)}  # mode, tap_thread
+SIDES = {"off": Mode.OFF, "on": Mode.LOG}
 
 
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, side: str) -> dict[str, Any]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    mode, thread = SIDES[side]
+    mode = SIDES[side]
     with (
-        install(model, CanaryConfig(mode=mode), tap_thread=thread) as canary,
+        install(model, CanaryConfig(mode=mode)) as canary,
         StepClock(keep=True) as clock,
         CollectorClock() as collector,
     ):
@@ -121,14 +118,11 @@ def by_step_line(runs: list[dict[str, Any]], side: str = "on", first: int = 3) -
 
 def main() -> None:
     p = probe_args.demo_parser(__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=6, help="rounds: each runs every side once, in a rotating order")
+    p.add_argument("--pairs", type=int, default=6)
     p.add_argument("--pin", type=int, default=0, help="also run the rounds pinned to this many CPUs (0: not)")
-    p.add_argument("--sides", default="off,on", help=f"comma-separated, off first: {', '.join(SIDES)}")
     p.add_argument("--out", default=".")
     args = p.parse_args()
-    sides = args.sides.split(",")
-    if sides[0] != "off" or len(sides) < 2 or not set(sides) <= set(SIDES):
-        p.error(f"--sides: off, then one or more of {', '.join(SIDES)}; got {args.sides}")
+    sides = list(SIDES)
     opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     every = sorted(os.sched_getaffinity(0))
@@ -143,7 +137,7 @@ def main() -> None:
             for r in range(args.pairs):
                 order = sides[r % len(sides) :] + sides[: r % len(sides)]
                 runs += [dict(one_run(model, prompts, opts, side), setting=name) for side in order]
-            print(f"model {args.model}, {name} (CPUs {cpus[0]}-{cpus[-1]}), {args.pairs} rounds of {args.sides}")
+            print(f"model {args.model}, {name} (CPUs {cpus[0]}-{cpus[-1]}), {args.pairs} alternating pairs")
             for run in runs:
                 print(line(run))
             for side in sides[1:]:

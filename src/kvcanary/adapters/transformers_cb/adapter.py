@@ -63,7 +63,6 @@ class TransformersCBAdapter:
         unpinned_cpu_offload: bool = True,
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
-        tap_thread: bool | None = None,
     ) -> None:
         model = _model_of(model)
         config = CanaryConfig() if config is None else config
@@ -71,8 +70,6 @@ class TransformersCBAdapter:
             raise TypeError(f"config must be a kvcanary.CanaryConfig, got {type(config).__name__}")
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a kvcanary.Backend, got {backend!r}")
-        if tap_thread is not None and not isinstance(tap_thread, bool):
-            raise TypeError(f"tap_thread must be True, False or None (on CUDA only), got {tap_thread!r}")
         if max_context is not None and (not isinstance(max_context, int) or max_context <= 0):
             raise ValueError(f"max_context must be a positive int or None, got {max_context!r}")
         self._reports = ReportKeeper(max_kept_reports)
@@ -90,9 +87,8 @@ class TransformersCBAdapter:
         self._features = FeatureCounters()
         self._bindings = Bindings(self._new_binding, self._reports.collect)
         self._tap = StepTap(
-            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step,
-            _on_cuda(model) if tap_thread is None else tap_thread,
-        )  # fmt: skip
+            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step
+        )
         self._moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
 
     # ------------------------------------------------------------------ install / uninstall
@@ -113,8 +109,6 @@ class TransformersCBAdapter:
         try:
             self._bindings.retire()
         finally:
-            if self._tap.thread is not None:
-                self._tap.thread.close()
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
@@ -266,13 +260,6 @@ class TransformersCBAdapter:
     def _owns_cache(self, cache: Any) -> bool:
         binding = self._bindings.current
         return binding is not None and binding.is_for(cache)
-
-
-def _on_cuda(model: torch.nn.Module) -> bool:
-    """Whether the model's weights are on a CUDA device (where the step tap gets a thread of its own by default: see
-    :mod:`.tap_thread`)."""
-    first = next(iter(model.parameters()), None)
-    return first is not None and first.device.type == "cuda"
 
 
 def _model_of(target: Any) -> torch.nn.Module:
