@@ -8,10 +8,12 @@ import dataclasses
 import pytest
 
 from kvcanary.demo_timing import (
+    FIRST_STEPS,
     ShareTiming,
     added_time_line,
     graph_line,
     host_time_lines,
+    step_by_step_line,
     time_share,
     timed_host_line,
     timing_lines,
@@ -118,10 +120,36 @@ def test_the_demo_times_as_many_pairs_as_asked(monkeypatch: pytest.MonkeyPatch) 
         raise Stop
 
     monkeypatch.setattr(demo, "time_share", share)
-    monkeypatch.setattr(demo, "time_baseline", lambda *a: 1.0)  # no engine run: only the wiring is under test
+    monkeypatch.setattr(
+        demo, "time_baseline", lambda *a: demo.TimedRun(0, 1.0, None, ())
+    )  # no engine run: only the wiring is under test
     monkeypatch.setattr(demo, "run_workload", lambda *a, **k: None)
     monkeypatch.setattr(demo, "build_model", lambda *a: None)
     for rounds in (5, demo.ROUNDS):
         with pytest.raises(Stop):
             demo.run_demo(demo.DemoOptions(baseline=True, rounds=rounds), progress=None)
     assert asked == [5, 3]
+
+
+def test_step_by_step_takes_each_steps_median_over_the_runs_and_sets_the_first_steps_apart() -> None:
+    """Three runs a side of 7 steps: one run of each side has a slow stretch (a collection, say), which the medians
+    over the runs leave out; the canary adds 5 ms to its first step, 1 ms to the next two and 0.25 ms to the rest."""
+    base = [1.0e-3] * 7
+    canary = [6.0e-3, 2.0e-3, 2.0e-3] + [1.25e-3] * 4
+    slow_base, slow_canary = [*base[:5], 9e-3, 1e-3], [*canary[:4], 9e-3, *canary[5:]]
+    timing = ShareTiming(
+        (1.0, 1.0, 1.0), (1.0, 1.0, 1.0), steps=((base, slow_base, base), (slow_canary, canary, canary))
+    )
+    line = step_by_step_line(timing)
+    assert FIRST_STEPS == 3 and line is not None
+    assert f"the first {FIRST_STEPS} steps added 5.00, 1.00, 1.00 ms" in line
+    assert "the other 4 added 0.250 ms a step (median 0.250), 20.0% of their time with the canary" in line
+    assert timing_lines(timing, [])[-1] == line
+    # Not comparable step by step: runs of different lengths, too few steps, or the steps not timed.
+    uneven = dataclasses.replace(timing, steps=((base, base[:6], base), (canary, canary, canary)))
+    short = dataclasses.replace(timing, steps=(((1e-3,) * 3,), ((2e-3,) * 3,)))
+    for none in (uneven, short, dataclasses.replace(timing, steps=None)):
+        assert step_by_step_line(none) is None
+    # A canary that added nothing after its first steps: 0 %, never a negative share.
+    faster = dataclasses.replace(timing, steps=((base,), ([*canary[:3], *[0.9e-3] * 4],)))
+    assert "0.0% of their time" in (step_by_step_line(faster) or "")

@@ -99,6 +99,7 @@ class RunResult:
     first_detection_step: int | None = None
     injected: Injection | None = None
     step_seconds: float | None = None  # the engine's steps only (:class:`StepClock`); None where not timed
+    step_durations: tuple[float, ...] = ()  # each of the engine's steps' seconds, in order (() where not timed)
 
     @property
     def timed_seconds(self) -> float:
@@ -188,18 +189,30 @@ def compared_seconds(seconds: float, step_seconds: float | None) -> float:
     return seconds if step_seconds is None else step_seconds
 
 
-def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> tuple[int, float, float | None]:
-    """:func:`generate_waves` timed: the sequences, the run's seconds and the engine's steps' seconds (None where
-    the step clock is not available).  The previous run's garbage is collected and its device work finished
-    first, so that neither is timed here."""
+@dataclasses.dataclass(frozen=True)
+class TimedRun:
+    """What :func:`timed_waves` measured: the sequences, the run's seconds, the engine's steps' seconds (None where
+    the step clock is not available) and each step's seconds in order (() where not available)."""
+
+    outputs: int
+    seconds: float
+    step_seconds: float | None
+    step_durations: tuple[float, ...]
+
+
+def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> TimedRun:
+    """:func:`generate_waves` timed.  The previous run's garbage is collected and its device work finished first,
+    so that neither is timed here."""
     gc.collect()
     if torch.device(options.device).type == "cuda":
         torch.cuda.synchronize(options.device)
-    with StepClock() as clock:
+    with StepClock(keep=True) as clock:
         start = time.perf_counter()
         n = generate_waves(model, prompts, options)
         seconds = time.perf_counter() - start
-    return n, seconds, clock.seconds if clock.available else None
+    if not clock.available:
+        return TimedRun(n, seconds, None, ())
+    return TimedRun(n, seconds, clock.seconds, tuple(clock.durations or ()))
 
 
 def run_workload(
@@ -230,18 +243,19 @@ def run_workload(
     try:
         if fault is not None:
             injector = attach_fault(canary, fault, after_step=options.fault_after_step, seed=options.seed)
-        outputs, seconds, step_seconds = timed_waves(model, prompts, options)
+        timed = timed_waves(model, prompts, options)
         canary.flush()
         canary.check_effective()
         return RunResult(
             stats=canary.stats(),
             features=canary.features(),
-            seconds=seconds,
-            outputs=outputs,
+            seconds=timed.seconds,
+            outputs=timed.outputs,
             reports=canary.reports,
             first_detection_step=canary.first_report_step,
             injected=None if injector is None else injector.injection,
-            step_seconds=step_seconds,
+            step_seconds=timed.step_seconds,
+            step_durations=timed.step_durations,
         )
     finally:
         if injector is not None:
@@ -249,15 +263,13 @@ def run_workload(
         canary.uninstall()
 
 
-def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> tuple[float, float | None]:
+def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: DemoOptions) -> TimedRun:
     """The workload with the canary off (mode ``off``: hooks installed, no canary work; this also keeps
-    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`): the run's seconds and
-    the engine's steps' (as :func:`timed_waves` gives them)."""
+    the CPU-offload work-around of :mod:`kvcanary.adapters.transformers_cb.cpu_offload`), timed."""
     from kvcanary.adapters.transformers_cb import install
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
-        _, seconds, step_seconds = timed_waves(model, prompts, options)
-    return seconds, step_seconds
+        return timed_waves(model, prompts, options)
 
 
 def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
@@ -282,7 +294,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
         warm = dataclasses.replace(options, requests=min(WARM_UP, options.requests), follow_up=0)
         run_workload(model, prompts[: warm.requests], warm, label="warm-up")
         runs: list[RunResult] = []
-        walls: list[float] = []  # the baseline runs' wall seconds
+        baselines: list[TimedRun] = []
 
         def timed(i: int) -> tuple[float, int]:
             label, shown = ("clean", progress) if i == 0 else (f"timed {i + 1}", None)
@@ -290,11 +302,14 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
             return runs[-1].timed_seconds, runs[-1].stats["violations"]
 
         def baseline() -> float:
-            seconds, step_seconds = time_baseline(model, prompts, options)
-            walls.append(seconds)
-            return compared_seconds(seconds, step_seconds)
+            baselines.append(time_baseline(model, prompts, options))
+            return compared_seconds(baselines[-1].seconds, baselines[-1].step_seconds)
 
         timing, violations = time_share(timed, baseline, options.rounds)
-        timing = dataclasses.replace(timing, walls=(tuple(walls), tuple(r.seconds for r in runs)))
+        timing = dataclasses.replace(
+            timing,
+            walls=(tuple(b.seconds for b in baselines), tuple(r.seconds for r in runs)),
+            steps=(tuple(b.step_durations for b in baselines), tuple(r.step_durations for r in runs)),
+        )
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]), tuple(r.stats for r in runs))

@@ -85,6 +85,8 @@ class ShareTiming:
     # The same runs' wall seconds (set-up, the engine's end-of-run collections and waits included), without and with
     # the canary, where the compared seconds are the steps': the share as the demo measured it before the step clock.
     walls: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # Each run's steps' seconds, in order, without and with the canary (see :func:`step_by_step_line`).
+    steps: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
 
     @property
     def shares(self) -> list[float]:
@@ -139,6 +141,35 @@ def added_time_line(timing: ShareTiming, stats: Sequence[dict[str, int]]) -> str
     )
 
 
+FIRST_STEPS = 3  # steps of a run told apart by the step-by-step line: a new cache's set-up and first shapes
+
+
+def step_by_step_line(timing: ShareTiming) -> str | None:
+    """The runs compared step by step: each step's median over the runs of a side (every run is the same workload,
+    so step ``i`` is the same step in each), what the canary added to the first :data:`FIRST_STEPS` steps (a new
+    cache's set-up, its first shapes' translations and step graphs) and to the others, and their share.  A slow
+    stretch of one run (the machine, a collection) moves a median over the runs less than it moves a run's total.
+    None where the steps were not timed or the runs did not take the same number of steps."""
+    if timing.steps is None:
+        return None
+    without, with_canary = timing.steps
+    counts = {len(run) for run in (*without, *with_canary)}
+    if len(counts) != 1 or counts.pop() <= FIRST_STEPS or not without or not with_canary:
+        return None
+    med = statistics.median
+    base = [med(step) for step in zip(*without, strict=True)]
+    on = [med(step) for step in zip(*with_canary, strict=True)]
+    added = [(b - a) * 1000 for a, b in zip(base, on, strict=True)]
+    first = ", ".join(f"{a:.2f}" for a in added[:FIRST_STEPS])
+    rest, rest_on = added[FIRST_STEPS:], sum(on[FIRST_STEPS:]) * 1000
+    share = max(sum(rest), 0.0) / rest_on if rest_on else 0.0
+    return (
+        f"  step by step (each step's median over the runs of a side): the first {FIRST_STEPS} steps added {first} ms "
+        f"(the cache's set-up, its first shapes); the other {len(rest):,} added {statistics.fmean(rest):.3f} ms a step "
+        f"(median {med(rest):.3f}), {share:.1%} of their time with the canary"
+    )
+
+
 def timing_lines(timing: ShareTiming | None, stats: Sequence[dict[str, int]]) -> list[str]:
     """The summary's timing lines after the clean run's host time: each timed run's host time, the share, where the
     added time went (``stats``: the timed canary runs', in order)."""
@@ -147,6 +178,8 @@ def timing_lines(timing: ShareTiming | None, stats: Sequence[dict[str, int]]) ->
         lines.append("  " + timing.line())
         if (added := added_time_line(timing, stats)) is not None:
             lines.append(added)
+        if (by_step := step_by_step_line(timing)) is not None:
+            lines.append(by_step)
     return lines
 
 
