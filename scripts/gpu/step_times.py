@@ -8,8 +8,8 @@ workload in alternating pairs, as ``kvcanary demo --baseline`` does, keeping eve
 With ``--pin N`` the same pairs run again with the process on N fixed CPUs (threads then stay on them).
 
 Writes ``step_times_<model>.json`` (per run: side, setting, steps' microseconds, collector seconds) under ``--out`` and
-prints each run's total, median and 90th-percentile step, and the pairs' shares by the run totals and by the steps'
-medians.
+prints each run's total, median and 90th-percentile step, the pairs' shares by the run totals and by the steps'
+medians, and the demo's step-by-step comparison.
 
 Usage: PYTHONPATH=src python scripts/gpu/step_times.py [--model dense] [--pairs 6] [--pin 4] [--out DIR]
 """
@@ -31,6 +31,7 @@ from kvcanary import demo
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.step_clock import StepClock
 from kvcanary.config import CanaryConfig, Mode
+from kvcanary.demo_timing import ShareTiming, step_by_step_line, time_share
 
 
 class CollectorClock:
@@ -54,75 +55,70 @@ class CollectorClock:
         gc.callbacks.remove(self)
 
 
-SIDES = {"off": Mode.OFF, "on": Mode.LOG}
-
-
-def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, side: str) -> dict[str, Any]:
+def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, Any]:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    mode = SIDES[side]
     with (
-        install(model, CanaryConfig(mode=mode)) as canary,
+        install(model, CanaryConfig(mode=Mode.LOG if canary else Mode.OFF)) as handle,
         StepClock(keep=True) as clock,
         CollectorClock() as collector,
     ):
         demo.generate_waves(model, prompts, opts)
-    stats = canary.stats() if mode is Mode.LOG else {}
+    stats = handle.stats() if canary else {}
     tap = stats.get("tap_us", 0) / max(len(clock.durations or ()), 1)
     failed = stats.get("violations", 0) + stats.get("health_failures", 0) + stats.get("adapter_errors", 0)
     if failed:  # every canary run is a clean run, as in the demo
-        raise SystemExit(f"a clean {side} run reported {failed} violations, health failures or adapter errors: {stats}")
-    return {"side": side, "canary": mode is Mode.LOG, "steps": clock.durations, "gc_seconds": collector.seconds,
-            "tap_us": tap, "verified": stats.get("verified_slots", 0)}  # fmt: skip
+        raise SystemExit(f"a clean canary run reported {failed} violations, health failures or adapter errors: {stats}")
+    return {"side": "on" if canary else "off", "canary": canary, "steps": clock.durations,
+            "gc_seconds": collector.seconds, "tap_us": tap, "verified": stats.get("verified_slots", 0)}  # fmt: skip
 
 
 def line(run: dict[str, Any]) -> str:
     steps = sorted(run["steps"])
     p90 = steps[int(0.9 * (len(steps) - 1))]
     return (
-        f"  {run['side']:6} total {sum(steps):.3f} s, {len(steps)} steps, median "
+        f"  {run['side']:3} total {sum(steps):.3f} s, {len(steps)} steps, median "
         f"{statistics.median(steps) * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms, collector {run['gc_seconds']:.3f} s, "
         f"tap {run['tap_us']:.0f} us a step, {run['verified']:,} slots verified"
     )
 
 
-def pairs_line(runs: list[dict[str, Any]], side: str = "on") -> str:
-    off = [r for r in runs if r["side"] == "off"]
-    on = [r for r in runs if r["side"] == side]
-    by_total = [max(sum(b["steps"]) - sum(a["steps"]), 0) / sum(b["steps"]) for a, b in zip(off, on, strict=True)]
+def pairs_lines(off: list[dict[str, Any]], on: list[dict[str, Any]]) -> list[str]:
+    """The pairs' shares by run totals (the demo's, :class:`~kvcanary.demo_timing.ShareTiming`) and by the steps'
+    medians, then the demo's step-by-step line (:func:`~kvcanary.demo_timing.step_by_step_line`)."""
+    steps = (tuple(tuple(r["steps"]) for r in off), tuple(tuple(r["steps"]) for r in on))
+    timing = ShareTiming(tuple(map(sum, steps[0])), tuple(map(sum, steps[1])), steps=steps)
     med = statistics.median
-    by_median = [max(med(b["steps"]) - med(a["steps"]), 0) / med(b["steps"]) for a, b in zip(off, on, strict=True)]
+    by_median = [max(med(b) - med(a), 0) / med(b) for a, b in zip(*steps, strict=True)]
     fmt = ", ".join
-    return (
-        f"  {side}: shares by run totals: {fmt(f'{s:.1%}' for s in by_total)} (median {med(by_total):.1%}); "
+    shares = (
+        f"  shares by run totals: {fmt(f'{s:.1%}' for s in timing.shares)} (median {timing.share:.1%}); "
         f"by the steps' medians: {fmt(f'{s:.1%}' for s in by_median)} (median {med(by_median):.1%})"
     )
+    return [shares] + [by_step for by_step in (step_by_step_line(timing),) if by_step is not None]
 
 
-def by_step_line(runs: list[dict[str, Any]], side: str = "on", first: int = 3) -> str:
-    """Each step's median over the runs of a side, compared step by step (the workload is the same every run): what
-    the first ``first`` steps added, and the mean and median added a step over the rest."""
-    med = statistics.median
-    on = [r["steps"] for r in runs if r["side"] == side]
-    off = [r["steps"] for r in runs if r["side"] == "off"]
-    n = min(map(len, on + off))
-    added = [(med(r[i] for r in on) - med(r[i] for r in off)) * 1e3 for i in range(n)]
-    head = ", ".join(f"{a:.2f}" for a in added[:first])
-    rest = added[first:]
-    return (
-        f"  {side}: step by step (medians over the runs): the first {first} steps added {head} ms; the other "
-        f"{len(rest)} added {statistics.fmean(rest):.3f} ms a step (median {med(rest):.3f})"
-    )
+def alternating(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, pairs: int) -> list[dict[str, Any]]:
+    """A warm-up run of each side, then ``pairs`` pairs in the demo's alternating order (:func:`time_share`)."""
+    for canary in (False, True):
+        one_run(model, prompts, opts, canary)
+    runs: list[dict[str, Any]] = []
+
+    def run(canary: bool) -> float:
+        runs.append(one_run(model, prompts, opts, canary))
+        return float(sum(runs[-1]["steps"]))
+
+    time_share(lambda _: (run(True), 0), lambda: run(False), pairs)
+    return runs
 
 
 def main() -> None:
     p = probe_args.demo_parser(__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=6)
-    p.add_argument("--pin", type=int, default=0, help="also run the rounds pinned to this many CPUs (0: not)")
+    p.add_argument("--pin", type=int, default=0, help="also run the pairs pinned to this many CPUs (0: not)")
     p.add_argument("--out", default=".")
     args = p.parse_args()
-    sides = list(SIDES)
     opts = probe_args.options_of(args)
     model, prompts = demo.workload(opts)
     every = sorted(os.sched_getaffinity(0))
@@ -131,23 +127,17 @@ def main() -> None:
     with demo.quiet_engine_logs():
         for name, cpus in settings:
             os.sched_setaffinity(0, cpus)  # this thread; the engine's loop threads start from it and inherit it
-            for side in sides:  # warm-up
-                one_run(model, prompts, opts, side)
-            runs = []
-            for r in range(args.pairs):
-                order = sides[r % len(sides) :] + sides[: r % len(sides)]
-                runs += [dict(one_run(model, prompts, opts, side), setting=name) for side in order]
+            runs = [dict(r, setting=name) for r in alternating(model, prompts, opts, args.pairs)]
             print(f"model {args.model}, {name} (CPUs {cpus[0]}-{cpus[-1]}), {args.pairs} alternating pairs")
-            for run in runs:
-                print(line(run))
-            for side in sides[1:]:
-                print(pairs_line(runs, side))
-                print(by_step_line(runs, side), flush=True)
+            for r in runs:
+                print(line(r))
+            off, on = [r for r in runs if not r["canary"]], [r for r in runs if r["canary"]]
+            print("\n".join(pairs_lines(off, on)), flush=True)
             kept += runs
     os.sched_setaffinity(0, every)
-    for run in kept:  # whole microseconds: the file is kept with the results
-        run["steps"] = [round(t * 1e6) for t in run["steps"]]
-        run["unit"] = "us"
+    for r in kept:  # whole microseconds: the file is kept with the results
+        r["steps"] = [round(t * 1e6) for t in r["steps"]]
+        r["unit"] = "us"
     out = pathlib.Path(args.out) / f"step_times_{args.model}.json"
     out.write_text(json.dumps(kept, separators=(",", ":")))
 
