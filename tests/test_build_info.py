@@ -4,7 +4,6 @@ the compiled one (scripts/test_compiled.sh) from its extension."""
 from __future__ import annotations
 
 import compiled_build
-
 from kvcanary.adapters.transformers_cb import step_tap
 from kvcanary.build_info import build_name, compiled_step_path
 
