@@ -6,7 +6,7 @@ call and attribute read a C call instead of interpreted bytecode.  The canary's 
 with every CPU cache cold, where each interpreted function costs microseconds; compiled, the same step costs a
 fraction of that.  The Python source stays the spec: the test suite runs on both builds (``scripts/test_compiled.sh``).
 
-    KVCANARY_COMPILE=1 pip install --no-build-isolation .       # needs mypy (the test extra) and a C compiler
+    KVCANARY_COMPILE=1 pip install --no-build-isolation .        # needs mypy (the test extra) and a C compiler
     KVCANARY_COMPILE=1 python setup.py build_ext --inplace -j 4  # a checkout: the extensions next to the sources
 """
 
