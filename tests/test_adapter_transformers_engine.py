@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+import compiled_build
+
 pytest.importorskip("transformers")
 
 import torch
@@ -123,6 +125,7 @@ def test_uninstall_restores_every_patched_function_and_the_hook() -> None:
     assert canary.stats()["steps"] > 0 and canary.stats()["violations"] == 0
 
 
+@compiled_build.patches("kvcanary.runtime.manager")
 @pytest.mark.parametrize("cuda_layout", [False, True])
 def test_the_canary_captures_its_step_graphs_at_first_sight_when_the_translator_keeps_static_buffers(
     cuda_layout: bool, monkeypatch: pytest.MonkeyPatch

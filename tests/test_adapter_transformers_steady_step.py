@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+import compiled_build
+
 pytest.importorskip("triton")
 
 from kvcanary.adapters.transformers_cb import binding
@@ -356,6 +358,7 @@ def test_a_steady_step_runs_few_distinct_python_functions(window: int) -> None:
     assert len(ran) <= STEADY_PATH_PY_FUNCTIONS[window], sorted(ran)
 
 
+@compiled_build.patches("kvcanary.adapters.transformers_cb.steady_step")
 def test_kept_classes_drop_the_least_recently_found_one_first() -> None:
     from kvcanary.adapters.transformers_cb.steady_step import MAX_CLASSES, KeptSteps, SteadyStep
 

@@ -15,12 +15,15 @@ from typing import Any
 
 import pytest
 
+import compiled_build
+
 pytest.importorskip("transformers")
 
 from kvcanary.runtime import CanaryManager, streams
 from transformers_helpers import demo_run
 
 
+@compiled_build.patches("kvcanary.runtime.manager")
 def test_every_host_step_is_issued_inside_the_engine_stream_context(monkeypatch: pytest.MonkeyPatch) -> None:
     depth = [0]
     seen: list[int] = []

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+import compiled_build
 from kvcanary import Mode, StepBatch
 from kvcanary.runtime import CanaryManager, CanaryViolation
 from runtime_helpers import Workload, make_manager, run_step
@@ -87,6 +88,7 @@ def test_malformed_truth_is_refused_before_any_state_changes(edit, match: str) -
     assert mgr.flush() is None
 
 
+@compiled_build.patches("kvcanary.runtime.manager")
 def test_corrupt_lengths_on_the_transformers_engine_are_violations_not_skipped_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

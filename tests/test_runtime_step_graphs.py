@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+import compiled_build
 from kvcanary import CanaryGroup, Mode, StepBatch
 from kvcanary.config import CanaryConfig
 from kvcanary.ops import Backend
@@ -318,6 +319,7 @@ def test_remembered_keys_are_the_batch_keys_and_follow_new_tensors() -> None:
     assert keys([batch]) == batch_key([batch])  # recomputed: still right
 
 
+@compiled_build.patches("kvcanary.runtime.step_graphs")
 def test_the_same_batches_and_prelude_handed_again_reuse_the_last_key_and_replay() -> None:
     """An adapter's steady step hands the last step's mapping and prelude objects again: no key is recomputed."""
     mgr = manager()

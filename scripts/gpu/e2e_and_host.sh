@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One device call for issues 14 and 18 (not run by CI).  Stages (STAGES, default "e2e cb demo profile"):
+#   compile   the per-step modules compiled with mypyc, in place (scripts/gpu/build_compiled.sh): the stages after it
+#             run them; OLD_SRC (a copy of the tree without the extensions) runs the pure-Python build to compare.
+#             Give it the time (T_COMPILE, default 480 s): on an H100 machine 200 s was not enough (mypy reads
+#             torch's stubs, then one large C file compiles)
 #   e2e       benchmarks/bench_e2e.py (the canary inside a graphed Qwen3-0.6B-shaped step)
 #   cb        scripts/gpu/cb_qwen3_workload.py (issue 14's generate_batch workload, 4 runs; CB_RUNS, CB_ARGS=--probe)
 #   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
-#   olddemo   the same demo against OLD_SRC (dense and hybrid: a before/after in one session)
+#   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
+#             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
 #             default tap: tap, mirror, setup)
 #   setup     scripts/gpu/setup_costs.py on SETUP_MODELS (default dense hybrid): each piece of a cache's set-up, 3 runs
@@ -50,6 +55,8 @@ stage() { echo "=== $1 ($(date -u +%T))" | tee -a "$OUT/run.log" >&2; }
 for s in ${STAGES:-e2e cb demo profile}; do
   stage "$s"
   case $s in
+    compile) timeout "${T_COMPILE:-480}" bash scripts/gpu/build_compiled.sh >"$OUT/compile.log" 2>&1
+             echo "[compile exit $?]" | tee -a "$OUT/run.log" ;;
     e2e) timeout "${T_E2E:-170}" python3 benchmarks/bench_e2e.py --commit "$COMMIT" --out "$OUT" \
            ${E2E_POINTS:+--points $E2E_POINTS} >>"$OUT/run.log" 2>&1 ;;
     cb) timeout "${T_CB:-150}" python3 scripts/gpu/cb_qwen3_workload.py --out "$OUT" ${CB_RUNS:+--runs $CB_RUNS} ${CB_ARGS:-} \
@@ -63,9 +70,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
             timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
-    olddemo) for model in dense hybrid; do
+    olddemo) for model in ${OLD_DEMO_MODELS:-dense hybrid}; do
                PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
-                 --model "$model" --device cuda --baseline --quiet >>"$OUT/demo_old.txt" 2>&1
+                 --model "$model" --device cuda --baseline --rounds "${OLD_ROUNDS:-3}" --quiet >>"$OUT/demo_old.txt" 2>&1
              done ;;
     profile) for model in ${PROFILE_MODELS:-dense}; do
                timeout "${T_PROF:-45}" python3 scripts/gpu/host_profile.py --model "$model" --targets "${PROFILE_TARGETS:-tap}" \

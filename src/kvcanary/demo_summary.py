@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvcanary.adapters.transformers_cb.selftest.workload import DEMO_NUM_BLOCKS, PAGE_SIZE, SLIDING_WINDOW
+from kvcanary.build_info import build_name, compiled_step_path
 from kvcanary.demo_timing import host_time_lines, timing_lines
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def summary(result: DemoResult) -> str:
     lines = [
         f"kvcanary demo: {o.model} model ({_model_desc(o.model)}, random weights), transformers {result.engine}, "
         f"device {o.device}, canary backend {o.backend.value}"
+        + (f", {build_name()}" if compiled_step_path() else "")
         + (", asynchronous batching" if o.async_batching else "")
         + (", CUDA graphs" if o.cuda_graphs else ""),
         f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "

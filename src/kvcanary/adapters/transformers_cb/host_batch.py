@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcanary.schema import UNKNOWN_TOKEN
 
@@ -33,7 +33,7 @@ class History(Sequence[int]):
     tail is not what a batch row's cost is).  Built by hand (tests, benchmarks), a history keeps :data:`TAIL`.
     """
 
-    TAIL = _TAIL  # twice the truth store's refresh window
+    TAIL: ClassVar[int] = _TAIL  # twice the truth store's refresh window
 
     __slots__ = ("_generated", "_initial", "size", "tail", "tail_start")
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The per-step modules compiled with mypyc, in place (setup.py's COMPILED; run from the repository root on the
+# device, not by CI).  The device image has no mypy and no network: its wheels for the image's Python travel in
+# .whl/mypy, fetched here once:
+#   python3 -m pip download -d .whl/mypy --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 mypy==2.4.1
+# mypy is installed to a directory of its own for the build only: the compiled modules need none of it to run.
+set -euo pipefail
+python3 -m pip install -q --no-index --no-compile --no-cache-dir --find-links .whl/mypy --target /tmp/mypy-site mypy
+start=$(date +%s)
+PYTHONPATH=/tmp/mypy-site KVCANARY_COMPILE=1 python3 setup.py -q build_ext --inplace -j "$(nproc)"
+echo "[compile] $(find src -name '*.so' | wc -l) extensions in $(( $(date +%s) - start ))s"
+python3 -c 'import kvcanary.adapters.transformers_cb.step_tap as m; print("[compile] step_tap from", m.__file__)'
