@@ -22,7 +22,7 @@ ADAPTER = "src/kvcanary/adapters/transformers_cb"
 RUNTIME = "src/kvcanary/runtime"
 
 # The per-step path: the step tap and what it calls on a steady step (translation, truth, staging, the manager's
-# forward and host steps), and the engine's block moves' mirror.
+# forward and host steps).  The engine's block moves' mirror is not in it yet.
 COMPILED = [
     *(f"{ADAPTER}/{name}.py" for name in (
         "batch_shapes", "host_batch", "staging", "steady_region", "steady_step", "step_buffers", "step_plan",
