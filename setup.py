@@ -10,6 +10,9 @@ the GPU demo's share is not measured yet).  The Python source stays the spec: th
 
     KVCANARY_COMPILE=1 pip install --no-build-isolation .        # needs mypy (the test extra) and a C compiler
     KVCANARY_COMPILE=1 python setup.py build_ext --inplace -j 4  # a checkout: the extensions next to the sources
+
+``KVCANARY_MYPY_FLAGS`` adds flags for mypy, e.g. to build for another Python than the one running the build
+(``scripts/gpu/prebuild_compiled.sh``: ``--python-version 3.12 --python-executable <an env with torch>``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def extensions() -> list[object]:
         return []
     from mypyc.build import mypycify
 
-    return list(mypycify(["--strict", "--ignore-missing-imports", *COMPILED], opt_level="3"))
+    flags = os.environ.get("KVCANARY_MYPY_FLAGS", "").split()
+    return list(mypycify(["--strict", "--ignore-missing-imports", *flags, *COMPILED], opt_level="3"))
 
 
 setup(ext_modules=extensions())

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for issues 14 and 18 (not run by CI).  Stages (STAGES, default "e2e cb demo profile"):
-#   compile   the per-step modules compiled with mypyc, in place (scripts/gpu/build_compiled.sh): the stages after it
+#   compile   the per-step modules compiled with mypyc, in place (scripts/gpu/build_compiled.sh; prebuilt for COMMIT
+#             by scripts/gpu/prebuild_compiled.sh, copied in instead of compiled): the stages after it
 #             run them; OLD_SRC (a copy of the tree without the extensions) runs the pure-Python build to compare.
 #             Give it the time (T_COMPILE, default 480 s): on an H100 machine 200 s was not enough (mypy reads
 #             torch's stubs, then one large C file compiles)
@@ -47,7 +48,7 @@ source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .
 BASE_PATH=${PYTHONPATH:-}
 export PYTHONPATH=$PWD/src:$PWD/tests${BASE_PATH:+:$BASE_PATH}
 export PYTHONUNBUFFERED=1
-COMMIT=${COMMIT:-unknown}
+export COMMIT=${COMMIT:-unknown}
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee -a "$OUT/run.log"
