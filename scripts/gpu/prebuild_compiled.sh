@@ -16,7 +16,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git archive HEAD | tar -x -C "$work"
 start=$(date +%s)
-(cd "$work" && KVCANARY_COMPILE=1 KVCANARY_MYPY_FLAGS="--python-executable $PWD/.venv/bin/python --python-version $VER" \
+flags="--python-executable $PWD/.venv/bin/python --python-version $VER"
+(cd "$work" && KVCANARY_COMPILE=1 KVCANARY_MYPY_FLAGS="$flags" \
   "$BUILD_ENV/bin/python" setup.py -q build_ext --inplace -j "$(nproc)" >"$work/build.log" 2>&1) \
   || { tail -20 "$work/build.log"; exit 1; }
 dest=.whl/compiled-$TAG
