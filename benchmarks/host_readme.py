@@ -45,7 +45,8 @@ def demo_section() -> list[str]:
         gpu, commit, model = f.stem.rsplit("-", 2)[0], f.stem.split("-")[-2], f.stem.split("demo_")[-1]
         runs = "-" if timed is None else f"{float(timed['median']) * 1000:.0f}"
         shares = _shares(text, share)
-        rows.append((model, commit, m, shares, f, gpu, runs))
+        commit, _, build = commit.partition(".")  # "<sha>.mypyc": the compiled build of that commit
+        rows.append((model, commit, m, shares, f, gpu, runs, f" ({build})" if build else ""))
     if not rows:
         return []
     lines = ["", "## Host time per step on the GPU demo (`scripts/gpu/demo_gpu.sh`)", ""]
@@ -60,15 +61,16 @@ def demo_section() -> list[str]:
         "from 059ada1 of the engine's steps (`steps %`, the set-up, end-of-run collections and waits left out of "
         "both sides). `floor %` is the canary's own timed work (the tap, each cache's set-up, mirroring the engine's "
         "block moves) as a share of the steps with it: timed inside the runs, it is free of the pairs' noise, and "
-        "the share of step time cannot be under it."
+        "the share of step time cannot be under it. A commit marked `(mypyc)` ran the compiled build (`setup.py`)."
     )
     lines += ["", "| model | gpu | commit | total us | median us | capture | translation | plan/verify/stamp "
               "| host step | timed runs us | steps % | wall % | floor % | source |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-    for model, commit, m, shares, f, gpu, runs in sorted(rows, key=lambda r: (r[0], _commit_time(r[1]), r[1])):
+    rows.sort(key=lambda r: (r[0], _commit_time(r[1]), r[1], r[7]))
+    for model, commit, m, shares, f, gpu, runs, build in rows:
         us = {k: float(v) * 1000 for k, v in m.groupdict().items()}
         lines.append(
-            f"| {model} | {gpu} | {commit} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "
+            f"| {model} | {gpu} | {commit}{build} | {us['total']:.0f} | {us['median']:.0f} | {us['capture']:.0f} "
             f"| {us['translate']:.0f} | {us['launch']:.0f} | {us['host_step']:.0f} | {runs} | {' | '.join(shares)} "
             f"| `{f.relative_to(HERE)}` |"
         )
