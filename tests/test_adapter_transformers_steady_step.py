@@ -291,6 +291,7 @@ def test_a_steady_step_calls_no_numpy_and_few_distinct_torch_functions(window: i
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CUDA layout on the CPU demo engine runs Triton's interpreter")
+@compiled_build.patches("kvcanary.adapters.transformers_cb.binding")
 @pytest.mark.parametrize(("kind", "fault"), [("dense", "slot-mapping-foreign"), ("hybrid", "window-ring-off-by-one")])
 def test_the_cuda_layout_with_its_steady_steps_changes_no_detection_on_the_engine(
     kind: str, fault: str, monkeypatch: pytest.MonkeyPatch

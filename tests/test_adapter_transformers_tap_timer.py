@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import compiled_build
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 
 
@@ -43,6 +44,7 @@ def test_the_cpu_clock_is_read_on_one_step_in_cpu_every_and_scaled_to_every_step
     assert stats["tap_us"] == 3 * (2 * CPU_EVERY + 1)  # the wall clock is read on every step: 3 us each
 
 
+@compiled_build.patches("kvcanary.adapters.transformers_cb.binding")
 def test_a_binding_made_by_a_step_is_counted_as_set_up_not_as_that_steps_translation() -> None:
     """On the real engine: the tap's phases start at its entry, but a binding it makes (the canary's set-up for a new
     cache, reported as ``setup_us``) is taken out of the translation phase.  The set-up is slowed by 0.5 s here."""

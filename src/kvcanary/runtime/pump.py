@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -75,7 +75,7 @@ class HostBuffer:
 
     tensor: torch.Tensor
     flat: npt.NDArray[np.int64]  # numpy view of ``tensor``
-    words: memoryview  # the same memory as plain int64 words: the cheapest scalar reads (no numpy call)
+    words: Sequence[int]  # a memoryview of the memory as int64 words: the cheapest scalar reads (no numpy call)
     totals: npt.NDArray[np.int64]  # [G, NUM_COUNTERS]
     logs: list[ViolationLog]  # the snapshot's per-group logs (host views)
     copy: Callable[[], object]  # the outbox into ``tensor``: CPU (landed when it returns)
@@ -83,7 +83,7 @@ class HostBuffer:
     step: int = -1
     request_ids: tuple[object, ...] | None = None
     known_landed: bool = False  # the copy was seen complete: no second call to the device for it
-    flags: memoryview | None = None  # published (see .publish): every buffer's flag, this one's at ``slot``
+    flags: Sequence[int] | None = None  # published (see .publish): a memoryview of every buffer's flags
     slot: int = 0
     catch_up: Callable[[HostBuffer], None] | None = None  # published: waits for the device, when the flag is not set
 
@@ -133,7 +133,7 @@ class LaggedPump:
             self.fence.seq = self.publisher.state
 
     def _allocate(
-        self, layout: Layout, t: torch.Tensor | None = None, flags: memoryview | None = None, slot: int = 0
+        self, layout: Layout, t: torch.Tensor | None = None, flags: Sequence[int] | None = None, slot: int = 0
     ) -> HostBuffer:
         """A host buffer: its own (pinned on CUDA), or ``t``, buffer ``slot`` of a publisher's block."""
         if t is None:
