@@ -60,3 +60,10 @@ def test_the_runtime_is_found_by_its_path_where_its_soname_is_not_resident(monke
     for listed in ("/nowhere/libcudart.so.99", "/usr/lib/libc.so.6"):
         given_map(monkeypatch, maps_of(listed))
         assert cuda_calls._loaded_runtime() is None
+
+
+def test_device_index_is_the_devices_own_or_else_the_current_devices() -> None:
+    assert cuda_calls.device_index(torch.device("cuda", 3)) == 3  # named: no CUDA call, so this runs on the CPU too
+    if torch.cuda.is_available():  # unnamed: torch's stubs say int, the value is None (the compiled build refused it)
+        assert torch.device("cuda").index is None
+        assert cuda_calls.device_index(torch.device("cuda")) == torch.cuda.current_device()

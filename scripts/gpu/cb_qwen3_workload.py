@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.continuous_batching import input_outputs
 
 from kvcanary.adapters.transformers_cb import install
-from kvcanary.adapters.transformers_cb.host_batch import HostBatch
+from kvcanary.adapters.transformers_cb.host_batch import WARMUP_PREFIX
 from kvcanary.config import CanaryConfig, Mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # the model benchmarks share
@@ -56,29 +57,32 @@ class Collect(logging.Handler):
 
 
 class ReadCount:
-    """Sums the past lengths of every batch the scheduler prepares (what attention reads), by wrapping the
-    adapter's capture of the host batch."""
+    """Sums the past lengths of every batch the scheduler prepares (what attention reads), read from the engine's
+    own request states by wrapping its ``prepare_batch_tensors`` (entered after the canary is installed, so around
+    the canary's wrapper; both read before the engine advances the states).  Nothing of the adapter is used: on
+    the compiled build its batch capture cannot be wrapped."""
 
     def __init__(self) -> None:
         self.read = 0
         self.batches = 0
-        self._original = HostBatch.from_future_states
+        self._owner: Any = input_outputs.ContinuousBatchingIOs
+        self._original = self._owner.prepare_batch_tensors
 
     def __enter__(self) -> ReadCount:
         original = self._original
 
-        def capture(states: Any) -> HostBatch:
-            host = original(states)
-            if not host.is_warmup:
-                self.read += sum(host.past_lens)
+        def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
+            states = [fs.state for fs in requests_in_batch]
+            if states and not str(states[0].request_id).startswith(WARMUP_PREFIX):
+                self.read += sum(s.position_offset for s in states)
                 self.batches += 1
-            return host
+            return original(io, requests_in_batch, *args, **kwargs)
 
-        HostBatch.from_future_states = staticmethod(capture)  # type: ignore[method-assign]
+        self._owner.prepare_batch_tensors = prepare_batch_tensors
         return self
 
     def __exit__(self, *exc: object) -> None:
-        HostBatch.from_future_states = self._original  # type: ignore[method-assign]
+        self._owner.prepare_batch_tensors = self._original
 
 
 def run_one(model: Any, prompts: int, graphs: bool, toy: bool) -> dict[str, Any]:

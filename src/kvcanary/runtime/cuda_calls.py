@@ -128,6 +128,14 @@ def bindings_calls() -> RuntimeCalls | None:
     return calls
 
 
+def device_index(device: torch.device) -> int:
+    """The index of CUDA device ``device``: the current device's where it names none (``torch.device("cuda")``).
+    torch's stubs type ``index`` as an int, so the compiled build's typed read of it refuses a None: callers in
+    compiled modules go through here."""
+    index: int | None = device.index
+    return torch.cuda.current_device() if index is None else index
+
+
 class CudaCalls:
     """The calls for one device; ``bindings=False`` takes torch's path wherever a direct one exists, ``runtime``
     names one direct path (``"cudart"``, ``"bindings"``) instead of the first found."""

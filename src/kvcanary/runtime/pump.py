@@ -40,7 +40,7 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.runtime.buffers import Layout
-from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
+from kvcanary.runtime.cuda_calls import CudaCalls, Transfer, device_index
 from kvcanary.runtime.publish import NUM_BUFFERS as PUBLISH_BUFFERS
 from kvcanary.runtime.publish import OutboxPublisher
 from kvcanary.schema import NUM_COUNTERS
@@ -125,7 +125,7 @@ class LaggedPump:
             self._calls = None
             self.buffers = [self._allocate(layout, block[i], flags, i) for i in range(PUBLISH_BUFFERS)]
         else:
-            self._calls = CudaCalls(outbox.device.index or 0) if self._cuda else None
+            self._calls = CudaCalls(device_index(outbox.device)) if self._cuda else None
             self.buffers = [self._allocate(layout) for _ in range(NUM_BUFFERS)]
         self._pending: collections.deque[HostBuffer] = collections.deque()  # staged, not yet taken, oldest first
         self.fence = CopyFence()

@@ -36,7 +36,7 @@ import numpy.typing as npt
 import torch
 
 from kvcanary.adapters.transformers_cb.batch_shapes import RecurringViews
-from kvcanary.runtime.cuda_calls import CudaCalls, Transfer
+from kvcanary.runtime.cuda_calls import CudaCalls, Transfer, device_index
 from kvcanary.runtime.publish import NUM_BUFFERS as PUBLISH_BUFFERS
 from kvcanary.runtime.pump import CopyFence
 
@@ -80,7 +80,7 @@ class Staging:
         self.device = device
         self._calls: CudaCalls | None = None
         if device.type == "cuda":
-            self._calls = CudaCalls(torch.cuda.current_device() if device.index is None else device.index)
+            self._calls = CudaCalls(device_index(device))
         self._capacity = 0
         self._device_buf = torch.empty(0, dtype=torch.uint8, device=device)
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # the device buffer as each dtype
