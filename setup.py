@@ -4,11 +4,10 @@ By default kvcanary installs as pure Python.  With ``KVCANARY_COMPILE=1`` the mo
 per-step path (:data:`COMPILED`) are compiled to C extensions with mypyc: the same source, type-checked, with each
 call and attribute read a C call instead of interpreted bytecode.  The canary's step runs between two engine steps
 with every CPU cache cold, where what it costs follows the instructions it runs and the cache lines it touches:
-compiled, a steady translation step runs a quarter to a third fewer of each (cachegrind on the CPU).  On an H100
-(2f60fb2, the demo's three models, compiled and pure interleaved) the canary's own timed work fell by 0.4 to 0.5
-points of step time on each model; its host time per step was the same on the dense model and 12-23 % lower on
-the other two.  The Python source stays the spec: the test suite runs on both builds
-(``scripts/test_compiled.sh``).
+compiled, a steady translation step runs a quarter to a third fewer of each (cachegrind on the CPU).  On two H100
+machines (the GPU demo's three models, compiled and pure interleaved) the canary's own timed work fell by 0.4 to
+0.9 points of step time on every model, and its host time per step in four of the six comparisons.  The Python
+source stays the spec: the test suite runs on both builds (``scripts/test_compiled.sh``).
 
     KVCANARY_COMPILE=1 pip install --no-build-isolation .        # needs mypy (the test extra) and a C compiler
     KVCANARY_COMPILE=1 python setup.py build_ext --inplace -j 4  # a checkout: the extensions next to the sources

@@ -7,8 +7,12 @@
 # runs; three moved the share by tens of points between calls) and print the canary's share of step time (the
 # median of the pairs').
 #
+# The compiled build (setup.py's KVCANARY_COMPILE) runs when .whl/compiled-<the device Python's tag> holds the
+# extensions of COMMIT (made here by scripts/gpu/prebuild_compiled.sh): on two H100 machines its share's floor was
+# 0.4-0.9 points lower on every model.  Otherwise, or with COMPILED=0, the pure-Python build runs.
+#
 # Not run by CI.  The transformers 5.24.0 wheel travels in .whl (scripts/gpu/transformers_wheel.sh says how);
-#   device call: carry [".whl"], command: bash scripts/gpu/demo_gpu.sh
+#   device call: carry [".whl"], command: COMMIT=<sha> bash scripts/gpu/demo_gpu.sh
 # Writes $OUT/demo_<model>.txt (summaries), $OUT/demo_dense_async.json and $OUT/demo_hybrid_graphs.json;
 # exit 0 only if every run passed.
 set -uo pipefail
@@ -17,6 +21,12 @@ mkdir -p "$OUT"
 source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+prebuilt=.whl/compiled-$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+if [ "${COMPILED:-1}" = 1 ] && [ -n "${COMMIT:-}" ] && [ "$(cat "$prebuilt/COMMIT" 2>/dev/null)" = "$COMMIT" ]; then
+  COMMIT=$COMMIT bash scripts/gpu/build_compiled.sh || exit 3
+else
+  echo "[demo_gpu] the pure-Python build (no extensions of COMMIT=${COMMIT:-?} in $prebuilt, or COMPILED=0)" >&2
+fi
 python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.cuda.get_device_name(0),
                                             "transformers", transformers.__version__)' || exit 3
 
