@@ -21,12 +21,10 @@ mkdir -p "$OUT"
 source scripts/gpu/transformers_wheel.sh  # the transformers 5.24.0 wheel from .whl
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-prebuilt=.whl/compiled-$(python3 -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-if [ "${COMPILED:-1}" = 1 ] && [ -n "${COMMIT:-}" ] && [ "$(cat "$prebuilt/COMMIT" 2>/dev/null)" = "$COMMIT" ]; then
-  COMMIT=$COMMIT bash scripts/gpu/build_compiled.sh || exit 3
-else
-  echo "[demo_gpu] the pure-Python build (no extensions of COMMIT=${COMMIT:-?} in $prebuilt, or COMPILED=0)" >&2
-fi
+built=2  # build_compiled.sh's "nothing prebuilt for COMMIT"
+[ "${COMPILED:-1}" = 1 ] && { COMMIT=${COMMIT:-} PREBUILT_ONLY=1 bash scripts/gpu/build_compiled.sh; built=$?; }
+[ "$built" -eq 2 ] && echo "[demo_gpu] the pure-Python build (COMPILED=0, or no prebuilt extensions of COMMIT)" >&2
+[ "$built" -eq 0 ] || [ "$built" -eq 2 ] || exit 3
 python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.cuda.get_device_name(0),
                                             "transformers", transformers.__version__)' || exit 3
 
