@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+import compiled_build
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.layout import RecordRows, RecordStore
@@ -167,11 +168,13 @@ class CountedOps(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignor
         super().__init__()
         self.index_puts = 0
         self.ops = 0
+        self.names: list[str] = []  # each op's name, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if not func.is_view:
             self.index_puts += func in self.WRITES
             self.ops += 1
+            self.names.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
@@ -237,6 +240,7 @@ class _Row:
         return self._offloaded
 
 
+@compiled_build.patches("kvcanary.adapters.transformers_cb.bulk_moves")  # a stand-in binding
 def test_the_restore_wrapper_scans_the_batch_only_when_the_swap_pool_holds_a_request() -> None:
     from kvcanary.adapters.transformers_cb.bulk_moves import BulkMoveWrappers
     from kvcanary.adapters.transformers_cb.features import FeatureCounters

@@ -307,9 +307,11 @@ def test_install_refuses_a_missing_critical_patch_by_name_and_skips_a_missing_co
 
     declared = patches.PATCHES
     counter = patches.EnginePatch("cache", "PagedAttentionCache", "gone_counter", patches.Role.COUNTER, "a counter")
-    monkeypatch.setattr(patches, "PATCHES", (counter,))
+    saving = patches.EnginePatch("cache", "PagedAttentionCache", "gone_saving", patches.Role.SAVING, "joined moves")
+    monkeypatch.setattr(patches, "PATCHES", (counter, saving))
     adapter = install(_TinyCBModel())
-    assert adapter.installed and "gone_counter" in caplog.text
+    assert adapter.installed and "gone_counter is missing; the a counter counter" in caplog.text
+    assert "gone_saving is missing; no joined moves (the canary is as correct)" in caplog.text
     adapter.uninstall()
     critical = patches.EnginePatch("model_runner", "ModelRunner", "gone_tap", patches.Role.CRITICAL, "the tap")
     tap = next(p for p in declared if p.method == "compute_batch")

@@ -15,11 +15,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import compiled_build
 from kvcanary import Mode
 from kvcanary.runtime import CanaryManager, StepReport
 from kvcanary.runtime.buffers import Layout
 from kvcanary.runtime.pump import MAX_LAG, HostBuffer, LaggedPump
 from runtime_helpers import Workload, alias_first_slot, make_manager, run_step
+
+# These tests record the decoded steps by replacing the decoder's method on its instance (lagged_manager).
+RECORDS_DECODES = compiled_build.patches("kvcanary.runtime.decode")
 
 
 class Device:
@@ -90,6 +94,7 @@ def run(mgr: CanaryManager, device: Device, steps: int, fault_at: int | None = N
     return out
 
 
+@RECORDS_DECODES
 @pytest.mark.parametrize("delay", [0, 1])
 def test_a_copy_landed_by_the_next_host_step_is_decoded_then(delay: int) -> None:
     mgr, device, decoded = lagged_manager([delay] * 8)
@@ -100,6 +105,7 @@ def test_a_copy_landed_by_the_next_host_step_is_decoded_then(delay: int) -> None
     assert device.synchronizes == 0  # a copy seen landed by its query costs no second call to the device
 
 
+@RECORDS_DECODES
 def test_a_device_one_step_behind_is_reported_two_steps_late_without_a_wait() -> None:
     mgr, device, decoded = lagged_manager([2] * 10)
     reports = run(mgr, device, 8, fault_at=3)
@@ -112,6 +118,7 @@ def test_a_device_one_step_behind_is_reported_two_steps_late_without_a_wait() ->
     assert decoded == list(range(8))
 
 
+@RECORDS_DECODES
 def test_a_device_further_behind_is_waited_on_two_steps_back_only() -> None:
     mgr, device, decoded = lagged_manager([4] * 10)
     reports = run(mgr, device, 7, fault_at=2)
@@ -122,6 +129,7 @@ def test_a_device_further_behind_is_waited_on_two_steps_back_only() -> None:
     assert decoded == list(range(7))
 
 
+@RECORDS_DECODES
 def test_jittery_device_counts_and_findings_equal_the_cpu_run() -> None:
     rng = random.Random(14)
     steps = 26  # the workload table holds 4 + 27 tokens a row
@@ -145,6 +153,7 @@ def test_jittery_device_counts_and_findings_equal_the_cpu_run() -> None:
     assert late and all(1 <= d <= MAX_LAG for d in late)
 
 
+@RECORDS_DECODES
 def test_flush_decodes_both_pending_steps_and_merges_their_reports() -> None:
     mgr, device, decoded = lagged_manager([9] * 8)
     run(mgr, device, 4, fault_at=2)  # the fault persists: steps 2 and 3 both have violations
@@ -156,6 +165,7 @@ def test_flush_decodes_both_pending_steps_and_merges_their_reports() -> None:
     assert mgr.flush() is None
 
 
+@RECORDS_DECODES
 def test_a_clean_lagged_run_is_silent_and_healthy() -> None:
     mgr, device, _ = lagged_manager([2] * 30, Mode.RAISE)
     assert run(mgr, device, 25) == [None] * 25
@@ -176,6 +186,7 @@ def test_staging_refuses_to_run_more_than_two_steps_ahead_of_decoding() -> None:
     assert [b.step for b in pump.take_all()] == [1, 2] and pump.take_due(3) is None
 
 
+@RECORDS_DECODES
 def test_the_copy_fence_claims_only_copies_that_landed_or_were_waited_for() -> None:
     """Another copy queued on the pump's stream before host step s's (the staging's) has run once the fence's
     ``landed`` reaches s: so every step up to it must have landed by the device clock, or been waited for."""

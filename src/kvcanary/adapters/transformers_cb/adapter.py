@@ -210,6 +210,7 @@ class TransformersCBAdapter:
             ("ContinuousBatchingIOs", "prepare_batch_tensors"): self._tap.wrap_prepare,
             ("ModelRunner", "compute_batch"): self._tap.wrap_compute,
             ("CacheAllocator", "copy_blocks"): moves.copy_blocks,
+            ("PagedAttentionCache", "perform_cache_copy"): moves.cache_copy,
             ("OffloadingManager", "_offload_to_cpu"): moves.offload,
             ("OffloadingManager", "restore_scheduled_requests"): moves.restore,
             ("CacheAllocator", "mark_complete_blocks"): watch.mark_complete_blocks,
@@ -238,7 +239,10 @@ class TransformersCBAdapter:
                 f"kvcanary: this transformers ({self.engine_version}) lacks what the canary must patch: {critical}"
             )
         for p in broken:
-            logger.warning("kvcanary: %s is missing; the %s counter stays 0", p.symbol, p.purpose)
+            if p.role is patches.Role.SAVING:
+                logger.warning("kvcanary: %s is missing; no %s (the canary is as correct)", p.symbol, p.purpose)
+            else:
+                logger.warning("kvcanary: %s is missing; the %s counter stays 0", p.symbol, p.purpose)
         wrappers = self._wrappers()
         for p, owner in owners.items():
             if owner is not None:

@@ -6,6 +6,9 @@ blocks to the written ones; an offload from the gathered device blocks into the 
 landed in; a restore from the host blocks the copy read into the device blocks it wrote.  The
 engine's bookkeeping (block tables, its request -> host block map) is never consulted, so a move whose
 bytes go astray on either side leaves records that the next read of those blocks disagrees with.
+A move the engine makes with one write a group (a restore, a fork's copies inside its ``perform_cache_copy``) is
+mirrored as one where that orders the records as the writes did (:func:`.mirror.joined_restore`,
+:func:`.mirror.joined_copy`): each mirrored op is a launch of host time on CUDA.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class BulkMoveWrappers:
         self._features = features
         self.mirror_ns = 0  # host time spent mirroring the moves into the records (the engine's own move left out)
         self._views = byte_moves.BlockViews()  # the watched views' keys, rebuilt only when a cache tensor changes
+        self._forks: list[tuple[str, byte_moves.BlockWrite]] | None = None  # in the engine's fork copy: its writes
 
     def copy_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def copy_blocks(allocator: Any, source_block_ids: list[int], dest_block_ids: list[int]) -> Any:
@@ -42,16 +46,39 @@ class BulkMoveWrappers:
             name = str(allocator.layer_type)
             with byte_moves.BlockWriteObserver(self._views.keys({name: allocator})) as seen:
                 out = original(allocator, source_block_ids, dest_block_ids)
-            start = time.perf_counter_ns()
-            index = mirror.MoveIndex()  # the digest's notes use the mirror's index tensors
-            for write in seen.writes:
-                mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
-                _digest_moved(b, name, write, index)
-            self.mirror_ns += time.perf_counter_ns() - start
             self._features.fork_block_copies += len(source_block_ids)
+            forks = [(name, write) for write in seen.writes]
+            # Inside the engine's fork copy, mirrored with the other groups' copies at its end; with the KV digest at
+            # once, as its moved bytes are verified right behind the copy (their records never join: see Binding.rows).
+            if self._forks is not None and b.manager.digest_of(name) is None:
+                self._forks += forks
+                return out
+            start = time.perf_counter_ns()
+            _mirror_copies(b, forks)
+            self.mirror_ns += time.perf_counter_ns() - start
             return out
 
         return copy_blocks
+
+    def cache_copy(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The engine's fork copy (every group's block copies, one ``copy_blocks`` a group): the groups' writes are
+        mirrored together once it returns (:func:`_mirror_copies`), each still observed by its own group's wrapper."""
+
+        def perform_cache_copy(cache: Any, copy_src_and_dst: Any) -> Any:
+            b = self._binding()
+            if b is None or not b.is_for(cache) or self._forks is not None:
+                return original(cache, copy_src_and_dst)
+            self._forks = []
+            try:
+                return original(cache, copy_src_and_dst)
+            finally:  # the copies that landed are mirrored even if a later one raised
+                forks, self._forks = self._forks, None
+                if forks:
+                    start = time.perf_counter_ns()
+                    _mirror_copies(b, forks)
+                    self.mirror_ns += time.perf_counter_ns() - start
+
+        return perform_cache_copy
 
     def offload(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _offload_to_cpu(om: Any, victims: list[Any], victim_block_tables: dict[str, Any]) -> Any:
@@ -91,9 +118,10 @@ class BulkMoveWrappers:
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
+                joined = len(seen.writes) > 1 and _restore_joined(b, seen.writes, index)
                 for write in seen.writes:
                     from_host = write.source_host_blocks is not None
-                    joint = from_host and _restore_rows(b, write, index)
+                    joint = joined or (from_host and _restore_rows(b, write, index))
                     for name in write.groups:
                         if not joint:  # else every group's records were restored at once
                             if from_host:
@@ -110,6 +138,25 @@ class BulkMoveWrappers:
     def _observer(self, b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
         allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
         return byte_moves.BlockWriteObserver(self._views.keys(allocators), host_pool=om._cpu_tensor)
+
+
+def _mirror_copies(b: Binding, forks: list[tuple[str, byte_moves.BlockWrite]]) -> None:
+    """Block copies (group, observed write), in the order they ran.  Where several groups' records are rows of one
+    tensor pair and the writes join (:func:`mirror.joined_copy`), one gather and one write of the rows mirror them
+    all, landing in every group's records alike (a block is one group's at a time: the others' records of it are
+    never read before that group writes it); else each write goes into its own group's records."""
+    index = mirror.MoveIndex()  # the digest's notes use the mirror's index tensors
+    names = {name for name, _ in forks}
+    rows = b.rows(tuple(n for n in b.geometries if n in names)) if len(names) > 1 else None
+    writes = [write for _, write in forks]
+    if rows is not None and mirror.joined_copy(writes):
+        page = b.geometries[forks[0][0]].page_size
+        sources = [w.source_blocks for w in writes if w.source_blocks is not None]
+        rows.copy_blocks(index.blocks(sources, rows.device), index.blocks([w.dest for w in writes], rows.device), page)
+        return
+    for name, write in forks:
+        mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
+        _digest_moved(b, name, write, index)
 
 
 def _save_rows(b: Binding, om: Any, saves: list[byte_moves.HostSave], index: mirror.MoveIndex) -> bool:
@@ -132,6 +179,14 @@ def _restore_rows(b: Binding, write: byte_moves.BlockWrite, index: mirror.MoveIn
     rows = b.rows(write.groups)
     page = b.geometries[write.groups[0]].page_size
     return rows is not None and b.host.restore_rows(write.groups, page, rows, write, index)
+
+
+def _restore_joined(b: Binding, writes: list[byte_moves.BlockWrite], index: mirror.MoveIndex) -> bool:
+    """All of one restore's writes mirrored at once into all their groups (:meth:`mirror.HostRecords.restore_joined`),
+    where their records are rows of one tensor pair and so are their host records; False, nothing done, otherwise."""
+    rows = b.rows(writes[0].groups)
+    page = b.geometries[writes[0].groups[0]].page_size
+    return rows is not None and b.host.restore_joined(writes[0].groups, page, rows, writes, index)
 
 
 def _digest_moved(b: Binding, name: str, write: byte_moves.BlockWrite, index: mirror.MoveIndex, om: Any = None) -> None:

@@ -33,6 +33,9 @@ from torch.overrides import TorchFunctionMode
 _INDEX_COPY = frozenset({torch.Tensor.index_copy_})
 _INDEX_SELECT = frozenset({torch.Tensor.index_select, torch.index_select})
 _COPY = frozenset({torch.Tensor.copy_})
+# The calls an index tensor is built through from a host list, whose values are then known without reading the device.
+_FROM_LIST = frozenset({torch.tensor, torch.as_tensor})
+_KEEPS_VALUES = frozenset({torch.Tensor.to, torch.Tensor.__getitem__})
 
 
 _Key = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
@@ -56,6 +59,8 @@ class BlockWrite:
     dest: torch.Tensor
     source_blocks: torch.Tensor | None
     source_host_blocks: tuple[int, ...] | None = None  # a restore: host block of each source row (-1: unknown)
+    dest_values: tuple[int, ...] | None = None  # ``dest``'s values where it was built from a host list in the move
+    source_values: tuple[int, ...] | None = None  # the same for ``source_blocks``
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,7 @@ class HostSave:
     groups: tuple[str, ...]
     host_blocks: tuple[int, ...]
     source_blocks: torch.Tensor | None
+    source_values: tuple[int, ...] | None = None  # ``source_blocks``' values where built from a host list in the move
 
 
 def _arg(args: Any, kwargs: Mapping[str, Any], i: int, name: str) -> Any:
@@ -84,6 +90,8 @@ class BlockWriteObserver(TorchFunctionMode):
         self._gathers: dict[int, tuple[tuple[str, ...], torch.Tensor]] = {}  # index_select result -> its blocks
         self._host = None if host_pool is None else host_pool.untyped_storage().data_ptr()
         self._staged: dict[int, list[int]] = {}  # storage of a staging tensor -> host block of each row
+        # id of a 1-d tensor built from a host list in this move (or moved or sliced from one) -> (it, its values)
+        self._values: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
         self.writes: list[BlockWrite] = []
         self.host_saves: list[HostSave] = []
 
@@ -102,7 +110,28 @@ class BlockWriteObserver(TorchFunctionMode):
                 self._gathers[out.untyped_storage().data_ptr()] = (groups, _arg(args, kwargs, 2, "index"))
         elif func in _COPY and self._host is not None:
             self._row_copy(args[0], _arg(args, kwargs, 1, "src"))
+        elif func in _KEEPS_VALUES:
+            self._keep_values(func, args, out)
+        elif func in _FROM_LIST:
+            data = _arg(args, kwargs, 0, "data")
+            if type(data) is list and isinstance(out, torch.Tensor) and out.dim() == 1:
+                self._values[id(out)] = (out, tuple(data))
         return out
+
+    def _keep_values(self, func: Any, args: Any, out: Any) -> None:
+        """``out`` of a ``to`` or a slice of a tensor whose values are known holds the same (or the sliced) values."""
+        kept = self._values.get(id(args[0]))
+        if kept is None or kept[0] is not args[0] or not isinstance(out, torch.Tensor):
+            return
+        if func is torch.Tensor.to:
+            self._values[id(out)] = (out, kept[1])
+        elif isinstance(args[1], slice) and out.dim() == 1:
+            self._values[id(out)] = (out, kept[1][args[1]])
+
+    def values(self, t: torch.Tensor) -> tuple[int, ...] | None:
+        """The values of ``t`` where it was built from a host list in this move; None otherwise."""
+        kept = self._values.get(id(t))
+        return kept[1] if kept is not None and kept[0] is t else None
 
     def _block_write(self, groups: tuple[str, ...], dest: torch.Tensor, src: torch.Tensor) -> BlockWrite:
         ptr = src.untyped_storage().data_ptr()
@@ -111,10 +140,11 @@ class BlockWriteObserver(TorchFunctionMode):
             first = _row(src)
             rows = staged[first : first + int(src.shape[0])] if first is not None else []
             hosts = tuple(rows) if len(rows) == int(src.shape[0]) else (-1,) * int(src.shape[0])
-            return BlockWrite(groups, dest, None, hosts)
+            return BlockWrite(groups, dest, None, hosts, self.values(dest))
         gathered = self._gathers.get(ptr) if src.storage_offset() == 0 else None
         blocks = None if gathered is None or int(gathered[1].shape[0]) != int(src.shape[0]) else gathered[1]
-        return BlockWrite(groups, dest, blocks)
+        known = None if blocks is None else self.values(blocks)
+        return BlockWrite(groups, dest, blocks, None, self.values(dest), known)
 
     def _row_copy(self, dst: Any, src: Any) -> None:
         """A ``copy_`` of whole rows into the host pool (offload) or out of it into a staging tensor (restore)."""
@@ -129,7 +159,9 @@ class BlockWriteObserver(TorchFunctionMode):
             blocks = None if gathered is None else gathered[1][src_row : src_row + n]
             if gathered is not None and int(blocks.shape[0]) != n:  # type: ignore[union-attr]
                 blocks = None
-            self.host_saves.append(HostSave(groups, tuple(range(dst_row, dst_row + n)), blocks))
+            known = None if blocks is None or gathered is None else self.values(gathered[1])
+            values = None if known is None else known[src_row : src_row + n]
+            self.host_saves.append(HostSave(groups, tuple(range(dst_row, dst_row + n)), blocks, values))
         elif src.untyped_storage().data_ptr() == self._host:
             total = dst.untyped_storage().nbytes() // max(int(dst.stride(0)) * dst.element_size(), 1)
             rows = self._staged.setdefault(dst.untyped_storage().data_ptr(), [-1] * total)

@@ -44,6 +44,17 @@ class MoveIndex:
             kept = self._ids[key] = (ids, _blocks(ids[0] if len(ids) == 1 else torch.cat(list(ids)), device))
         return kept[1]
 
+    def joined(
+        self, first: Sequence[int], second: Sequence[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Two lists of block numbers as int64 indices on ``device``, built as one index (one copy on CUDA, where the
+        other end built from the engine's tensors would take a join of those too); None where either is a run (a
+        view, no index: see :meth:`hosts`)."""
+        if block_run(first) is not None or block_run(second) is not None:
+            return None
+        both = block_index([*first, *second], device)
+        return both[: len(first)], both[len(first) :]
+
     def hosts(self, blocks: Sequence[int], device: torch.device) -> Blocks:
         """Host block numbers as the int64 index on ``device`` (:func:`~kvcanary.layout.block_index`), or as a slice
         where they are a run (:func:`~kvcanary.layout.block_run`: no index built, no copy sent, no gather)."""
@@ -157,6 +168,23 @@ class HostRecords:
         _restore_write(page, rows, store, write, index)
         return True
 
+    def restore_joined(
+        self, names: tuple[str, ...], page: int, rows: RecordRows, writes: Sequence[BlockWrite], index: MoveIndex
+    ) -> bool:
+        """:meth:`restore_rows` for all of one restore's ``writes`` at once (:func:`joined_restore`); False, nothing
+        done, where they cannot be joined (then restore them one by one)."""
+        store = self._host_rows(names, 0, rows.device, create=False)
+        joined = None if store is None else joined_restore(writes, names, store.num_slots // page)
+        if store is None or joined is None:
+            return False
+        both = index.joined(*joined, rows.device)
+        if both is None:  # a run of host blocks (a view): the destinations joined from the engine's tensors
+            dst, src = index.blocks([w.dest for w in writes], rows.device), index.hosts(joined[1], rows.device)
+        else:
+            dst, src = both
+        rows.copy_blocks(src, dst, page, source=store)
+        return True
+
     def _host_rows(self, names: tuple[str, ...], slots: int, device: torch.device, create: bool) -> RecordRows | None:
         """The host records of ``names`` as rows of one tensor pair, of at least ``slots`` slots: the ones made for
         them, while each group's store is still its view of them, or (``create``, where none of the groups has a
@@ -175,6 +203,52 @@ class HostRecords:
     def clear(self) -> None:
         self._stores.clear()
         self._joint.clear()
+
+
+def joined_restore(
+    writes: Sequence[BlockWrite], groups: tuple[str, ...], host_blocks: int
+) -> tuple[list[int], list[int]] | None:
+    """One restore's writes as one write (its destination and source host blocks), or None where that would not
+    mirror them as they land one after another.
+
+    The engine restores each group's blocks with a write of its own, and on the hybrid model every write lands in
+    both groups: two writes mirrored one by one took two index builds, gathers and writes per record tensor.  Joined
+    they take one of each, which leaves the records as the writes one by one would where each write lands in
+    ``groups``, reads host blocks all known and within the ``host_blocks`` of the host records (one that does not
+    leaves its destination without a record, the others keep theirs), and the destination blocks, known from the
+    host lists the engine built them from, are distinct (a block written twice keeps the last write's bytes, which
+    one scatter would not order)."""
+    dests: list[int] = []
+    hosts: list[int] = []
+    for write in writes:
+        known = write.source_host_blocks
+        if write.groups != groups or write.dest_values is None or not known or min(known) < 0:
+            return None
+        if max(known) >= host_blocks:
+            return None
+        dests += write.dest_values
+        hosts += known
+    if len(writes) < 2 or len(set(dests)) != len(dests):
+        return None
+    return dests, hosts
+
+
+def joined_copy(writes: Sequence[BlockWrite]) -> bool:
+    """Whether block copies (a fork's, one write for each group) mirrored as one gather and one write leave the records
+    as the writes one after another would: each write's source and destination blocks known from the host lists the
+    engine built them from, the destinations distinct, and none of them a later write's source (one gather reads
+    every source before any block is written)."""
+    written: set[int] = set()
+    count = 0
+    for write in writes:
+        src, dst = write.source_values, write.dest_values
+        if src is None or dst is None or not written.isdisjoint(src):
+            return False
+        count += len(dst)
+        written.update(dst)
+        if len(written) != count:  # a block written twice
+            return False
+    return len(writes) > 1
 
 
 def _batches(saves: Sequence[HostSave]) -> Iterator[list[HostSave]]:
@@ -218,8 +292,15 @@ def _save_batch(page: int, store: _Records, records: _Records, batch: list[HostS
             sources.append(save.source_blocks)
     if cleared:
         store.clear_blocks(index.hosts(cleared, device), page)
-    if sources:
+    if not sources:
+        return
+    known = [save.source_values for save in batch if save.source_blocks is not None]
+    values = [b for v in known if v is not None for b in v]
+    both = index.joined(values, copied, device) if len(values) == len(copied) else None  # every source known
+    if both is None:
         store.copy_blocks(index.blocks(sources, device), index.hosts(copied, device), page, source=records)
+    else:
+        store.copy_blocks(both[0], both[1], page, source=records)
 
 
 def _blocks(ids: torch.Tensor, device: torch.device) -> torch.Tensor:

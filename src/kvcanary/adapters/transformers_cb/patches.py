@@ -2,9 +2,9 @@
 
 Each :class:`EnginePatch` names the engine symbol it replaces (module, class, method), what it is for,
 and whether the canary is correct without it: a *critical* patch feeds the records or the step tap (the
-canary would verify the wrong thing, or nothing), a *counter* patch only feeds :mod:`.features`.  After a
-transformers upgrade, :func:`missing` lists the patches whose symbol is gone; ``install`` refuses a
-missing critical patch by name and skips a missing counter patch with a warning.
+canary would verify the wrong thing, or nothing), a *counter* patch only feeds :mod:`.features`, a *saving* patch
+only makes the canary cheaper.  After a transformers upgrade, :func:`missing` lists the patches whose symbol is gone;
+``install`` refuses a missing critical patch by name and skips a missing counter or saving patch with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _CB = "transformers.generation.continuous_batching"
 class Role(enum.Enum):
     CRITICAL = "correctness-critical"
     COUNTER = "counter-only"
+    SAVING = "host-time saving"  # without it the canary is as correct, at a higher cost
 
 
 class When(enum.Enum):
@@ -54,12 +55,13 @@ class EnginePatch:
         return owner if isinstance(owner, type) and hasattr(owner, self.method) else None
 
 
-_C, _N = Role.CRITICAL, Role.COUNTER
+_C, _N, _S = Role.CRITICAL, Role.COUNTER, Role.SAVING
 
 PATCHES: tuple[EnginePatch, ...] = (
     EnginePatch("input_outputs", "ContinuousBatchingIOs", "prepare_batch_tensors", _C, "the host's view of the step"),
     EnginePatch("model_runner", "ModelRunner", "compute_batch", _C, "the step tap: verify what the forward reads"),
     EnginePatch("cache_allocators.cache_allocator", "CacheAllocator", "copy_blocks", _C, "records follow fork copies"),
+    EnginePatch("cache", "PagedAttentionCache", "perform_cache_copy", _S, "a fork's copies mirrored together"),
     EnginePatch("offloading_manager", "OffloadingManager", "_offload_to_cpu", _C, "records follow CPU offloads"),
     EnginePatch("offloading_manager", "OffloadingManager", "restore_scheduled_requests", _C, "records follow restores"),
     EnginePatch("cache_allocators.cache_allocator", "CacheAllocator", "mark_complete_blocks", _N, "dedup_swaps"),
