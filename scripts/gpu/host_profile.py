@@ -36,7 +36,7 @@ from kvcanary.adapters.transformers_cb.step_tap import StepTap
 # What each target profiles: (class, method, whether the method is a factory whose returned wrapper is profiled).
 TARGETS: dict[str, tuple[tuple[type, str, bool], ...]] = {
     "tap": ((StepTap, "_tap", False),),
-    "mirror": tuple((BulkMoveWrappers, name, True) for name in ("copy_blocks", "offload", "restore")),
+    "mirror": tuple((BulkMoveWrappers, name, True) for name in ("copy_blocks", "cache_copy", "offload", "restore")),
     "setup": ((Bindings, "bind", False),),
 }
 
