@@ -28,6 +28,8 @@
 #             step (its Python leaving the caches cold, or its CUDA calls)?
 #   launches  scripts/gpu/graph_launches.py on LAUNCH_MODELS (default dense hybrid): the demo's step graphs, their
 #             nodes by type and the host time of one launch (GPU idle, and behind a stand-in engine step)
+#   tapthread scripts/gpu/tap_thread_probe.py on TAPTHREAD_MODELS (default hybrid dense): the step tap inline, on a
+#             worker thread, and on a worker pinned to another CPU (ROUNDS rounds, default 5; pure build only)
 #   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
@@ -110,6 +112,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
                   >"$OUT/timeline_$model.txt" 2>&1
               done ;;
     interference) timeout "${T_INTERFERENCE:-120}" python3 scripts/gpu/launch_interference.py >"$OUT/interference.txt" 2>&1 ;;
+    tapthread) for model in ${TAPTHREAD_MODELS:-hybrid dense}; do
+                 timeout "${T_TAPTHREAD:-150}" python3 scripts/gpu/tap_thread_probe.py --model "$model" \
+                   --rounds "${ROUNDS:-5}" >"$OUT/tapthread_$model.txt" 2>&1
+               done ;;
     tapsteps) for model in ${TAPSTEP_MODELS:-dense}; do
                 timeout "${T_TAPSTEPS:-90}" python3 scripts/gpu/tap_steps.py --model "$model" >"$OUT/tapsteps_$model.txt" 2>&1
               done ;;

@@ -41,13 +41,20 @@ TARGETS: dict[str, tuple[tuple[type, str, bool], ...]] = {
 }
 
 
-def _profiled(prof: cProfile.Profile, fn: Any) -> Any:
+def _profiled(prof: cProfile.Profile, fn: Any, depth: list[int]) -> Any:
+    """``fn`` with ``prof`` enabled inside it; ``depth`` is shared by every wrapper on ``prof``, so that a profiled
+    call inside another (the fork copy's wrapper around each group's copy) leaves the profiler to the outer one."""
+
     def run(*a: Any, **k: Any) -> Any:
-        prof.enable()
+        depth[0] += 1
+        if depth[0] == 1:
+            prof.enable()
         try:
             return fn(*a, **k)
         finally:
-            prof.disable()
+            depth[0] -= 1
+            if depth[0] == 0:
+                prof.disable()
 
     return run
 
@@ -57,11 +64,12 @@ def profiled(target: str) -> Iterator[cProfile.Profile]:
     """A profiler enabled only inside ``target``'s methods (see :data:`TARGETS`; on the engine's thread)."""
     prof = cProfile.Profile()
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in TARGETS[target]]
+    depth = [0]
     for (owner, name, factory), (_, _, original) in zip(TARGETS[target], saved, strict=True):
         if factory:
-            setattr(owner, name, lambda self, engine_fn, f=original: _profiled(prof, f(self, engine_fn)))
+            setattr(owner, name, lambda self, engine_fn, f=original: _profiled(prof, f(self, engine_fn), depth))
         else:
-            setattr(owner, name, _profiled(prof, original))
+            setattr(owner, name, _profiled(prof, original, depth))
     try:
         yield prof
     finally:
