@@ -68,6 +68,8 @@ class DemoOptions:
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
+    tap_thread: bool = False  # the step tap on a thread of its own (the adapter's tap_thread)
+    tap_cpu: int | None = None  # that thread pinned to this CPU (the adapter's tap_cpu)
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.selftest import FAULTS
@@ -238,7 +240,10 @@ def run_workload(
             )
 
     digest = None if options.digest_budget is None else DigestConfig(options.digest_budget)
-    canary = install(model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step)
+    canary = install(
+        model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step,
+        tap_thread=options.tap_thread, tap_cpu=options.tap_cpu,
+    )  # fmt: skip
     injector: FaultHooks | None = None
     try:
         if fault is not None:
