@@ -10,6 +10,8 @@
 #   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
+#   tapdemo   the same demo with the step tap on a thread of its own pinned to CPU TAP_CPU (default 4), into
+#             demo_tap.txt (TAP_MODELS, default the demo's)
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
 #             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
@@ -28,8 +30,6 @@
 #             step (its Python leaving the caches cold, or its CUDA calls)?
 #   launches  scripts/gpu/graph_launches.py on LAUNCH_MODELS (default dense hybrid): the demo's step graphs, their
 #             nodes by type and the host time of one launch (GPU idle, and behind a stand-in engine step)
-#   tapthread scripts/gpu/tap_thread_probe.py on TAPTHREAD_MODELS (default hybrid dense): the step tap inline, on a
-#             worker thread, and on a worker pinned to another CPU (ROUNDS rounds, default 5; pure build only)
 #   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
@@ -73,6 +73,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
             timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
+    tapdemo) for model in ${TAP_MODELS:-${DEMO_MODELS:-dense hybrid sliding}}; do
+               timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
+                 --rounds "${ROUNDS:-5}" --quiet --tap-cpu "${TAP_CPU:-4}" >>"$OUT/demo_tap.txt" 2>&1
+             done ;;
     olddemo) for model in ${OLD_DEMO_MODELS:-dense hybrid}; do
                PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
                  --model "$model" --device cuda --baseline --rounds "${OLD_ROUNDS:-3}" --quiet >>"$OUT/demo_old.txt" 2>&1
@@ -112,10 +116,6 @@ for s in ${STAGES:-e2e cb demo profile}; do
                   >"$OUT/timeline_$model.txt" 2>&1
               done ;;
     interference) timeout "${T_INTERFERENCE:-120}" python3 scripts/gpu/launch_interference.py >"$OUT/interference.txt" 2>&1 ;;
-    tapthread) for model in ${TAPTHREAD_MODELS:-hybrid dense}; do
-                 timeout "${T_TAPTHREAD:-150}" python3 scripts/gpu/tap_thread_probe.py --model "$model" \
-                   --rounds "${ROUNDS:-5}" >"$OUT/tapthread_$model.txt" 2>&1
-               done ;;
     tapsteps) for model in ${TAPSTEP_MODELS:-dense}; do
                 timeout "${T_TAPSTEPS:-90}" python3 scripts/gpu/tap_steps.py --model "$model" >"$OUT/tapsteps_$model.txt" 2>&1
               done ;;

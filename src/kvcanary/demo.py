@@ -33,6 +33,7 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.adapters.transformers_cb.step_clock import StepClock
+from kvcanary.adapters.transformers_cb.tap_thread import check_cpu
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.demo_timing import ROUNDS, ShareTiming, time_share
 from kvcanary.ops import Backend
@@ -89,6 +90,7 @@ class DemoOptions:
             raise ValueError(f"rounds (pairs of timed runs) needs baseline and must be >= 1, got {self.rounds}")
         if self.digest_budget is not None:
             DigestConfig(self.digest_budget)  # a budget outside (0, 1] is refused here, before any run
+        check_cpu(self.tap_cpu)  # as is a CPU the tap thread cannot be pinned to
 
 
 @dataclasses.dataclass

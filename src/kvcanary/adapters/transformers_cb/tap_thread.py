@@ -31,11 +31,7 @@ class TapThread:
     first call; :meth:`close` ends it."""
 
     def __init__(self, cpu: int | None = None) -> None:
-        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0):
-            raise ValueError(f"the tap thread's cpu must be a CPU number (an int >= 0) or None, got {cpu!r}")
-        if cpu is not None and hasattr(os, "sched_getaffinity") and cpu not in os.sched_getaffinity(0):
-            raise ValueError(f"CPU {cpu} is not one this process may run on ({sorted(os.sched_getaffinity(0))})")
-        self.cpu = cpu
+        self.cpu = check_cpu(cpu)
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -82,6 +78,19 @@ class TapThread:
                 self._done.put(None)
             except BaseException as exc:  # handed to the waiting engine thread, raised there
                 self._done.put(exc)
+
+
+def check_cpu(cpu: object) -> int | None:
+    """``cpu`` as the CPU to pin the tap thread to (None: not pinned); a ValueError naming the problem for one this
+    process may not run on."""
+    if cpu is None:
+        return None
+    if isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 0:
+        raise ValueError(f"the tap thread's cpu must be a CPU number (an int >= 0) or None, got {cpu!r}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if not hasattr(os, "sched_setaffinity") or (allowed is not None and cpu not in allowed):
+        raise ValueError(f"CPU {cpu} is not one this process may run on ({sorted(allowed or ())})")
+    return cpu
 
 
 def _on_stream(stream: tuple[int, int, int] | None) -> None:
