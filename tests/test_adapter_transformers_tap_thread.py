@@ -86,7 +86,7 @@ def test_a_tap_thread_hands_back_exceptions_and_the_callers_modes_and_ends_on_cl
     with pytest.raises(KeyError, match="from the tap"):
         worker.run(fail)
     worker.run(record)  # the worker outlives an exception
-    thread = worker._thread
+    thread = worker._worker
     worker.close()
     assert thread is not None and not thread.is_alive()
 

@@ -34,15 +34,15 @@ class TapThread:
         self.cpu = check_cpu(cpu)
         self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._worker: threading.Thread | None = None
         self._cuda = torch.cuda.is_available()
 
     def run(self, call: Callable[..., None], *args: Any) -> None:
         """``call(*args)`` on the worker, with this thread's device, stream and autograd modes; returns when it
         did, raising what it raised."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="kvcanary-tap", daemon=True)
-            self._thread.start()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._serve, name="kvcanary-tap", daemon=True)
+            self._worker.start()
         c = torch._C
         stream = None
         if self._cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -54,10 +54,10 @@ class TapThread:
 
     def close(self) -> None:
         """End the worker (it finishes the call it runs, if any)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
             self._calls.put(_STOP)
-            thread.join(timeout=5)
+            worker.join(timeout=5)
 
     def _serve(self) -> None:
         if self.cpu is not None:
