@@ -25,15 +25,14 @@ from setuptools import setup
 ADAPTER = "src/kvcanary/adapters/transformers_cb"
 RUNTIME = "src/kvcanary/runtime"
 
-# The per-step path: the step tap, the thread it may run on, and what it calls on a steady step (translation, truth,
-# staging, the manager's forward and host steps, the outbox pump and the decoder of its copies), and the mirror of the
-# engine's block moves with the wrappers that run it.  Left out: byte_moves (a torch function mode) and layout (its
-# group kind's default is a None cast to the enum, which compiled code refuses).
+# The per-step path: the step tap and what it calls on a steady step (translation, truth, staging, the manager's
+# forward and host steps, the outbox pump and the decoder of its copies), and the mirror of the engine's block moves
+# with the wrappers that run it.  Left out: byte_moves (a torch function mode) and layout (its group kind's default
+# is a None cast to the enum, which compiled code refuses).
 COMPILED = [
     *(f"{ADAPTER}/{name}.py" for name in (
         "batch_shapes", "host_batch", "staging", "steady_region", "steady_step", "step_buffers", "step_plan",
-        "step_tap", "tap_thread", "tap_timer", "translate", "translate_kernel", "translation", "truth_store",
-        "torch_path",
+        "step_tap", "tap_timer", "translate", "translate_kernel", "translation", "truth_store", "torch_path",
     )),
     *(f"{RUNTIME}/{name}.py" for name in ("capture", "decode", "manager", "pump", "step_graphs", "streams")),
     f"{ADAPTER}/binding.py", f"{ADAPTER}/bulk_moves.py", f"{ADAPTER}/mirror.py",

@@ -44,7 +44,6 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
         (["--async-batching"], EXIT_USAGE, "--async-batching needs --device cuda"),
         (["--cuda-graphs"], EXIT_USAGE, "--cuda-graphs needs --device cuda"),
         (["--device", "tpu"], EXIT_USAGE, "--device must be cpu or cuda"),
-        (["--tap-cpu", "100000"], EXIT_USAGE, "CPU 100000 is not one this process may run on"),
     ],
 )
 def test_impossible_demo_options_are_refused_at_once(

@@ -80,10 +80,9 @@ class FakeEngine:
         return kwargs, host
 
 
-def demo_run(kind: str, *, fault: str | None = None, requests: int = 64, **extra: Any) -> RunResult:
-    """The demo's workload on a ``kind`` model (``extra``: more :class:`DemoOptions` fields)."""
+def demo_run(kind: str, *, fault: str | None = None, requests: int = 64) -> RunResult:
     follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
-    options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10, **extra)
+    options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10)
     prompts = build_prompts(requests + follow_up)
     with quiet_engine_logs():
         return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)

@@ -10,8 +10,6 @@
 #   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
-#   tapdemo   the same demo with the step tap on a thread of its own pinned to CPU TAP_CPU (default 4), into
-#             demo_tap.txt (TAP_MODELS, default the demo's)
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
 #             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
@@ -73,10 +71,6 @@ for s in ${STAGES:-e2e cb demo profile}; do
             timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
-    tapdemo) for model in ${TAP_MODELS:-${DEMO_MODELS:-dense hybrid sliding}}; do
-               timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
-                 --rounds "${ROUNDS:-5}" --quiet --tap-cpu "${TAP_CPU:-4}" >>"$OUT/demo_tap.txt" 2>&1
-             done ;;
     olddemo) for model in ${OLD_DEMO_MODELS:-dense hybrid}; do
                PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
                  --model "$model" --device cuda --baseline --rounds "${OLD_ROUNDS:-3}" --quiet >>"$OUT/demo_old.txt" 2>&1

@@ -33,7 +33,6 @@ from kvcanary.adapters.transformers_cb.selftest.workload import (
     quiet_engine_logs,
 )
 from kvcanary.adapters.transformers_cb.step_clock import StepClock
-from kvcanary.adapters.transformers_cb.tap_thread import check_cpu
 from kvcanary.config import CanaryConfig, DigestConfig, Mode
 from kvcanary.demo_timing import ROUNDS, ShareTiming, time_share
 from kvcanary.ops import Backend
@@ -69,8 +68,6 @@ class DemoOptions:
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
-    tap_thread: bool = False  # the step tap on a thread of its own (the adapter's tap_thread)
-    tap_cpu: int | None = None  # that thread pinned to this CPU (the adapter's tap_cpu)
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.selftest import FAULTS
@@ -90,7 +87,6 @@ class DemoOptions:
             raise ValueError(f"rounds (pairs of timed runs) needs baseline and must be >= 1, got {self.rounds}")
         if self.digest_budget is not None:
             DigestConfig(self.digest_budget)  # a budget outside (0, 1] is refused here, before any run
-        check_cpu(self.tap_cpu)  # as is a CPU the tap thread cannot be pinned to
 
 
 @dataclasses.dataclass
@@ -242,10 +238,7 @@ def run_workload(
             )
 
     digest = None if options.digest_budget is None else DigestConfig(options.digest_budget)
-    canary = install(
-        model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step,
-        tap_thread=options.tap_thread, tap_cpu=options.tap_cpu,
-    )  # fmt: skip
+    canary = install(model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step)
     injector: FaultHooks | None = None
     try:
         if fault is not None:

@@ -48,8 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--digest", type=float, default=None, metavar="BUDGET",
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
     )  # fmt: skip
-    p.add_argument("--tap-thread", action="store_true", help="run the canary's step tap on a thread of its own")
-    p.add_argument("--tap-cpu", type=int, default=None, metavar="CPU", help="that thread pinned to this CPU")
     add_output_options(p)
 
 
@@ -71,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
             async_batching=args.async_batching,
             cuda_graphs=args.cuda_graphs,
             digest_budget=args.digest,
-            tap_thread=args.tap_thread,
-            tap_cpu=args.tap_cpu,
         )
 
     return run_engine_command(args, "demo", "transformers 5.24.0", options, run_demo, summary)

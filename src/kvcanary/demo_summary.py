@@ -29,12 +29,6 @@ def _features_line(kind: str, f: dict[str, int]) -> str:
     return "; ".join(parts)
 
 
-def _tap_thread(thread: bool, cpu: int | None) -> str:
-    if not thread and cpu is None:
-        return ""
-    return ", the step tap on a thread of its own" + ("" if cpu is None else f" pinned to CPU {cpu}")
-
-
 def summary(result: DemoResult) -> str:
     o, c, x = result.options, result.clean, result.faulted
     lines = [
@@ -42,8 +36,7 @@ def summary(result: DemoResult) -> str:
         f"device {o.device}, canary backend {o.backend.value}"
         + (f", {build_name()}" if compiled_step_path() else "")
         + (", asynchronous batching" if o.async_batching else "")
-        + (", CUDA graphs" if o.cuda_graphs else "")
-        + _tap_thread(o.tap_thread, o.tap_cpu),
+        + (", CUDA graphs" if o.cuda_graphs else ""),
         f"workload: {o.requests} prompts (mixed lengths, shared prefixes), then {o.follow_up} more on the same "
         "engine, x 2 sampled sequences, "
         f"{o.new_tokens} new tokens, page {PAGE_SIZE}, {DEMO_NUM_BLOCKS[o.model]} blocks, CPU offload on",

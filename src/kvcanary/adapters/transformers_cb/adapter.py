@@ -36,7 +36,6 @@ from kvcanary.adapters.transformers_cb.features import FeatureCounters, FeatureW
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import ModeActions
 from kvcanary.adapters.transformers_cb.step_tap import StepCallback, StepTap
-from kvcanary.adapters.transformers_cb.tap_thread import TapThread
 from kvcanary.adapters.transformers_cb.version import check_version
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.ops import Backend
@@ -64,12 +63,7 @@ class TransformersCBAdapter:
         unpinned_cpu_offload: bool = True,
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
-        tap_thread: bool = False,
-        tap_cpu: int | None = None,
     ) -> None:
-        """``tap_thread``: run each step's tap on a thread of the canary's own while the engine's thread waits, pinned
-        to CPU ``tap_cpu`` where given (which implies it): the tap's Python then leaves the engine's core and its
-        caches alone (see :mod:`.tap_thread`)."""
         model = _model_of(model)
         config = CanaryConfig() if config is None else config
         if not isinstance(config, CanaryConfig):
@@ -78,7 +72,6 @@ class TransformersCBAdapter:
             raise TypeError(f"backend must be a kvcanary.Backend, got {backend!r}")
         if max_context is not None and (not isinstance(max_context, int) or max_context <= 0):
             raise ValueError(f"max_context must be a positive int or None, got {max_context!r}")
-        thread = TapThread(tap_cpu) if tap_thread or tap_cpu is not None else None
         self._reports = ReportKeeper(max_kept_reports)
         if config.mode is Mode.FAIL_REQUEST and on_fail_request is None:
             raise ValueError("mode fail-request needs an on_fail_request callback")
@@ -94,7 +87,7 @@ class TransformersCBAdapter:
         self._features = FeatureCounters()
         self._bindings = Bindings(self._new_binding, self._reports.collect)
         self._tap = StepTap(
-            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step, thread
+            model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step
         )
         self._moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
 
@@ -116,8 +109,6 @@ class TransformersCBAdapter:
         try:
             self._bindings.retire()
         finally:
-            if self._tap.thread is not None:
-                self._tap.thread.close()
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None

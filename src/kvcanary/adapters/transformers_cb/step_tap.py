@@ -25,7 +25,6 @@ from kvcanary.adapters.transformers_cb.binding import Binding, Bindings
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import ModeActions
-from kvcanary.adapters.transformers_cb.tap_thread import TapThread
 from kvcanary.adapters.transformers_cb.tap_timer import TapTimer
 from kvcanary.adapters.transformers_cb.translation import Translation
 from kvcanary.config import Mode
@@ -49,9 +48,7 @@ class StepTap:
         features: FeatureCounters,
         collect: Callable[[StepReport | None], None],
         on_step: StepCallback | None,
-        thread: TapThread | None = None,
     ) -> None:
-        """``thread``: run each step's tap there while the engine's thread waits (see :mod:`.tap_thread`)."""
         self._model = model
         self._mode = mode
         self._modes = modes
@@ -69,7 +66,6 @@ class StepTap:
         # Asked before every forward: torch's wrappers read the environment and look the device up each call.
         self._capturing = stream_capturing_probe() if torch.cuda.is_available() else None
         self._warned_long_rows = False
-        self.thread = thread
 
     def wrap_prepare(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def prepare_batch_tensors(io: Any, requests_in_batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -89,10 +85,7 @@ class StepTap:
             out = original(runner, model, batch_data)
             if model is self._model:
                 try:
-                    if self.thread is None:
-                        self._tap(runner, batch_data)
-                    else:
-                        self.thread.run(self._tap, runner, batch_data)
+                    self._tap(runner, batch_data)
                 except Exception as exc:  # raise mode: the engine's thread swallows it, generate_batch re-raises
                     self._modes.note_raised(exc)
                     raise
