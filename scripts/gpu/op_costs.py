@@ -15,13 +15,24 @@ import torch
 from kvcanary.layout import block_index
 
 
-def timed(fn: Callable[[], object], n: int = 2000) -> float:
+def samples(fn: Callable[[], object], n: int, busy: str = "idle") -> list[int]:
+    """Host nanoseconds of ``n`` calls of ``fn``.  ``busy``: "idle" (nothing queued), "behind" (right after a sleep
+    kernel was queued, the device caught up after each call) or "ahead" (a sleep queued before each call and never
+    waited for: the host runs further ahead of the GPU with each call, the earlier calls' memory still in flight)."""
     out = []
     for _ in range(n):
+        if busy != "idle":
+            torch.cuda._sleep(200_000)  # about 0.1 ms of GPU time ahead of the call
         t0 = time.perf_counter_ns()
         fn()
         out.append(time.perf_counter_ns() - t0)
-    return round(statistics.median(out) / 1000, 2)
+        if busy == "behind":
+            torch.cuda.synchronize()
+    return out
+
+
+def timed(fn: Callable[[], object], n: int = 2000) -> float:
+    return round(statistics.median(samples(fn, n)) / 1000, 2)
 
 
 def main() -> None:
@@ -51,19 +62,9 @@ def main() -> None:
 
 
 def behind(fn: Callable[[], object], busy: str, n: int = 400) -> str:
-    """Median and largest host time of ``fn`` (us): ``busy`` "idle" (the GPU idle), "behind" (right after a sleep
-    kernel was queued, the device caught up after each call) or "ahead" (a sleep queued before each call and never
-    waited for: the host runs further ahead of the GPU with each call, the earlier calls' memory still in flight)."""
-    out = []
-    for _ in range(n):
-        if busy != "idle":
-            torch.cuda._sleep(200_000)  # about 0.1 ms of GPU time ahead of the call
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append(time.perf_counter_ns() - t0)
-        if busy == "behind":
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+    """Median and largest host time of ``fn`` (us), with the GPU as ``busy`` says (see :func:`samples`)."""
+    out = samples(fn, n, busy)
+    torch.cuda.synchronize()  # the next mode starts with nothing of these queued
     return f"{statistics.median(out) / 1000:8.2f} {max(out) / 1000:8.1f}"
 
 
