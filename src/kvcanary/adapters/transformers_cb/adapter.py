@@ -213,7 +213,7 @@ class TransformersCBAdapter:
             ("PagedAttentionCache", "perform_cache_copy"): moves.cache_copy,
             ("OffloadingManager", "_offload_to_cpu"): moves.offload,
             ("OffloadingManager", "restore_scheduled_requests"): moves.restore,
-            ("CacheAllocator", "mark_complete_blocks"): watch.mark_complete_blocks,
+            ("BlockLedger", "register_new_hash"): watch.register_new_hash,
             ("BlockLedger", "acquire"): watch.acquire,
             ("PagedAttentionCache", "search_prefix_match"): watch.search_prefix_match,
             ("PagedAttentionCache", "prepare_fork_request"): watch.prepare_fork_request,

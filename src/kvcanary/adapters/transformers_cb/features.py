@@ -41,17 +41,17 @@ class FeatureWatch:
         self._binding = binding
         self._features = features
 
-    def mark_complete_blocks(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def mark_complete_blocks(allocator: Any, request_id: str, token_ids: list[int], new_new_blocks: int) -> Any:
-            before = list(allocator.block_table.get(request_id, ()))
-            out = original(allocator, request_id, token_ids, new_new_blocks)
-            b = self._binding()
-            if b is not None and b.owns_allocator(allocator):
-                after = allocator.block_table.get(request_id, ())
-                self._features.dedup_swaps += sum(1 for x, y in zip(before, after, strict=False) if x != y)
-            return out
+    def register_new_hash(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        # A completed block whose hash another block has already: the engine adopts that block in place of it (its
+        # mark_complete_blocks, the only caller).  Counted here, once per new hash, rather than by comparing a
+        # request's block table before and after each mark_complete_blocks (a copy of the table every call).
+        def register_new_hash(ledger: Any, block_id: int, block_hash: int) -> Any:
+            identical = original(ledger, block_id, block_hash)
+            if identical is not None and (b := self._binding()) is not None and b.owns_ledger(ledger):
+                self._features.dedup_swaps += 1
+            return identical
 
-        return mark_complete_blocks
+        return register_new_hash
 
     def acquire(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def acquire(ledger: Any, block_id: int) -> Any:

@@ -64,7 +64,7 @@ PATCHES: tuple[EnginePatch, ...] = (
     EnginePatch("cache", "PagedAttentionCache", "perform_cache_copy", _S, "a fork's copies mirrored together"),
     EnginePatch("offloading_manager", "OffloadingManager", "_offload_to_cpu", _C, "records follow CPU offloads"),
     EnginePatch("offloading_manager", "OffloadingManager", "restore_scheduled_requests", _C, "records follow restores"),
-    EnginePatch("cache_allocators.cache_allocator", "CacheAllocator", "mark_complete_blocks", _N, "dedup_swaps"),
+    EnginePatch("cache_allocators.cache_allocator", "BlockLedger", "register_new_hash", _N, "dedup_swaps"),
     EnginePatch("cache_allocators.cache_allocator", "BlockLedger", "acquire", _N, "cached_block_reuse"),
     EnginePatch("cache", "PagedAttentionCache", "search_prefix_match", _N, "prefix_hits, prefix_tokens"),
     EnginePatch("cache", "PagedAttentionCache", "prepare_fork_request", _N, "forks"),
