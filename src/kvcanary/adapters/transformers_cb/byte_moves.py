@@ -74,9 +74,9 @@ class HostSave:
     source_values: tuple[int, ...] | None = None  # ``source_blocks``' values where built from a host list in the move
 
 
-def _arg(args: Any, kwargs: Mapping[str, Any], i: int, name: str) -> Any:
-    """Argument ``i`` of a call, given by position or by ``name`` (None when absent)."""
-    return args[i] if len(args) > i else kwargs.get(name)
+def _arg(args: Any, kwargs: Mapping[str, Any] | None, i: int, name: str) -> Any:
+    """Argument ``i`` of a call, given by position or by ``name`` (None when absent; ``kwargs`` may be None)."""
+    return args[i] if len(args) > i else kwargs.get(name) if kwargs else None
 
 
 class BlockWriteObserver(TorchFunctionMode):
@@ -99,19 +99,22 @@ class BlockWriteObserver(TorchFunctionMode):
         return self._views.get(_key(t), ()) if isinstance(t, torch.Tensor) else ()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func in _INDEX_COPY:
+        # Every tensor call of the engine's move passes here: the commonest (slices, then copies) are tested first, and
+        # no keyword dict is made for a call that has none.
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if func in _KEEPS_VALUES:
+            if self._values:
+                self._keep_values(func, args, out)
+        elif func in _COPY:
+            if self._host is not None:
+                self._row_copy(args[0], _arg(args, kwargs, 1, "src"))
+        elif func in _INDEX_COPY:
             if _arg(args, kwargs, 1, "dim") == 0 and (groups := self._groups(args[0])):
-                source = _arg(args, kwargs, 3, "source") if "tensor" not in kwargs else kwargs["tensor"]
+                source = kwargs["tensor"] if kwargs and "tensor" in kwargs else _arg(args, kwargs, 3, "source")
                 self.writes.append(self._block_write(groups, _arg(args, kwargs, 2, "index"), source))
         elif func in _INDEX_SELECT:
             if _arg(args, kwargs, 1, "dim") == 0 and (groups := self._groups(args[0])):
                 self._gathers[out.untyped_storage().data_ptr()] = (groups, _arg(args, kwargs, 2, "index"))
-        elif func in _COPY and self._host is not None:
-            self._row_copy(args[0], _arg(args, kwargs, 1, "src"))
-        elif func in _KEEPS_VALUES:
-            self._keep_values(func, args, out)
         elif func in _FROM_LIST:
             data = _arg(args, kwargs, 0, "data")
             if type(data) is list and isinstance(out, torch.Tensor) and out.dim() == 1:
@@ -150,22 +153,37 @@ class BlockWriteObserver(TorchFunctionMode):
         """A ``copy_`` of whole rows into the host pool (offload) or out of it into a staging tensor (restore)."""
         if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)) or dst.dim() != 2:
             return
+        to_host = dst.untyped_storage().data_ptr() == self._host
+        if not to_host and src.untyped_storage().data_ptr() != self._host:
+            return  # neither end is the swap pool
         dst_row, src_row, n = _row(dst), _row(src), int(dst.shape[0])
         if dst_row is None or src_row is None:
             return
-        if dst.untyped_storage().data_ptr() == self._host:
-            gathered = self._gathers.get(src.untyped_storage().data_ptr())
-            groups = () if gathered is None else gathered[0]
-            blocks = None if gathered is None else gathered[1][src_row : src_row + n]
-            if gathered is not None and int(blocks.shape[0]) != n:  # type: ignore[union-attr]
-                blocks = None
-            known = None if blocks is None or gathered is None else self.values(gathered[1])
-            values = None if known is None else known[src_row : src_row + n]
-            self.host_saves.append(HostSave(groups, tuple(range(dst_row, dst_row + n)), blocks, values))
-        elif src.untyped_storage().data_ptr() == self._host:
+        if to_host:
+            self._host_save(src, src_row, dst_row, n)
+            return
+        ptr = dst.untyped_storage().data_ptr()
+        rows = self._staged.get(ptr)
+        if rows is None:
             total = dst.untyped_storage().nbytes() // max(int(dst.stride(0)) * dst.element_size(), 1)
-            rows = self._staged.setdefault(dst.untyped_storage().data_ptr(), [-1] * total)
-            rows[dst_row : dst_row + n] = range(src_row, src_row + n)
+            rows = self._staged[ptr] = [-1] * total
+        rows[dst_row : dst_row + n] = range(src_row, src_row + n)
+
+    def _host_save(self, src: torch.Tensor, src_row: int, dst_row: int, n: int) -> None:
+        """``n`` host rows from ``dst_row`` receive rows of ``src`` from ``src_row``: blocks of a watched gather, where
+        ``src`` is one that covers them."""
+        hosts = tuple(range(dst_row, dst_row + n))
+        gathered = self._gathers.get(src.untyped_storage().data_ptr())
+        if gathered is None:
+            self.host_saves.append(HostSave((), hosts, None, None))
+            return
+        groups, index = gathered
+        if src_row + n > int(index.shape[0]):  # rows past the gather's: their blocks are not known
+            self.host_saves.append(HostSave(groups, hosts, None, None))
+            return
+        known = self.values(index)
+        values = None if known is None else known[src_row : src_row + n]
+        self.host_saves.append(HostSave(groups, hosts, index[src_row : src_row + n], values))
 
 
 def _row(t: torch.Tensor) -> int | None:
