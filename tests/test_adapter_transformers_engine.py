@@ -232,6 +232,8 @@ def test_the_step_clock_times_every_step_and_only_steps(clean: tuple[str, RunRes
 
     kind, run = clean
     assert run.step_seconds is not None and 0 < run.step_seconds < run.seconds
+    # The loop thread's CPU time in the same steps: there, and no more than the two threads could have run in them.
+    assert run.step_cpu_seconds is not None and 0 < run.step_cpu_seconds < 2 * run.step_seconds
     if kind != "dense":
         return
     body = continuous_api.ContinuousBatchingManager._generation_loop_body
@@ -242,5 +244,5 @@ def test_the_step_clock_times_every_step_and_only_steps(clean: tuple[str, RunRes
         canary.flush()
         steps = canary.stats()["steps"]
     assert clock.available and clock.steps == steps > 0
-    assert 0 < clock.seconds < 60
+    assert 0 < clock.seconds < 60 and 0 < clock.cpu_seconds < 2 * clock.seconds
     assert continuous_api.ContinuousBatchingManager._generation_loop_body is body  # restored

@@ -43,7 +43,11 @@ def test_pairs_alternate_and_the_share_is_the_median_of_the_pairs() -> None:
     # With the runs' wall seconds kept too (the steps' compared), their share is given beside: pairs 5, 20 and 0 %.
     walled = dataclasses.replace(timing, walls=((19.0, 20.0, 21.0), (20.0, 25.0, 20.0)))
     assert walled.share == timing.share and walled.wall_share == pytest.approx(0.05)
-    assert walled.line().endswith("; of the runs' wall time: 5.0%")
+    assert walled.line().endswith("; of the runs' wall time: 5.0%") and walled.cpu_shares is None
+    # With the loop thread's CPU time kept: pairs 4, 0 (it ran less with the canary) and 50 %, the median given.
+    cpued = dataclasses.replace(walled, cpus=((4.8, 5.0, 1.0), (5.0, 4.0, 2.0)))
+    assert cpued.cpu_shares == pytest.approx([0.04, 0.0, 0.5]) and cpued.share == timing.share
+    assert cpued.line().endswith("; of the loop thread's CPU time in the steps: 4.0% (pairs: 4.0%, 0.0%, 50.0%)")
 
 
 def test_rounds_must_be_positive() -> None:

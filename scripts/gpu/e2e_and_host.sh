@@ -19,7 +19,8 @@
 #   phases    scripts/gpu/phase_probe.py on PHASE_MODELS (default dense hybrid sliding): where in the engine's loop
 #             the time the canary adds lands (PAIRS alternating pairs, default 5)
 #   steptimes scripts/gpu/step_times.py on STEPTIME_MODELS (default dense hybrid): every step's seconds of PAIRS
-#             alternating pairs (default 6), free and pinned to PIN CPUs (default 0: not): how the share's pairs spread
+#             alternating pairs (default 6), free and pinned to PIN CPUs (default 0: not): how the share's pairs spread;
+#             with SPIN_US, against a stand-in spinning that long a step where the tap runs (the canary off)
 #   firststeps scripts/gpu/first_steps.py on FIRST_MODELS (default dense hybrid): the first steps of a run profiled
 #   oldphases the same against the tree above OLD_SRC (an A/B of a change to the engine-side hooks in one call)
 #   timeline  scripts/gpu/device_timeline.py on TIMELINE_MODELS (default dense): the demo traced with the canary off
@@ -88,7 +89,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
            done ;;
     steptimes) for model in ${STEPTIME_MODELS:-dense hybrid}; do
                  timeout "${T_STEPTIMES:-200}" python3 scripts/gpu/step_times.py --model "$model" --pairs "${PAIRS:-6}" \
-                   --pin "${PIN:-0}" --out "$OUT" >"$OUT/steptimes_$model.txt" 2>&1
+                   --pin "${PIN:-0}" ${SPIN_US:+--spin-us $SPIN_US} --out "$OUT" >"$OUT/steptimes_$model${SPIN_US:+_spin$SPIN_US}.txt" 2>&1
                done ;;
     firststeps) for model in ${FIRST_MODELS:-dense hybrid}; do
                   timeout "${T_FIRST:-90}" python3 scripts/gpu/first_steps.py --model "$model" >"$OUT/first_$model.txt" 2>&1

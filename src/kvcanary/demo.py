@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
@@ -100,6 +101,7 @@ class RunResult:
     injected: Injection | None = None
     step_seconds: float | None = None  # the engine's steps only (:class:`StepClock`); None where not timed
     step_durations: tuple[float, ...] = ()  # each of the engine's steps' seconds, in order (() where not timed)
+    step_cpu_seconds: float | None = None  # the loop thread's CPU time in those steps (None where not timed)
 
     @property
     def timed_seconds(self) -> float:
@@ -192,12 +194,14 @@ def compared_seconds(seconds: float, step_seconds: float | None) -> float:
 @dataclasses.dataclass(frozen=True)
 class TimedRun:
     """What :func:`timed_waves` measured: the sequences, the run's seconds, the engine's steps' seconds (None where
-    the step clock is not available) and each step's seconds in order (() where not available)."""
+    the step clock is not available), each step's seconds in order (() where not available) and the loop thread's CPU
+    time in the steps (None where not available)."""
 
     outputs: int
     seconds: float
     step_seconds: float | None
     step_durations: tuple[float, ...]
+    step_cpu_seconds: float | None = None
 
 
 def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> TimedRun:
@@ -212,7 +216,7 @@ def timed_waves(model: Any, prompts: list[list[int]], options: DemoOptions) -> T
         seconds = time.perf_counter() - start
     if not clock.available:
         return TimedRun(n, seconds, None, ())
-    return TimedRun(n, seconds, clock.seconds, tuple(clock.durations or ()))
+    return TimedRun(n, seconds, clock.seconds, tuple(clock.durations or ()), clock.cpu_seconds)
 
 
 def run_workload(
@@ -256,6 +260,7 @@ def run_workload(
             injected=None if injector is None else injector.injection,
             step_seconds=timed.step_seconds,
             step_durations=timed.step_durations,
+            step_cpu_seconds=timed.step_cpu_seconds,
         )
     finally:
         if injector is not None:
@@ -270,6 +275,18 @@ def time_baseline(model: torch.nn.Module, prompts: list[list[int]], options: Dem
 
     with install(model, CanaryConfig(mode=Mode.OFF)):
         return timed_waves(model, prompts, options)
+
+
+def cpu_seconds(
+    baselines: Sequence[TimedRun], runs: Sequence[RunResult]
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The loop thread's CPU seconds in the steps of each run, without and with the canary (None where any run's
+    steps were not timed)."""
+    without = tuple(b.step_cpu_seconds for b in baselines if b.step_cpu_seconds is not None)
+    with_canary = tuple(r.step_cpu_seconds for r in runs if r.step_cpu_seconds is not None)
+    if len(without) != len(baselines) or len(with_canary) != len(runs):
+        return None
+    return without, with_canary
 
 
 def workload(options: DemoOptions) -> tuple[Any, list[list[int]]]:
@@ -310,6 +327,7 @@ def run_demo(options: DemoOptions, progress: TextIO | None = sys.stderr) -> Demo
             timing,
             walls=(tuple(b.seconds for b in baselines), tuple(r.seconds for r in runs)),
             steps=(tuple(b.step_durations for b in baselines), tuple(r.step_durations for r in runs)),
+            cpus=cpu_seconds(baselines, runs),
         )
         faulted = run_workload(model, prompts, options, label="faulted", fault=options.fault, progress=progress)
     return DemoResult(options, engine, runs[0], faulted, timing, sum(violations[1:]), tuple(r.stats for r in runs))

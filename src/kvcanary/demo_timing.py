@@ -87,6 +87,9 @@ class ShareTiming:
     walls: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     # Each run's steps' seconds, in order, without and with the canary (see :func:`step_by_step_line`).
     steps: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
+    # The engine's loop thread's CPU seconds in the same steps, without and with the canary: the time the thread ran,
+    # which what else the machine runs moves less than the steps' wall time (None where not kept).
+    cpus: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @property
     def shares(self) -> list[float]:
@@ -102,14 +105,24 @@ class ShareTiming:
         """The median share of the pairs' wall times (None where they were not kept)."""
         return None if self.walls is None else statistics.median(_shares(*self.walls))
 
+    @property
+    def cpu_shares(self) -> list[float] | None:
+        """Per pair: the CPU time the canary added to the engine's loop thread in its steps, as a share of the run with
+        it (None where the CPU time was not kept)."""
+        return None if self.cpus is None else _shares(*self.cpus)
+
     def line(self) -> str:
         pairs = ", ".join(f"{s:.1%}" for s in self.shares)
-        return (
+        text = (
             f"the engine's steps without the canary: {statistics.median(self.without):.2f} s, with it: "
             f"{statistics.median(self.with_canary):.2f} s (medians of {len(self.without)} alternating runs each); "
             f"the canary's share of step time: {self.share:.1%} (median of the pairs: {pairs})"
             + ("" if (wall := self.wall_share) is None else f"; of the runs' wall time: {wall:.1%}")
         )
+        if (cpu := self.cpu_shares) is not None:
+            each = ", ".join(f"{s:.1%}" for s in cpu)
+            text += f"; of the loop thread's CPU time in the steps: {statistics.median(cpu):.1%} (pairs: {each})"
+        return text
 
 
 def _shares(without: Sequence[float], with_canary: Sequence[float]) -> list[float]:

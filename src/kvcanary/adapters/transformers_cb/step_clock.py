@@ -8,6 +8,11 @@ generation-loop bodies that ran a step (the manager's batch counter moved): sche
 the inputs' preparation, the forward with the canary's tap, the batch update, so every per-step cost of the canary
 (its set-up in the first step, mirroring the engine's block moves) is inside, and the loop's waits for requests
 are not.
+
+It also sums the CPU time the loop thread spent in those bodies (``cpu_seconds``): a run's wall time moves with
+whatever else the machine runs (a GPU demo run's steps took one of a few speeds, 0 to 25 % apart, from one run to
+the next), while the CPU time the thread itself ran is what the canary adds to (its host work runs on that thread,
+and the host's waits for the device spin there too).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class StepClock:
 
     def __init__(self, keep: bool = False) -> None:
         self.seconds = 0.0
+        self.cpu_seconds = 0.0  # the loop thread's CPU time in the same bodies
         self.steps = 0
         self.durations: list[float] | None = [] if keep else None
         self.available = False
@@ -47,10 +53,12 @@ class StepClock:
     def _timed(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def body(manager: Any, *args: Any, **kwargs: Any) -> Any:
             before = getattr(manager, "current_batch", None)
+            cpu = time.thread_time()
             start = time.perf_counter()
             out = original(manager, *args, **kwargs)
             if getattr(manager, "current_batch", None) != before:  # a step ran (not a wait for requests)
                 took = time.perf_counter() - start
+                self.cpu_seconds += time.thread_time() - cpu
                 self.seconds += took
                 self.steps += 1
                 if self.durations is not None:
