@@ -5,6 +5,7 @@ mislabel is left to the one-by-one path."""
 from __future__ import annotations
 
 import dataclasses
+import time
 import types
 
 import pytest
@@ -82,6 +83,23 @@ def test_the_observer_knows_the_values_of_index_tensors_built_from_host_lists() 
     assert seen.values(part) == (1, 4, 1)
     assert seen.values(computed) is None and seen.values(copied) is None  # made by device work: not known
     assert seen.values(torch.tensor([3, 1, 4, 1, 5])) is None  # built outside the move
+
+
+def test_the_observer_times_its_own_work_not_the_calls_it_watches() -> None:
+    """Its own time is what the canary adds to a move (counted with the mirror's): it grows with the calls it keeps
+    and leaves out the engine's calls themselves, however long they run."""
+    pool = torch.zeros(4, dtype=torch.uint8)
+    slow = torch.ones(4096, 4096)
+    with byte_moves.BlockWriteObserver({}, host_pool=pool) as idle:
+        pass
+    assert idle.own_ns == 0
+    with byte_moves.BlockWriteObserver({}, host_pool=pool) as seen:
+        start = time.perf_counter_ns()
+        for _ in range(3):
+            slow.mul_(1.0)  # a call it sees but keeps nothing of
+        engine_ns = time.perf_counter_ns() - start
+        torch.tensor([3, 1, 4])  # one it keeps the values of
+    assert 0 < seen.own_ns < engine_ns / 10
 
 
 def test_a_restore_write_carries_its_destination_blocks_from_the_engine_list() -> None:

@@ -34,7 +34,9 @@ class BulkMoveWrappers:
     def __init__(self, binding: Callable[[], Binding | None], features: FeatureCounters) -> None:
         self._binding = binding
         self._features = features
-        self.mirror_ns = 0  # host time spent mirroring the moves into the records (the engine's own move left out)
+        # Host time spent watching the engine's moves (the observer's set-up and its own work in each call; torch's
+        # dispatch into it is not timed) and mirroring them into the records; the engine's own move left out.
+        self.mirror_ns = 0
         self._views = byte_moves.BlockViews()  # the watched views' keys, rebuilt only when a cache tensor changes
         self._forks: list[tuple[str, byte_moves.BlockWrite]] | None = None  # in the engine's fork copy: its writes
 
@@ -44,8 +46,12 @@ class BulkMoveWrappers:
             if b is None or not b.owns_allocator(allocator):
                 return original(allocator, source_block_ids, dest_block_ids)
             name = str(allocator.layer_type)
-            with byte_moves.BlockWriteObserver(self._views.keys({name: allocator})) as seen:
+            start = time.perf_counter_ns()
+            observer = byte_moves.BlockWriteObserver(self._views.keys({name: allocator}))
+            self.mirror_ns += time.perf_counter_ns() - start
+            with observer as seen:
                 out = original(allocator, source_block_ids, dest_block_ids)
+            self.mirror_ns += seen.own_ns
             self._features.fork_block_copies += len(source_block_ids)
             forks = [(name, write) for write in seen.writes]
             # Inside the engine's fork copy, mirrored with the other groups' copies at its end; with the KV digest at
@@ -87,6 +93,7 @@ class BulkMoveWrappers:
                 return original(om, victims, victim_block_tables)
             with self._observer(b, om) as seen:
                 done = original(om, victims, victim_block_tables)
+            self.mirror_ns += seen.own_ns
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
             with streams.StreamSwitch(om._compute_stream):
@@ -115,6 +122,7 @@ class BulkMoveWrappers:
                 return original(om, requests_in_batch)
             with self._observer(b, om) as seen:
                 out = original(om, requests_in_batch)
+            self.mirror_ns += seen.own_ns
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
@@ -136,8 +144,12 @@ class BulkMoveWrappers:
         return restore_scheduled_requests
 
     def _observer(self, b: Binding, om: Any) -> byte_moves.BlockWriteObserver:
+        """The observer of an offload or restore, its set-up counted in :attr:`mirror_ns`."""
+        start = time.perf_counter_ns()
         allocators = {n: a for n, a in om.cache.cache_allocators.items() if n in b.geometries}
-        return byte_moves.BlockWriteObserver(self._views.keys(allocators), host_pool=om._cpu_tensor)
+        observer = byte_moves.BlockWriteObserver(self._views.keys(allocators), host_pool=om._cpu_tensor)
+        self.mirror_ns += time.perf_counter_ns() - start
+        return observer
 
 
 def _mirror_copies(b: Binding, forks: list[tuple[str, byte_moves.BlockWrite]]) -> None:

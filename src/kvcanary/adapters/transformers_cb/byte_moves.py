@@ -23,6 +23,7 @@ taken from the copies' own storage offsets -- host-side integers, no device sync
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,14 +95,23 @@ class BlockWriteObserver(TorchFunctionMode):
         self._values: dict[int, tuple[torch.Tensor, tuple[int, ...]]] = {}
         self.writes: list[BlockWrite] = []
         self.host_saves: list[HostSave] = []
+        # Host time of the observer's own work in its calls (torch's dispatch into it and the engine's calls left out):
+        # the canary's, counted with the mirror's.
+        self.own_ns = 0
 
     def _groups(self, t: Any) -> tuple[str, ...]:
         return self._views.get(_key(t), ()) if isinstance(t, torch.Tensor) else ()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # Every tensor call of the engine's move passes here: the commonest (slices, then copies) are tested first, and
-        # no keyword dict is made for a call that has none.
+        # Every tensor call of the engine's move passes here: no keyword dict is made for a call that has none.
         out = func(*args, **kwargs) if kwargs else func(*args)
+        start = time.perf_counter_ns()
+        self._note(func, args, kwargs, out)
+        self.own_ns += time.perf_counter_ns() - start
+        return out
+
+    def _note(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Keep what ``func(*args, **kwargs) -> out`` tells: the commonest calls (slices, then copies) tested first."""
         if func in _KEEPS_VALUES:
             if self._values:
                 self._keep_values(func, args, out)
@@ -119,7 +129,6 @@ class BlockWriteObserver(TorchFunctionMode):
             data = _arg(args, kwargs, 0, "data")
             if type(data) is list and isinstance(out, torch.Tensor) and out.dim() == 1:
                 self._values[id(out)] = (out, tuple(data))
-        return out
 
     def _keep_values(self, func: Any, args: Any, out: Any) -> None:
         """``out`` of a ``to`` or a slice of a tensor whose values are known holds the same (or the sliced) values."""
