@@ -43,12 +43,13 @@ _Key = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
 
 
 def _key(t: torch.Tensor) -> _Key:
-    # The number of rows is left out: views of one cache may cover its trailing bytes or not.
-    return (t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape[1:]), tuple(t.stride()), int(t.storage_offset()))
+    # The number of rows is left out: views of one cache may cover its trailing bytes or not.  The shape's tail is a
+    # torch.Size (a tuple: it hashes and compares as one) and the strides a tuple already: no copies.
+    return (t.untyped_storage().data_ptr(), t.dtype, t.shape[1:], t.stride(), int(t.storage_offset()))
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockWrite:
+@dataclasses.dataclass(slots=True)  # not frozen (treated as immutable): a frozen initialiser is twice as slow, and
+class BlockWrite:  # one is built in the engine's move, timed as the canary's
     """One ``index_copy_`` into a watched view: rows of ``source`` land in blocks ``dest``.
 
     ``groups`` are the watched views it matches (groups laid over the same bytes with the same block
@@ -64,15 +65,25 @@ class BlockWrite:
     source_values: tuple[int, ...] | None = None  # the same for ``source_blocks``
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)  # not frozen (treated as immutable), as BlockWrite
 class HostSave:
-    """One copy into the host swap pool: host blocks ``host_blocks`` (of ``groups``' host view) receive the
-    device blocks ``source_blocks`` (None: the bytes came from no watched gather)."""
+    """One copy into the host swap pool: host blocks ``host_blocks`` (of ``groups``' host view) receive the device
+    blocks :attr:`source_blocks`: rows ``at ..`` of the gather's index ``gather`` (None: the bytes came from no watched
+    gather), sliced only when asked (where every source's values are known the mirror never asks, and a slice is a
+    tensor op in the engine's move)."""
 
     groups: tuple[str, ...]
     host_blocks: tuple[int, ...]
-    source_blocks: torch.Tensor | None
-    source_values: tuple[int, ...] | None = None  # ``source_blocks``' values where built from a host list in the move
+    gather: torch.Tensor | None
+    source_values: tuple[int, ...] | None = None  # the source blocks' values where built from a host list in the move
+    at: int = 0
+
+    @property
+    def source_blocks(self) -> torch.Tensor | None:
+        gather, at, n = self.gather, self.at, len(self.host_blocks)
+        if gather is None or (at == 0 and gather.shape[0] == n):
+            return gather
+        return gather[at : at + n]
 
 
 def _arg(args: Any, kwargs: Mapping[str, Any] | None, i: int, name: str) -> Any:
@@ -146,15 +157,15 @@ class BlockWriteObserver(TorchFunctionMode):
         return kept[1] if kept is not None and kept[0] is t else None
 
     def _block_write(self, groups: tuple[str, ...], dest: torch.Tensor, src: torch.Tensor) -> BlockWrite:
-        ptr = src.untyped_storage().data_ptr()
+        ptr, n = src.untyped_storage().data_ptr(), src.shape[0]
         staged = self._staged.pop(ptr, None)
         if staged is not None:
             first = _row(src)
-            rows = staged[first : first + int(src.shape[0])] if first is not None else []
-            hosts = tuple(rows) if len(rows) == int(src.shape[0]) else (-1,) * int(src.shape[0])
+            rows = staged[first : first + n] if first is not None else []
+            hosts = tuple(rows) if len(rows) == n else (-1,) * n
             return BlockWrite(groups, dest, None, hosts, self.values(dest))
         gathered = self._gathers.get(ptr) if src.storage_offset() == 0 else None
-        blocks = None if gathered is None or int(gathered[1].shape[0]) != int(src.shape[0]) else gathered[1]
+        blocks = None if gathered is None or gathered[1].shape[0] != n else gathered[1]
         known = None if blocks is None else self.values(blocks)
         return BlockWrite(groups, dest, blocks, None, self.values(dest), known)
 
@@ -162,19 +173,19 @@ class BlockWriteObserver(TorchFunctionMode):
         """A ``copy_`` of whole rows into the host pool (offload) or out of it into a staging tensor (restore)."""
         if not (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor)) or dst.dim() != 2:
             return
-        to_host = dst.untyped_storage().data_ptr() == self._host
+        ptr = dst.untyped_storage().data_ptr()
+        to_host = ptr == self._host
         if not to_host and src.untyped_storage().data_ptr() != self._host:
             return  # neither end is the swap pool
-        dst_row, src_row, n = _row(dst), _row(src), int(dst.shape[0])
+        dst_row, src_row, n = _row(dst), _row(src), dst.shape[0]
         if dst_row is None or src_row is None:
             return
         if to_host:
             self._host_save(src, src_row, dst_row, n)
             return
-        ptr = dst.untyped_storage().data_ptr()
         rows = self._staged.get(ptr)
         if rows is None:
-            total = dst.untyped_storage().nbytes() // max(int(dst.stride(0)) * dst.element_size(), 1)
+            total = dst.untyped_storage().nbytes() // max(dst.stride()[0] * dst.element_size(), 1)
             rows = self._staged[ptr] = [-1] * total
         rows[dst_row : dst_row + n] = range(src_row, src_row + n)
 
@@ -187,20 +198,20 @@ class BlockWriteObserver(TorchFunctionMode):
             self.host_saves.append(HostSave((), hosts, None, None))
             return
         groups, index = gathered
-        if src_row + n > int(index.shape[0]):  # rows past the gather's: their blocks are not known
+        if src_row + n > index.shape[0]:  # rows past the gather's: their blocks are not known
             self.host_saves.append(HostSave(groups, hosts, None, None))
             return
         known = self.values(index)
         values = None if known is None else known[src_row : src_row + n]
-        self.host_saves.append(HostSave(groups, hosts, index[src_row : src_row + n], values))
+        self.host_saves.append(HostSave(groups, hosts, index, values, src_row))
 
 
 def _row(t: torch.Tensor) -> int | None:
     """The first row of a row-contiguous 2-d view into its storage, or None when it starts mid-row."""
-    stride = int(t.stride(0))
-    if stride <= 0 or t.storage_offset() % stride:
+    stride, offset = t.stride()[0], t.storage_offset()
+    if stride <= 0 or offset % stride:
         return None
-    return int(t.storage_offset()) // stride
+    return offset // stride
 
 
 def watch(views: Mapping[str, torch.Tensor]) -> dict[_Key, tuple[str, ...]]:
