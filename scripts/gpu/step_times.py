@@ -30,17 +30,20 @@ import os
 import pathlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import probe_args
 import torch
 
 from kvcanary import demo
+from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.transformers_cb import install
 from kvcanary.adapters.transformers_cb.step_clock import StepClock
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.demo_timing import ShareTiming, step_by_step_line, time_share
+
+_RUNNER = "transformers.generation.continuous_batching.model_runner"
 
 
 class CollectorClock:
@@ -67,10 +70,9 @@ class CollectorClock:
 @contextlib.contextmanager
 def spinning(us: int) -> Iterator[None]:
     """``ModelRunner.compute_batch`` followed by ``us`` microseconds of spinning (none for 0)."""
-    cls = importlib.import_module("transformers.generation.continuous_batching.model_runner").ModelRunner
-    original = cls.__dict__["compute_batch"]
-    if us:
+    patches = PatchSet(exclusive=False)  # under the canary's own wrapper, as its tap would run
 
+    def spin_after(original: Callable[..., Any]) -> Callable[..., Any]:
         def compute_batch(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             end = time.perf_counter_ns() + us * 1000
@@ -78,11 +80,14 @@ def spinning(us: int) -> Iterator[None]:
                 pass
             return out
 
-        cls.compute_batch = compute_batch
+        return compute_batch
+
+    if us:
+        patches.wrap(importlib.import_module(_RUNNER).ModelRunner, "compute_batch", spin_after)
     try:
         yield
     finally:
-        cls.compute_batch = original
+        patches.restore()
 
 
 def one_run(
