@@ -88,7 +88,7 @@ class ShareTiming:
     # Each run's steps' seconds, in order, without and with the canary (see :func:`step_by_step_line`).
     steps: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
     # The engine's loop thread's CPU seconds in the same steps, without and with the canary: the time the thread ran,
-    # which what else the machine runs moves less than the steps' wall time (None where not kept).
+    # its waits and descheduling left out (None where not kept).
     cpus: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @property

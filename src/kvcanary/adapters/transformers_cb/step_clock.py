@@ -9,10 +9,11 @@ the inputs' preparation, the forward with the canary's tap, the batch update, so
 (its set-up in the first step, mirroring the engine's block moves) is inside, and the loop's waits for requests
 are not.
 
-It also sums the CPU time the loop thread spent in those bodies (``cpu_seconds``): a run's wall time moves with
-whatever else the machine runs (a GPU demo run's steps took one of a few speeds, 0 to 25 % apart, from one run to
-the next), while the CPU time the thread itself ran is what the canary adds to (its host work runs on that thread,
-and the host's waits for the device spin there too).
+It also sums the CPU time the loop thread spent in those bodies (``cpu_seconds``): the time the thread itself ran,
+which the canary's host work adds to (it runs on that thread, and the host's waits for the device spin there too),
+and which leaves out any time the thread waited or was descheduled.  On the H100 hosts measured it equalled the wall
+time to 0.1 %: there the runs' spread (one of a few speeds from run to run) is the thread running slower, not
+waiting.
 """
 
 from __future__ import annotations
