@@ -7,9 +7,6 @@ then sentinel copies) drives the translator and the reference canary over a few 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import types
 from typing import Any
 
 import pytest
@@ -17,14 +14,11 @@ import torch
 
 import compiled_build
 from kvcanary import Capacities, GroupCanary, Reason, ViolationLog
-from kvcanary.adapters import ADAPTERS, UnsupportedEngineVersion, load_adapter
-from kvcanary.adapters.patching import AlreadyPatched, PatchSet
-from kvcanary.adapters.transformers_cb import byte_moves, cpu_offload, mirror, patches
+from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.adapters.transformers_cb.translation import Translation
-from kvcanary.adapters.transformers_cb.version import SUPPORTED_VERSIONS, check_version
 from kvcanary.layout import GroupKind, RecordStore
 from kvcanary.schema import NOT_STORED, Counter, Field, Phase
 from transformers_helpers import BPS, PAGE, STRIDE, FakeEngine, geometry
@@ -236,7 +230,7 @@ def test_decode_fast_path_is_translated_from_the_block_table() -> None:
     assert log.total() > 0 and set(log.rows()[:, Field.BATCH_ROW].tolist()) == {1}
 
 
-# ---------------------------------------------------------------------------- mirrors, patches, version, registry
+# ---------------------------------------------------------------------------- mirrors, the tap, trash writes
 
 
 def test_block_copies_move_records_with_the_blocks() -> None:
@@ -245,120 +239,6 @@ def test_block_copies_move_records_with_the_blocks() -> None:
     rec.links[g.block_slots(torch.tensor([4]))] = torch.tensor([11, 13, 15, 17])
     mirror.apply_block_write(g, rec, byte_moves.BlockWrite((g.name,), torch.tensor([7]), torch.tensor([4])))
     assert rec.links[g.block_slots(torch.tensor([7]))].tolist() == [11, 13, 15, 17]
-
-
-def test_patch_set_restores_originals_and_refuses_a_second_kvcanary_patch() -> None:
-    class Engine:
-        def step(self) -> str:
-            return "engine"
-
-    class Child(Engine):
-        pass
-
-    original = Engine.__dict__["step"]
-    p = PatchSet()
-    p.wrap(Child, "step", lambda orig: lambda self: "child " + orig(self))  # inherited: restored by deletion
-    p.wrap(Engine, "step", lambda orig: lambda self: "wrapped " + orig(self))
-    assert Child().step() == "child engine" and Engine().step() == "wrapped engine"
-    with pytest.raises(AlreadyPatched):
-        PatchSet().wrap(Engine, "step", lambda orig: orig)
-    p.restore()
-    p.restore()
-    assert Engine.__dict__["step"] is original and "step" not in Child.__dict__
-
-
-def test_patch_set_on_an_object_wraps_what_lookup_finds_and_restores_it() -> None:
-    class Engine:
-        def step(self) -> str:
-            return "engine"
-
-    exclusive = PatchSet()
-    exclusive.wrap(Engine, "step", lambda orig: lambda self: "adapter " + orig(self))
-    engine = Engine()
-    faults = PatchSet(exclusive=False)  # inside an installed adapter: wraps the adapter's wrapper
-    faults.wrap(engine, "step", lambda orig: lambda: "fault " + orig())
-    assert engine.step() == "fault adapter engine" and "step" in vars(engine)
-    faults.restore()
-    assert "step" not in vars(engine) and engine.step() == "adapter engine"
-    exclusive.restore()
-    assert engine.step() == "engine"
-
-
-def test_every_declared_patch_names_a_symbol_of_the_supported_transformers() -> None:
-    pytest.importorskip("transformers")
-    assert check_version() in SUPPORTED_VERSIONS
-    assert patches.PATCHES and patches.missing() == []
-    assert {p.role for p in patches.PATCHES} == set(patches.Role)
-    keys = [(p.owner, p.method) for p in patches.PATCHES]
-    assert len(keys) == len(set(keys))  # one entry a method: the adapter finds each wrapper by (class, method)
-    gone = patches.EnginePatch("model_runner", "ModelRunner", "no_such_method", patches.Role.CRITICAL, "test")
-    assert patches.missing((gone,)) == [gone]
-
-
-class _TinyCBModel(torch.nn.Module):
-    def generate_batch(self) -> None: ...
-
-
-def test_install_refuses_a_missing_critical_patch_by_name_and_skips_a_missing_counter(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    pytest.importorskip("transformers")
-    from kvcanary.adapters.transformers_cb import install
-
-    declared = patches.PATCHES
-    counter = patches.EnginePatch("cache", "PagedAttentionCache", "gone_counter", patches.Role.COUNTER, "a counter")
-    saving = patches.EnginePatch("cache", "PagedAttentionCache", "gone_saving", patches.Role.SAVING, "joined moves")
-    monkeypatch.setattr(patches, "PATCHES", (counter, saving))
-    adapter = install(_TinyCBModel())
-    assert adapter.installed and "gone_counter is missing; the a counter counter" in caplog.text
-    assert "gone_saving is missing; no joined moves (the canary is as correct)" in caplog.text
-    adapter.uninstall()
-    critical = patches.EnginePatch("model_runner", "ModelRunner", "gone_tap", patches.Role.CRITICAL, "the tap")
-    tap = next(p for p in declared if p.method == "compute_batch")
-    monkeypatch.setattr(patches, "PATCHES", (tap, critical))
-    with pytest.raises(RuntimeError, match=r"ModelRunner\.gone_tap"):
-        install(_TinyCBModel())
-    from transformers.generation.continuous_batching import model_runner
-
-    assert not hasattr(model_runner.ModelRunner.compute_batch, "__kvcanary_original__")  # refused before patching
-
-
-def test_version_check_names_the_supported_versions() -> None:
-    assert check_version(SUPPORTED_VERSIONS[0]) == SUPPORTED_VERSIONS[0]
-    with pytest.raises(UnsupportedEngineVersion, match=r"supports transformers 5\.24\.0, but 5\.23\.0"):
-        check_version("5.23.0")
-    assert check_version("5.23.0", allow_untested=True) == "5.23.0"
-
-
-def test_registry_is_lazy_and_names_its_adapters() -> None:
-    assert set(ADAPTERS) == {"sglang", "transformers-cb", "vllm"}
-    with pytest.raises(ValueError, match="transformers-cb"):
-        load_adapter("no-such-engine")
-    code = (
-        "import sys, kvcanary, kvcanary.adapters, kvcanary.adapters.transformers_cb, kvcanary.selftest; "
-        "assert not {'transformers', 'sglang', 'vllm'} & set(sys.modules), 'an engine was imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_load_adapter_imports_the_install_function() -> None:
-    install = load_adapter("transformers-cb")
-    assert install.__module__ == "kvcanary.adapters.transformers_cb.adapter" and install.__name__ == "install"
-
-
-def test_unpinned_torch_drops_pin_memory_only_inside_the_wrapped_constructor() -> None:
-    module = types.ModuleType("fake_offloading_manager")
-    module.torch = torch  # type: ignore[attr-defined]
-    seen = []
-
-    def init(self: object, n: int) -> None:
-        seen.append(module.torch.empty(n, dtype=torch.uint8, pin_memory=True).shape[0])
-
-    wrapped = cpu_offload.wrap_offloading_init(init, module)
-    if cpu_offload.accelerator_available():
-        pytest.skip("an accelerator exists: the constructor runs unchanged")
-    wrapped(object(), 16)
-    assert seen == [16] and module.torch is torch
 
 
 @compiled_build.patches("kvcanary.adapters.transformers_cb.binding")  # no Bindings: None stands in
