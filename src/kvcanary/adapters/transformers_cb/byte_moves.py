@@ -69,8 +69,9 @@ class BlockWrite:  # one is built in the engine's move, timed as the canary's
 class HostSave:
     """One copy into the host swap pool: host blocks ``host_blocks`` (of ``groups``' host view) receive the device
     blocks :attr:`source_blocks`: rows ``at ..`` of the gather's index ``gather`` (None: the bytes came from no watched
-    gather), sliced only when asked (where every source's values are known the mirror never asks, and a slice is a
-    tensor op in the engine's move)."""
+    gather), sliced each time it is asked (a tensor op, kept out of the engine's move).  The mirror's
+    ``_save_batch`` asks up to three times a save, also where every source's values are known; testing ``gather``
+    there instead would spare those slices."""
 
     groups: tuple[str, ...]
     host_blocks: tuple[int, ...]
