@@ -30,6 +30,8 @@
 #   launches  scripts/gpu/graph_launches.py on LAUNCH_MODELS (default dense hybrid): the demo's step graphs, their
 #             nodes by type and the host time of one launch (GPU idle, and behind a stand-in engine step)
 #   tapsteps  scripts/gpu/tap_steps.py on TAPSTEP_MODELS (default dense): which steps lift the tap's mean over its median
+#   mirrorcosts scripts/gpu/mirror_costs.py on MIRROR_MODELS (default hybrid dense): the mirror's pieces, each timed
+#             (the pure-Python tree: put this stage before compile)
 #   hoststep  benchmarks/bench_host_step.py (host_step and eager before/after_forward)
 #   oldhost   the same benchmark of the tree above OLD_SRC (its own copy of it), results under $OUT/old
 #   kernels   the compiled kernel suites (cases, same-step, graph) and compute-sanitizer memcheck
@@ -114,6 +116,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
     tapsteps) for model in ${TAPSTEP_MODELS:-dense}; do
                 timeout "${T_TAPSTEPS:-90}" python3 scripts/gpu/tap_steps.py --model "$model" >"$OUT/tapsteps_$model.txt" 2>&1
               done ;;
+    mirrorcosts) for model in ${MIRROR_MODELS:-hybrid dense}; do
+                   timeout "${T_MIRROR:-60}" python3 scripts/gpu/mirror_costs.py --model "$model" --runs 3 \
+                     >"$OUT/mirror_costs_$model.txt" 2>&1
+                 done ;;
     hoststep) timeout "${T_HOST:-60}" python3 benchmarks/bench_host_step.py --commit "$COMMIT" --results-dir "$OUT" \
                 --steps 2000 --warmup 200 >>"$OUT/run.log" 2>&1 ;;
     oldhost) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_HOST:-60}" python3 \
