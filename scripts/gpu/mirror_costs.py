@@ -21,6 +21,7 @@ from typing import Any
 import probe_args
 
 from kvcanary import demo, layout
+from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.transformers_cb import bulk_moves, byte_moves, install, mirror
 from kvcanary.config import CanaryConfig, Mode
 
@@ -29,9 +30,11 @@ _PIECES: tuple[tuple[str, Any, str], ...] = (
     ("observer set-up", bulk_moves.BulkMoveWrappers, "_observer"),
     ("views' keys", byte_moves.BlockViews, "keys"),
     *((name, bulk_moves, name) for name in ("_save_rows", "_restore_joined", "_restore_rows", "_mirror_copies")),
-    *((name, bulk_moves, name) for name in ("_digest_moved",)),
-    *((f"HostRecords.{m}", mirror.HostRecords, m) for m in ("save_all", "save_all_rows", "restore", "restore_rows")),
-    ("HostRecords.restore_joined", mirror.HostRecords, "restore_joined"),
+    ("_digest_moved", bulk_moves, "_digest_moved"),
+    *(
+        (f"HostRecords.{m}", mirror.HostRecords, m)
+        for m in ("save_all", "save_all_rows", "restore", "restore_rows", "restore_joined")
+    ),
     ("apply_block_write", mirror, "apply_block_write"),
     ("RecordStore.copy_blocks", layout.RecordStore, "copy_blocks"),
     ("RecordStore.clear_blocks", layout.RecordStore, "clear_blocks"),
@@ -45,26 +48,19 @@ _MOVES = ("copy_blocks", "cache_copy", "offload", "restore")
 @contextlib.contextmanager
 def clocks(ns: collections.Counter[str]) -> Iterator[None]:
     """Every piece and every move wrapper timed into ``ns`` while inside; the originals put back after."""
-    undo: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, name: str, new: Any) -> None:
-        undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
-
+    patches = PatchSet(exclusive=False)  # a probe's clocks on kvcanary's own functions: nothing to refuse
     for label, owner, name in _PIECES:
-        patch(owner, name, probe_args.timed(getattr(owner, name), label, ns))
+        patches.wrap(owner, name, lambda original, label=label: probe_args.timed(original, label, ns))
     for name in _MOVES:
-        factory: Callable[..., Any] = getattr(bulk_moves.BulkMoveWrappers, name)
 
-        def timed_factory(self: Any, original: Any, factory: Callable[..., Any] = factory, name: str = name) -> Any:
-            return probe_args.timed(factory(self, original), f"move wrapper {name}", ns)
+        def timed_factory(factory: Callable[..., Any], name: str = name) -> Callable[..., Any]:
+            return lambda self, original: probe_args.timed(factory(self, original), f"move wrapper {name}", ns)
 
-        patch(bulk_moves.BulkMoveWrappers, name, timed_factory)
+        patches.wrap(bulk_moves.BulkMoveWrappers, name, timed_factory)
     try:
         yield
     finally:
-        for owner, name, original in reversed(undo):
-            setattr(owner, name, original)
+        patches.restore()
 
 
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, run: int) -> None:
