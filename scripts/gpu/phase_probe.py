@@ -34,6 +34,7 @@ from typing import Any
 import probe_args
 
 from kvcanary import demo
+from kvcanary.adapters.patching import PatchSet
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.demo_timing import time_share
 
@@ -56,28 +57,26 @@ _CANARY = ("tap_capture_us", "tap_translate_us", "tap_launch_us", "tap_host_step
 def phase_clocks() -> Iterator[collections.Counter[str]]:
     """Each phase's nanoseconds, its methods wrapped outermost (after the canary's own patches)."""
     ns: collections.Counter[str] = collections.Counter()
-    undo: list[tuple[type, str, Any]] = []
+    patches = PatchSet(exclusive=False)  # a probe's clocks over the canary's patches: nothing to refuse
     for key, module, owner, method in _TIMED:
         cls = getattr(importlib.import_module(f"{_CB}.{module}"), owner)
-        undo.append((cls, method, cls.__dict__[method]))
-        setattr(cls, method, probe_args.timed(getattr(cls, method), key, ns))
+        patches.wrap(cls, method, lambda original, key=key: probe_args.timed(original, key, ns))
     try:
         yield ns
     finally:
-        for cls, method, original in reversed(undo):
-            setattr(cls, method, original)
+        patches.restore()
 
 
 @contextlib.contextmanager
 def engine_compute_clock(ns: collections.Counter[str]) -> Iterator[None]:
     """``ModelRunner.compute_batch`` timed as the engine's own (entered before the canary's install wraps it)."""
+    patches = PatchSet(exclusive=False)
     cls = importlib.import_module(f"{_CB}.model_runner").ModelRunner
-    original = cls.__dict__["compute_batch"]
-    cls.compute_batch = probe_args.timed(original, "engine_compute", ns)
+    patches.wrap(cls, "compute_batch", lambda original: probe_args.timed(original, "engine_compute", ns))
     try:
         yield
     finally:
-        cls.compute_batch = original
+        patches.restore()
 
 
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, float]:
