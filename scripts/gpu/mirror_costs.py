@@ -24,6 +24,7 @@ from kvcanary import demo, layout
 from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.transformers_cb import bulk_moves, byte_moves, install, mirror
 from kvcanary.config import CanaryConfig, Mode
+from kvcanary.runtime import streams
 
 # (label, owner, attribute): the pieces timed, outermost first.
 _PIECES: tuple[tuple[str, Any, str], ...] = (
@@ -40,6 +41,14 @@ _PIECES: tuple[tuple[str, Any, str], ...] = (
     ("RecordStore.clear_blocks", layout.RecordStore, "clear_blocks"),
     ("RecordRows.copy_blocks", layout.RecordRows, "copy_blocks"),
     *((f"MoveIndex.{m}", mirror.MoveIndex, m) for m in ("blocks", "hosts", "joined")),
+    # What an index build and a record copy are made of: the run test, the pinned tensor and its copy, one gather or
+    # write of a record tensor (an op each), the switch to the engine's stream and back.
+    ("block_run", mirror, "block_run"),
+    ("block_index", mirror, "block_index"),
+    ("gather of records", layout, "_take"),
+    ("write of records", layout, "_put"),
+    ("stream switch in (the tap's too)", streams.StreamSwitch, "__enter__"),
+    ("stream switch out (the tap's too)", streams.StreamSwitch, "__exit__"),
 )
 # The move wrappers' factories (install calls them): the wrapper each returns is timed whole.
 _MOVES = ("copy_blocks", "cache_copy", "offload", "restore")
