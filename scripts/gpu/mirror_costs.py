@@ -3,10 +3,11 @@
 Runs the demo's clean workload (``kvcanary demo``'s model and prompts) ``--runs`` times with the canary on, each
 piece of the transformers adapter's mirror of the engine's block moves wrapped in a clock: the move wrappers whole
 (the engine's own move, the observer and the mirror), the observer's set-up, and the mirror's helpers down to the
-record stores' copies and the index builds.  Prints, per run, the canary's ``mirror_us`` a step, the moves the engine
-made, and each piece's calls, host time a call and a step.  Pieces nest (a helper's time is inside its caller's), so
-the column does not add up.  Run it on the pure-Python tree: the compiled build's calls between its modules do not
-go through the module attributes patched here.
+record stores' copies and the index builds, and what those are made of (the run test, the pinned index build, each
+gather and write of a record tensor, the stream switches: the tap's among them).  Prints, per run, the canary's
+``mirror_us`` a step, the moves the engine made, and each piece's calls, host time a call and a step.  Pieces nest
+(a helper's time is inside its caller's), so the column does not add up.  Run it on the pure-Python tree: the compiled
+build's calls between its modules do not go through the module attributes patched here.
 
 Usage: PYTHONPATH=src:scripts/gpu python scripts/gpu/mirror_costs.py [--model hybrid] [--device cuda] [--runs 3]
 """
@@ -21,7 +22,6 @@ from typing import Any
 import probe_args
 
 from kvcanary import demo, layout
-from kvcanary.adapters.patching import PatchSet
 from kvcanary.adapters.transformers_cb import bulk_moves, byte_moves, install, mirror
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.runtime import streams
@@ -57,19 +57,14 @@ _MOVES = ("copy_blocks", "cache_copy", "offload", "restore")
 @contextlib.contextmanager
 def clocks(ns: collections.Counter[str]) -> Iterator[None]:
     """Every piece and every move wrapper timed into ``ns`` while inside; the originals put back after."""
-    patches = PatchSet(exclusive=False)  # a probe's clocks on kvcanary's own functions: nothing to refuse
-    for label, owner, name in _PIECES:
-        patches.wrap(owner, name, lambda original, label=label: probe_args.timed(original, label, ns))
-    for name in _MOVES:
+    with probe_args.clocks(ns, _PIECES) as patches:
+        for name in _MOVES:
 
-        def timed_factory(factory: Callable[..., Any], name: str = name) -> Callable[..., Any]:
-            return lambda self, original: probe_args.timed(factory(self, original), f"move wrapper {name}", ns)
+            def timed_factory(factory: Callable[..., Any], name: str = name) -> Callable[..., Any]:
+                return lambda self, original: probe_args.timed(factory(self, original), f"move wrapper {name}", ns)
 
-        patches.wrap(bulk_moves.BulkMoveWrappers, name, timed_factory)
-    try:
+            patches.wrap(bulk_moves.BulkMoveWrappers, name, timed_factory)
         yield
-    finally:
-        patches.restore()
 
 
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, run: int) -> None:
@@ -84,7 +79,7 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, run: i
     labels = [k for k in ns if not k.endswith("_calls")]
     for label in sorted(labels, key=lambda k: -ns[k]):
         calls, us = ns[label + "_calls"], ns[label] / 1e3
-        print(f"  {label:28} calls {calls:5}  us a call {us / calls:8.2f}  us a step {us / steps:7.2f}")
+        print(f"  {label:34} calls {calls:5}  us a call {us / calls:8.2f}  us a step {us / steps:7.2f}")
 
 
 def main() -> None:

@@ -34,7 +34,6 @@ from typing import Any
 import probe_args
 
 from kvcanary import demo
-from kvcanary.adapters.patching import PatchSet
 from kvcanary.config import CanaryConfig, Mode
 from kvcanary.demo_timing import time_share
 
@@ -57,26 +56,21 @@ _CANARY = ("tap_capture_us", "tap_translate_us", "tap_launch_us", "tap_host_step
 def phase_clocks() -> Iterator[collections.Counter[str]]:
     """Each phase's nanoseconds, its methods wrapped outermost (after the canary's own patches)."""
     ns: collections.Counter[str] = collections.Counter()
-    patches = PatchSet(exclusive=False)  # a probe's clocks over the canary's patches: nothing to refuse
-    for key, module, owner, method in _TIMED:
-        cls = getattr(importlib.import_module(f"{_CB}.{module}"), owner)
-        patches.wrap(cls, method, lambda original, key=key: probe_args.timed(original, key, ns))
-    try:
+    pieces = [
+        (key, getattr(importlib.import_module(f"{_CB}.{module}"), owner), method)
+        for key, module, owner, method in _TIMED
+    ]
+    with probe_args.clocks(ns, pieces):
         yield ns
-    finally:
-        patches.restore()
 
 
 @contextlib.contextmanager
 def engine_compute_clock(ns: collections.Counter[str]) -> Iterator[None]:
     """``ModelRunner.compute_batch`` timed as the engine's own (entered before the canary's install wraps it)."""
-    patches = PatchSet(exclusive=False)
-    cls = importlib.import_module(f"{_CB}.model_runner").ModelRunner
-    patches.wrap(cls, "compute_batch", lambda original: probe_args.timed(original, "engine_compute", ns))
-    try:
+    with probe_args.clocks(
+        ns, [("engine_compute", importlib.import_module(f"{_CB}.model_runner").ModelRunner, "compute_batch")]
+    ):
         yield
-    finally:
-        patches.restore()
 
 
 def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary: bool) -> dict[str, float]:
@@ -99,8 +93,8 @@ def one_run(model: Any, prompts: list[list[int]], opts: demo.DemoOptions, canary
     parts = {k: ns[k] * ms for k in ("offload", "restore", "tensors", "compute", "wait", "update")}
     parts["engine compute"] = inner["engine_compute"] * ms
     parts["schedule"] = ns["next_batch"] * ms - parts["offload"] - parts["restore"] - parts["tensors"]
-    inner = ns["next_batch"] + ns["compute"] + ns["wait"] + ns["update"]
-    parts["loop other"] = (ns["body"] - inner) * ms
+    phases = ns["next_batch"] + ns["compute"] + ns["wait"] + ns["update"]
+    parts["loop other"] = (ns["body"] - phases) * ms
     parts["outside"] = (total - ns["body"]) * ms
     parts["total"] = total * ms
     parts["steps"] = steps

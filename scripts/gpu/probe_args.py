@@ -1,15 +1,18 @@
-"""The command line the demo probes share (``--model``, ``--device``), parsed into demo options, and their clock
+"""The command line the demo probes share (``--model``, ``--device``), parsed into demo options, and their clocks
 (scripts/gpu only)."""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from kvcanary import demo
+from kvcanary.adapters.patching import PatchSet
 
 
 def demo_parser(description: str, default_model: str = "dense") -> argparse.ArgumentParser:
@@ -42,3 +45,16 @@ def timed(original: Callable[..., Any], key: str, ns: collections.Counter[str]) 
             ns[key + "_calls"] += 1
 
     return run
+
+
+@contextlib.contextmanager
+def clocks(ns: collections.Counter[str], pieces: Iterable[tuple[str, Any, str]]) -> Iterator[PatchSet]:
+    """Each ``(key, owner, attribute)`` of ``pieces`` timed into ``ns`` (:func:`timed`) while inside; the patch set is
+    yielded for the caller's own wraps, and every original is put back after."""
+    patches = PatchSet(exclusive=False)  # a probe's clocks, over kvcanary's patches or its own functions: none refused
+    try:
+        for key, owner, name in pieces:
+            patches.wrap(owner, name, functools.partial(timed, key=key, ns=ns))
+        yield patches
+    finally:
+        patches.restore()
