@@ -35,7 +35,8 @@ COMPILED = [
         "step_tap", "tap_timer", "translate", "translate_kernel", "translation", "truth_store", "torch_path",
     )),
     *(f"{RUNTIME}/{name}.py" for name in ("capture", "decode", "manager", "pump", "step_graphs", "streams")),
-    f"{ADAPTER}/binding.py", f"{ADAPTER}/bulk_moves.py", f"{ADAPTER}/mirror.py",
+    f"{ADAPTER}/binding.py", f"{ADAPTER}/bulk_moves.py", f"{ADAPTER}/mirror.py", f"{ADAPTER}/move_entries.py",
+    f"{ADAPTER}/queued_moves.py",
 ]  # fmt: skip
 
 

@@ -157,3 +157,11 @@ def test_step_by_step_takes_each_steps_median_over_the_runs_and_sets_the_first_s
     # A canary that added nothing after its first steps: 0 %, never a negative share.
     faster = dataclasses.replace(timing, steps=((base,), ([*canary[:3], *[0.9e-3] * 4],)))
     assert "0.0% of their time" in (step_by_step_line(faster) or "")
+
+
+def test_the_host_time_lines_say_how_many_block_moves_were_queued_only_where_some_were() -> None:
+    stats = {"steps": 352, "tap_us": 352 * 170, "queued_move_entries": 0}
+    assert len(host_time_lines(stats, {})) == 1  # the CPU: each move mirrored at once
+    stats |= {"queued_move_entries": 1234, "steps_with_queued_moves": 98, "move_entries_applied_at_once": 3}
+    want = "  block moves queued for the step work: 1,234 moved blocks over 98 steps, 3 applied at once"
+    assert host_time_lines(stats, {})[-1] == want

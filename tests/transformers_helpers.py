@@ -11,6 +11,7 @@ import torch
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.demo import FOLLOW_UP, DemoOptions, RunResult, build_model, build_prompts, quiet_engine_logs, run_workload
+from kvcanary.ops import Backend
 
 PAGE, STRIDE, BPS = 4, 8, 2  # page size, physical stride (2 rows x 1 layer x page), blocks per sector
 
@@ -80,9 +81,9 @@ class FakeEngine:
         return kwargs, host
 
 
-def demo_run(kind: str, *, fault: str | None = None, requests: int = 64) -> RunResult:
+def demo_run(kind: str, *, fault: str | None = None, requests: int = 64, backend: Backend = Backend.AUTO) -> RunResult:
     follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
-    options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10)
+    options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10, backend=backend)
     prompts = build_prompts(requests + follow_up)
     with quiet_engine_logs():
         return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)

@@ -143,9 +143,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
               timeout "${T_GPUTESTS:-60}" python3 -m pytest -q -p no:cacheprovider \
                 tests/test_adapter_transformers_translate_kernel.py tests/test_adapter_transformers_steady_step.py \
                 tests/test_runtime_step_close.py tests/test_runtime_publish.py tests/test_adapter_transformers_staged_upload.py \
-                >>"$OUT/gputests.log" 2>&1
+                tests/test_queued_moves.py >>"$OUT/gputests.log" 2>&1
               PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${T_SANITIZE:-120}" compute-sanitizer --tool memcheck \
                 --error-exitcode 99 --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/test_runtime_publish.py \
+                tests/test_queued_moves.py \
                 >>"$OUT/gputests.log" 2>&1
               echo "publish sanitizer exit $?" >>"$OUT/gputests.log" ;;
     *) echo "unknown stage $s" | tee -a "$OUT/run.log" ;;

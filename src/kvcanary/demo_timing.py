@@ -40,6 +40,12 @@ def host_time_lines(stats: dict[str, int], features: dict[str, int]) -> list[str
         lines.append(f"  steady steps (a kept translation of their shape class reused): {reused}")
     if (graphs := graph_line(stats)) is not None:
         lines.append(graphs)
+    if stats.get("queued_move_entries"):
+        lines.append(
+            f"  block moves queued for the step work: {stats['queued_move_entries']:,} moved blocks over "
+            f"{stats.get('steps_with_queued_moves', 0):,} steps, {stats.get('move_entries_applied_at_once', 0):,} "
+            "applied at once"
+        )
     return lines
 
 

@@ -35,6 +35,7 @@ from kvcanary.adapters.transformers_cb.cpu_offload import wrap_offloading_init
 from kvcanary.adapters.transformers_cb.features import FeatureCounters, FeatureWatch
 from kvcanary.adapters.transformers_cb.host_batch import HostBatch
 from kvcanary.adapters.transformers_cb.modes import ModeActions
+from kvcanary.adapters.transformers_cb.queued_moves import MoveCounts
 from kvcanary.adapters.transformers_cb.step_tap import StepCallback, StepTap
 from kvcanary.adapters.transformers_cb.version import check_version
 from kvcanary.config import CanaryConfig, Mode
@@ -90,6 +91,7 @@ class TransformersCBAdapter:
             model, config.mode, self._modes, self._bindings, self._features, self._reports.collect, on_step
         )
         self._moves = BulkMoveWrappers(lambda: self._bindings.current, self._features)
+        self._move_counts = MoveCounts()  # the bindings' queued moves (see queued_moves)
 
     # ------------------------------------------------------------------ install / uninstall
 
@@ -151,7 +153,7 @@ class TransformersCBAdapter:
     def stats(self) -> dict[str, int]:
         return {
             **self._bindings.stats(), "reports": self._reports.total, **self._tap.stats(),
-            "mirror_us": self._moves.mirror_ns // 1000,
+            "mirror_us": self._moves.mirror_ns // 1000, **self._move_counts.as_dict(),
         }  # fmt: skip
 
     def features(self) -> dict[str, int]:
@@ -256,6 +258,7 @@ class TransformersCBAdapter:
             max_context=self._max_context,
             max_positions=getattr(self._model.config, "max_position_embeddings", None),
             on_fail_request=self._modes.manager_callback,
+            move_counts=self._move_counts,
         )
 
     def _is_model(self, model: Any) -> bool:

@@ -14,6 +14,7 @@ import torch
 from kvcanary.adapters.transformers_cb import byte_moves, mirror
 from kvcanary.adapters.transformers_cb.digest_layout import digest_layouts, host_layout
 from kvcanary.adapters.transformers_cb.geometry import GroupGeometry
+from kvcanary.adapters.transformers_cb.queued_moves import MoveCounts, QueuedMoves
 from kvcanary.adapters.transformers_cb.translate import StepTranslator
 from kvcanary.config import CanaryConfig
 from kvcanary.digest import DigestLayout
@@ -43,6 +44,7 @@ class Binding:
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
         self._host_layouts: dict[str, tuple[int, DigestLayout | None]] = {}  # group -> (pool address, layout)
         self._rows: dict[tuple[str, ...], RecordRows | None] = {}  # see rows(): the layout found once
+        self.moves: QueuedMoves | None = None  # the block moves queued for the next step's work (see queue_moves)
 
     def is_for(self, cache: Any) -> bool:
         return self._cache() is cache
@@ -97,8 +99,10 @@ class Binding:
         max_context: int | None,
         max_positions: object,
         on_fail_request: FailRequestCallback | None,
+        move_counts: MoveCounts | None = None,
     ) -> Binding:
-        """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``)."""
+        """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``); ``move_counts``: where its
+        queued moves are counted (:mod:`.queued_moves`)."""
         cache = runner.cache
         geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
         max_batch = int(runner.cb_config.max_requests_per_batch)
@@ -130,7 +134,28 @@ class Binding:
         if config.digest is not None:  # the KV digest reads every layer's K and V of the cache in place
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
-        return cls(cache, geometries, translator, manager)
+        binding = cls(cache, geometries, translator, manager)
+        if config.digest is None and queue_moves(device) and translator.slotted:
+            binding.moves = binding.queued_moves(move_counts)
+        return binding
+
+    def queued_moves(self, counts: MoveCounts | None = None) -> QueuedMoves | None:
+        """A queue for the block moves (:mod:`.queued_moves`), where every group's records are rows of one tensor
+        pair of one page size and the manager publishes; else None (each move mirrored at once)."""
+        names = tuple(self.geometries)
+        pages = {g.page_size for g in self.geometries.values()}
+        rows = RecordRows.of([self.records(n) for n in names])
+        fence = self.manager.copy_fence
+        if rows is None or len(pages) != 1 or fence is None or fence.seq is None:
+            return None
+        return QueuedMoves(rows, names, pages.pop(), fence, counts)
+
+
+def queue_moves(device: torch.device) -> bool:
+    """Whether a binding on ``device`` queues the engine's block moves for its step work (:mod:`.queued_moves`): on
+    CUDA, where the step work is one graph replay.  Elsewhere each move is mirrored at once (on the CPU the queue's
+    kernel would run in Triton's interpreter; the tests that cover it there set this)."""
+    return device.type == "cuda"
 
 
 def default_width(reads: int, max_batch: int, n_groups: int, max_positions: object) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvcanary.adapters.transformers_cb import byte_moves, mirror
+from kvcanary.adapters.transformers_cb import byte_moves, mirror, move_entries
 from kvcanary.adapters.transformers_cb.binding import Binding
 from kvcanary.adapters.transformers_cb.features import FeatureCounters
 from kvcanary.runtime import streams
@@ -97,7 +97,9 @@ class BulkMoveWrappers:
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
             with streams.StreamSwitch(om._compute_stream):
-                if not _save_rows(b, om, seen.host_saves, index):  # else group by group
+                if _queued_saves(b, om, seen.host_saves):
+                    pass  # the next step's work moves the records
+                elif not _save_rows(b, om, seen.host_saves, index):  # else group by group
                     for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
                         saves = [save for save in seen.host_saves if name in save.groups]
                         rows = int(om._cpu_views[name].shape[0])
@@ -126,8 +128,9 @@ class BulkMoveWrappers:
             start = time.perf_counter_ns()
             index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
             with streams.StreamSwitch(om._compute_stream):
-                joined = len(seen.writes) > 1 and _restore_joined(b, seen.writes, index)
-                for write in seen.writes:
+                queued = _queued_restore(b, seen.writes)  # else mirrored at once, below
+                joined = not queued and len(seen.writes) > 1 and _restore_joined(b, seen.writes, index)
+                for write in () if queued else seen.writes:
                     from_host = write.source_host_blocks is not None
                     joint = joined or (from_host and _restore_rows(b, write, index))
                     for name in write.groups:
@@ -157,6 +160,11 @@ def _mirror_copies(b: Binding, forks: list[tuple[str, byte_moves.BlockWrite]]) -
     tensor pair and the writes join (:func:`mirror.joined_copy`), one gather and one write of the rows mirror them
     all, landing in every group's records alike (a block is one group's at a time: the others' records of it are
     never read before that group writes it); else each write goes into its own group's records."""
+    q = b.moves
+    if q is not None:
+        if q.push(move_entries.fork_entries(q, forks)):
+            return
+        q.apply_now()  # the moves queued so far land first
     index = mirror.MoveIndex()  # the digest's notes use the mirror's index tensors
     names = {name for name, _ in forks}
     rows = b.rows(tuple(n for n in b.geometries if n in names)) if len(names) > 1 else None
@@ -169,6 +177,39 @@ def _mirror_copies(b: Binding, forks: list[tuple[str, byte_moves.BlockWrite]]) -
     for name, write in forks:
         mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
         _digest_moved(b, name, write, index)
+
+
+def _queued_saves(b: Binding, om: Any, saves: list[byte_moves.HostSave]) -> bool:
+    """One offload's saves queued for the next step's work (:mod:`.queued_moves`), into host records made as rows of
+    every group (each group's host view of one size); False, nothing queued, where the queue cannot take them (the
+    moves it holds then applied at once, so the caller's mirror lands after them)."""
+    q = b.moves
+    if q is None:
+        return False
+    views = getattr(om, "_cpu_views", {})
+    sizes = {int(views[n].shape[0]) for n in q.names if n in views}
+    host = None
+    if len(sizes) == 1 and all(n in views for n in q.names):
+        host = b.host.joint_rows(q.names, sizes.pop() * q.page, q.rows.device, create=True)
+    if host is not None:
+        q.attach(host)
+        if q.push(move_entries.save_entries(q, saves)):
+            return True
+    q.apply_now()
+    return False
+
+
+def _queued_restore(b: Binding, writes: list[byte_moves.BlockWrite]) -> bool:
+    """One restore's writes queued for the next step's work, where the host records the queue knows are the ones
+    the mirror keeps (none yet on either side, or its rows); False otherwise, the queued moves applied at once."""
+    q = b.moves
+    if q is None:
+        return False
+    known = not len(b.host) if q.host is None else b.host.joint_rows(q.names, 0, q.rows.device, create=False) is q.host
+    if known and q.push(move_entries.restore_entries(q, writes)):
+        return True
+    q.apply_now()
+    return False
 
 
 def _save_rows(b: Binding, om: Any, saves: list[byte_moves.HostSave], index: mirror.MoveIndex) -> bool:

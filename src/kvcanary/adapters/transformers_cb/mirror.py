@@ -150,7 +150,7 @@ class HostRecords:
         """:meth:`save_all` for groups ``names`` at once, their device records the rows ``rows`` (every save's
         groups being ``names``): into host records laid out as rows too; False, nothing done, where the groups'
         host records exist as separate stores or too small (then save them one by one)."""
-        store = self._host_rows(names, host_blocks * page, rows.device, create=True)
+        store = self.joint_rows(names, host_blocks * page, rows.device, create=True)
         if store is None:
             return False
         for batch in _batches(saves):
@@ -162,7 +162,7 @@ class HostRecords:
     ) -> bool:
         """:meth:`restore` for groups ``names`` at once (``rows``: their device records); False, nothing done, where
         their host records are not rows of one tensor pair (then restore them one by one)."""
-        store = self._host_rows(names, 0, rows.device, create=False)
+        store = self.joint_rows(names, 0, rows.device, create=False)
         if store is None:
             return False
         _restore_write(page, rows, store, write, index)
@@ -173,7 +173,7 @@ class HostRecords:
     ) -> bool:
         """:meth:`restore_rows` for all of one restore's ``writes`` at once (:func:`joined_restore`); False, nothing
         done, where they cannot be joined (then restore them one by one)."""
-        store = self._host_rows(names, 0, rows.device, create=False)
+        store = self.joint_rows(names, 0, rows.device, create=False)
         joined = None if store is None else joined_restore(writes, names, store.num_slots // page)
         if store is None or joined is None:
             return False
@@ -185,7 +185,7 @@ class HostRecords:
         rows.copy_blocks(src, dst, page, source=store)
         return True
 
-    def _host_rows(self, names: tuple[str, ...], slots: int, device: torch.device, create: bool) -> RecordRows | None:
+    def joint_rows(self, names: tuple[str, ...], slots: int, device: torch.device, create: bool) -> RecordRows | None:
         """The host records of ``names`` as rows of one tensor pair, of at least ``slots`` slots: the ones made for
         them, while each group's store is still its view of them, or (``create``, where none of the groups has a
         store) new ones, each group's store a view of its rows."""

@@ -165,13 +165,16 @@ class StepTap:
             self._adapter_error("could not translate the step", exc)
             return None
         translated = time.perf_counter_ns()
+        moves = binding.moves  # the block moves since the last step, queued for this step's work
         try:
             # On CUDA: one replay of the canary's own step graph, the translation's launches included.
-            binding.manager.forward_step(tr.batches, tr.prelude)
+            binding.manager.forward_step(tr.batches, tr.prelude if moves is None else moves.prelude(tr.prelude))
         except Exception as exc:
             binding.translator.forget_truth()  # the prelude, and the truth's write in it, may not have run
             self._adapter_error("the canary refused the step's batch", exc)
-            return None
+            return None  # the queued moves stay queued: the next step's work applies them
+        if moves is not None:
+            moves.taken()
         self._features.steady_steps += binding.translator.steady_steps - steady
         self._count(tr)
         return tr, (translated, time.perf_counter_ns())

@@ -272,6 +272,11 @@ class StepTranslator:
         and each step's work uploads its bytes (the layout whose launches are deferred)."""
         self._staging.follow(fence, slotted=self.kernel and self._truth.static)
 
+    @property
+    def slotted(self) -> bool:
+        """Whether each step's work uploads its own staged bytes from pinned slots (see :meth:`follow`)."""
+        return self._staging.upload() is not None
+
     def forget_truth(self) -> None:
         """The last step's prelude may not have run (its truth write with it): resend every request's truth."""
         self._truth.forget()
