@@ -212,10 +212,11 @@ def test_queued_moves_leave_the_records_as_the_mirror_at_once_leaves_them(at_onc
     assert q.counts.queued_move_entries == 15 and q.counts.steps_with_queued_moves == int(not at_once)
 
 
-def test_a_move_the_queue_cannot_express_is_refused_and_a_full_slot_is_applied_at_once() -> None:
+def test_a_move_the_queue_cannot_express_or_hold_is_refused() -> None:
     gen = torch.Generator().manual_seed(5)
     rows = random_rows(2, geometry().num_slots, gen)
-    q = QueuedMoves(rows, NAMES, PAGE, a_fence())
+    fence = a_fence()
+    q = QueuedMoves(rows, NAMES, PAGE, fence)
     unknown = BlockWrite(("a",), torch.tensor([3]), torch.tensor([1]), None, (3,), None)  # the source's values unknown
     assert move_entries.fork_entries(q, [("a", unknown)]) is None and not q.push(None)
     assert move_entries.fork_entries(q, [("c", unknown)]) is None  # not a group of the queue
@@ -223,32 +224,27 @@ def test_a_move_the_queue_cannot_express_is_refused_and_a_full_slot_is_applied_a
     assert move_entries.fork_entries(q, [("a", past)]) is None
     copy = array.array("q", (1, 2, 1 << GROUP_SHIFT))
     want = clone_rows(rows)
-    for _ in range(CAPACITY + 1):  # the last push finds the slot full: the queued entries are applied first
+    for _ in range(CAPACITY):
         assert q.push(copy)
-    apply_entries(list(copy) * (CAPACITY + 1), want, None, PAGE)
-    assert q.count == 1 and q.counts.move_entries_applied_at_once == CAPACITY
+    assert not q.push(copy) and q.count == CAPACITY  # the slot is full: the caller applies the queue, then the move
     q.apply_now()
-    assert same(rows, want) and q.count == 0
+    apply_entries(list(copy) * CAPACITY, want, None, PAGE)
+    assert same(rows, want) and q.count == 0 and q.counts.move_entries_applied_at_once == CAPACITY
+    assert q.push(copy)
+    fence.next_step += 1  # a host step ran without this queue's prelude (not expected): its entries come first
+    assert q.prelude(None) is None and not q.push(copy)
+    q.apply_now()
+    assert q.push(copy) and q.prelude(None) is not None
 
 
-def test_entries_of_a_step_whose_work_never_took_them_are_applied_before_the_next_steps() -> None:
-    gen = torch.Generator().manual_seed(8)
-    rows = random_rows(1, geometry().num_slots, gen)
-    want = clone_rows(rows)
-    fence = a_fence(2)
-    q = QueuedMoves(rows, ("a",), PAGE, fence)
-    assert q.push(array.array("q", (1, 2, 1 << GROUP_SHIFT)))
-    fence.next_step = 3  # a host step ran without this queue's prelude
-    assert q.prelude(None) is None  # nothing queued for step 3 yet
-    assert q.push(array.array("q", (2, 4, 1 << GROUP_SHIFT)))
-    apply_entries([1, 2, 1 << GROUP_SHIFT], want, None, PAGE)
-    assert same(rows, want) and q.counts.move_entries_applied_at_once == 1
+def test_the_queue_refuses_what_it_cannot_serve() -> None:
+    rows = RecordRows.allocate(geometry().num_slots, 1, DEV)
     with pytest.raises(ValueError, match="publishing fence"):
         QueuedMoves(rows, ("a",), PAGE, CopyFence())
     with pytest.raises(ValueError, match="group names"):
         QueuedMoves(rows, NAMES, PAGE, a_fence())
     with pytest.raises(ValueError, match="same groups"):
-        q.attach(RecordRows.allocate(4 * PAGE, 2, DEV))
+        QueuedMoves(rows, ("a",), PAGE, a_fence()).attach(RecordRows.allocate(4 * PAGE, 2, DEV))
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CUDA layout on the CPU demo engine runs Triton's interpreter")

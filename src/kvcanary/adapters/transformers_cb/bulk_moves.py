@@ -95,15 +95,8 @@ class BulkMoveWrappers:
                 done = original(om, victims, victim_block_tables)
             self.mirror_ns += seen.own_ns
             start = time.perf_counter_ns()
-            index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
-            with streams.StreamSwitch(om._compute_stream):
-                if _queued_saves(b, om, seen.host_saves):
-                    pass  # the next step's work moves the records
-                elif not _save_rows(b, om, seen.host_saves, index):  # else group by group
-                    for name in dict.fromkeys(n for save in seen.host_saves for n in save.groups):
-                        saves = [save for save in seen.host_saves if name in save.groups]
-                        rows = int(om._cpu_views[name].shape[0])
-                        b.host.save_all(b.geometries[name], b.records(name), saves, rows, index)
+            if not _queued_saves(b, om, seen.host_saves):  # queued: the next step's work moves the records
+                _save_at_once(b, om, seen.host_saves)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.offloads += len(done)
             self._features.soft_resets += len(victims) - len(done)
@@ -126,20 +119,8 @@ class BulkMoveWrappers:
                 out = original(om, requests_in_batch)
             self.mirror_ns += seen.own_ns
             start = time.perf_counter_ns()
-            index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
-            with streams.StreamSwitch(om._compute_stream):
-                queued = _queued_restore(b, seen.writes)  # else mirrored at once, below
-                joined = not queued and len(seen.writes) > 1 and _restore_joined(b, seen.writes, index)
-                for write in () if queued else seen.writes:
-                    from_host = write.source_host_blocks is not None
-                    joint = joined or (from_host and _restore_rows(b, write, index))
-                    for name in write.groups:
-                        if not joint:  # else every group's records were restored at once
-                            if from_host:
-                                b.host.restore(b.geometries[name], b.records(name), write, index)
-                            else:  # bytes of no host block: a device gather, or nothing known
-                                mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
-                        _digest_moved(b, name, write, index, om)
+            if not _queued_restore(b, seen.writes):  # queued: the next step's work moves the records
+                _restore_at_once(b, om, seen.writes)
             self.mirror_ns += time.perf_counter_ns() - start
             self._features.restores += restored
             return out
@@ -179,37 +160,68 @@ def _mirror_copies(b: Binding, forks: list[tuple[str, byte_moves.BlockWrite]]) -
         _digest_moved(b, name, write, index)
 
 
+def _save_at_once(b: Binding, om: Any, saves: list[byte_moves.HostSave]) -> None:
+    """One offload's saves mirrored now, on the engine's compute stream, after any moves queued before them."""
+    index = mirror.MoveIndex()  # the groups sharing a cache tensor share the saves' index tensors
+    with streams.StreamSwitch(om._compute_stream):
+        if b.moves is not None:
+            b.moves.apply_now()
+        if not _save_rows(b, om, saves, index):  # else group by group
+            for name in dict.fromkeys(n for save in saves for n in save.groups):
+                of_group = [save for save in saves if name in save.groups]
+                rows = int(om._cpu_views[name].shape[0])
+                b.host.save_all(b.geometries[name], b.records(name), of_group, rows, index)
+
+
+def _restore_at_once(b: Binding, om: Any, writes: list[byte_moves.BlockWrite]) -> None:
+    """One restore's writes mirrored now, on the engine's compute stream, after any moves queued before them."""
+    index = mirror.MoveIndex()  # a write matching several groups (one cache tensor) builds its index once
+    with streams.StreamSwitch(om._compute_stream):
+        if b.moves is not None:
+            b.moves.apply_now()
+        joined = len(writes) > 1 and _restore_joined(b, writes, index)
+        for write in writes:
+            from_host = write.source_host_blocks is not None
+            joint = joined or (from_host and _restore_rows(b, write, index))
+            for name in write.groups:
+                if not joint:  # else every group's records were restored at once
+                    if from_host:
+                        b.host.restore(b.geometries[name], b.records(name), write, index)
+                    else:  # bytes of no host block: a device gather, or nothing known
+                        mirror.apply_block_write(b.geometries[name], b.records(name), write, index)
+                _digest_moved(b, name, write, index, om)
+
+
 def _queued_saves(b: Binding, om: Any, saves: list[byte_moves.HostSave]) -> bool:
     """One offload's saves queued for the next step's work (:mod:`.queued_moves`), into host records made as rows of
-    every group (each group's host view of one size); False, nothing queued, where the queue cannot take them (the
-    moves it holds then applied at once, so the caller's mirror lands after them)."""
+    every group (each group's host view of one size); False, nothing queued, where the queue cannot take them.  No
+    device work but the host rows' allocation, once."""
     q = b.moves
     if q is None:
         return False
     views = getattr(om, "_cpu_views", {})
     sizes = {int(views[n].shape[0]) for n in q.names if n in views}
-    host = None
-    if len(sizes) == 1 and all(n in views for n in q.names):
-        host = b.host.joint_rows(q.names, sizes.pop() * q.page, q.rows.device, create=True)
+    if len(sizes) != 1 or not all(n in views for n in q.names):
+        return False
+    slots = sizes.pop() * q.page
+    host = b.host.joint_rows(q.names, slots, q.rows.device, create=False)
+    if host is None:  # made on the stream the step work that reads them runs on
+        with streams.StreamSwitch(om._compute_stream):
+            host = b.host.joint_rows(q.names, slots, q.rows.device, create=True)
     if host is not None:
         q.attach(host)
-        if q.push(move_entries.save_entries(q, saves)):
-            return True
-    q.apply_now()
+        return q.push(move_entries.save_entries(q, saves))
     return False
 
 
 def _queued_restore(b: Binding, writes: list[byte_moves.BlockWrite]) -> bool:
     """One restore's writes queued for the next step's work, where the host records the queue knows are the ones
-    the mirror keeps (none yet on either side, or its rows); False otherwise, the queued moves applied at once."""
+    the mirror keeps (none yet on either side, or its rows); False otherwise."""
     q = b.moves
     if q is None:
         return False
     known = not len(b.host) if q.host is None else b.host.joint_rows(q.names, 0, q.rows.device, create=False) is q.host
-    if known and q.push(move_entries.restore_entries(q, writes)):
-        return True
-    q.apply_now()
-    return False
+    return known and q.push(move_entries.restore_entries(q, writes))
 
 
 def _save_rows(b: Binding, om: Any, saves: list[byte_moves.HostSave], index: mirror.MoveIndex) -> bool:

@@ -95,20 +95,16 @@ class QueuedMoves:
 
     def push(self, entries: array.array[int] | None) -> bool:
         """Queue ``entries`` (flat, :data:`ENTRY_WORDS` words each, already checked against the blocks of both sides)
-        for the next step's work; False, nothing queued, for None (the move is mirrored at once by the caller)."""
+        for the next step's work; False, nothing queued, for None, for more than the slot has room for, and while
+        entries of an earlier step are still queued (none expected: each step's work takes its own).  The caller
+        then mirrors the move at once, on the stream the step work runs on, after :meth:`apply_now`."""
         if entries is None:
             return False
         n = len(entries) // ENTRY_WORDS
         step = self._fence.next_step
-        if step != self._step:
-            self.apply_now()  # entries of a step whose work never took them (not expected: kept in order anyway)
-            self._step = step
-        if self.count + n > CAPACITY:
-            self.apply_now()
-            if n > CAPACITY:
-                apply_entries(entries, self.rows, self.host, self.page)
-                self.counts.move_entries_applied_at_once += n
-                return True
+        if (self.count and step != self._step) or self.count + n > CAPACITY:
+            return False
+        self._step = step
         words = self._slot_words[step % NUM_SLOTS]
         at = HEAD_WORDS + self.count * ENTRY_WORDS
         words[at : at + len(entries)] = memoryview(entries)
@@ -137,7 +133,8 @@ class QueuedMoves:
             self.count = 0
 
     def apply_now(self) -> None:
-        """Apply the queued entries at once (torch ops on the current stream) and empty the queue."""
+        """Apply the queued entries at once (torch ops on the current stream: the caller's the step work's) and empty
+        the queue."""
         if not self.count:
             return
         words = self._slot_words[self._step % NUM_SLOTS]
