@@ -228,6 +228,7 @@ def test_joined_fork_copies_leave_each_group_the_records_its_own_copy_would() ->
         rows=lambda names: rows if names == NAMES else None,
         geometries={n: dataclasses.replace(g, name=n) for n in NAMES},
         records=lambda name: rows.stores()[NAMES.index(name)],
+        moves=None,  # mirrored at once (the CPU's way)
     )
     with CountedOps() as joined:
         _mirror_copies(binding, forks)  # type: ignore[arg-type]

@@ -246,7 +246,7 @@ def test_the_restore_wrapper_scans_the_batch_only_when_the_swap_pool_holds_a_req
     from kvcanary.adapters.transformers_cb.features import FeatureCounters
 
     cache = types.SimpleNamespace(cache_allocators={})
-    binding = types.SimpleNamespace(is_for=lambda c: c is cache, geometries={})
+    binding = types.SimpleNamespace(is_for=lambda c: c is cache, geometries={}, moves=None)
     features = FeatureCounters()
     calls: list[int] = []
     wrapped = BulkMoveWrappers(lambda: binding, features).restore(lambda om, batch: calls.append(len(batch)))  # type: ignore[arg-type]
