@@ -23,6 +23,16 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _move_rows(dev, host, dev_row, host_row, row, t, src, dst, m, copy, src_host, dst_host, PAGE: tl.constexpr):
+    """Rows ``row`` (masked by ``m``) of block ``src`` into block ``dst``, each block on the side its flag says; zeros
+    where there is no source (``copy`` off)."""
+    v = tl.load(dev + row * dev_row + src * PAGE + t, mask=m & copy & ~src_host, other=0)
+    v += tl.load(host + row * host_row + src * PAGE + t, mask=m & copy & src_host, other=0)
+    tl.store(dev + row * dev_row + dst * PAGE + t, v, mask=m & ~dst_host)
+    tl.store(host + row * host_row + dst * PAGE + t, v, mask=m & dst_host)
+
+
 @triton.jit(do_not_specialize=["slot_words", "dev_blocks", "host_blocks"])
 def record_moves_kernel(slots_ptr, seq_ptr, slot_words, dev_pairs, dev_links, host_pairs, host_links,
                         dev_pair_row, dev_link_row, host_pair_row, host_link_row, dev_blocks, host_blocks,
@@ -33,9 +43,7 @@ def record_moves_kernel(slots_ptr, seq_ptr, slot_words, dev_pairs, dev_links, ho
     j = tl.arange(0, BLOCK).to(tl.int64)
     zero = tl.zeros_like(j)  # scalars widened before comparisons (the interpreter's typing)
     t = j % PAGE
-    pair_row = j // PAGE  # 2g and 2g + 1: group g's tokens and positions
-    pair_group = pair_row // 2
-    link_row = j // PAGE  # g: group g's links
+    row = j // PAGE  # of the tokens and positions: 2g and 2g + 1 are group g's; of the links: g is
     in_pairs = j < 2 * GROUPS * PAGE
     in_links = j < GROUPS * PAGE
     for i in range(0, n):
@@ -49,20 +57,10 @@ def record_moves_kernel(slots_ptr, seq_ptr, slot_words, dev_pairs, dev_links, ho
         dst_limit = tl.where(dst_host, host_blocks + zero, dev_blocks + zero)
         ok = (dst >= 0) & (dst < dst_limit) & (src < src_limit)
         copy = ok & (src >= 0)
-        # Tokens and positions: the rows of the groups the move lands in.
-        m = ok & in_pairs & (((flags >> (8 + pair_group)) & 1) != 0)
-        from_dev = dev_pairs + pair_row * dev_pair_row + src * PAGE + t
-        from_host = host_pairs + pair_row * host_pair_row + src * PAGE + t
-        v = tl.load(from_dev, mask=m & copy & ~src_host, other=0)
-        v += tl.load(from_host, mask=m & copy & src_host, other=0)
-        tl.store(dev_pairs + pair_row * dev_pair_row + dst * PAGE + t, v, mask=m & ~dst_host)
-        tl.store(host_pairs + pair_row * host_pair_row + dst * PAGE + t, v, mask=m & dst_host)
-        # Links.
-        ml = ok & in_links & (((flags >> (8 + link_row)) & 1) != 0)
-        from_dev_l = dev_links + link_row * dev_link_row + src * PAGE + t
-        from_host_l = host_links + link_row * host_link_row + src * PAGE + t
-        w = tl.load(from_dev_l, mask=ml & copy & ~src_host, other=0)
-        w += tl.load(from_host_l, mask=ml & copy & src_host, other=0)
-        tl.store(dev_links + link_row * dev_link_row + dst * PAGE + t, w, mask=ml & ~dst_host)
-        tl.store(host_links + link_row * host_link_row + dst * PAGE + t, w, mask=ml & dst_host)
+        m = ok & in_pairs & (((flags >> (8 + row // 2)) & 1) != 0)  # the groups the move lands in
+        _move_rows(dev_pairs, host_pairs, dev_pair_row, host_pair_row, row, t, src, dst, m, copy, src_host, dst_host,
+                   PAGE)  # fmt: skip
+        ml = ok & in_links & (((flags >> (8 + row)) & 1) != 0)
+        _move_rows(dev_links, host_links, dev_link_row, host_link_row, row, t, src, dst, ml, copy, src_host, dst_host,
+                   PAGE)  # fmt: skip
         tl.debug_barrier()  # the next entry may read what this one wrote
