@@ -237,6 +237,14 @@ def test_a_move_the_queue_cannot_express_or_hold_is_refused() -> None:
     assert q.push(copy) and q.prelude(None) is not None
 
 
+def test_the_adapters_option_is_checked_before_anything_is_installed() -> None:
+    from kvcanary.adapters.transformers_cb import TransformersCBAdapter
+    from kvcanary.demo import build_model
+
+    with pytest.raises(TypeError, match="queue_moves must be a bool or None, got 'yes'"):
+        TransformersCBAdapter(build_model("dense"), queue_moves="yes")  # type: ignore[arg-type]
+
+
 def test_the_queue_refuses_what_it_cannot_serve() -> None:
     rows = RecordRows.allocate(geometry().num_slots, 1, DEV)
     with pytest.raises(ValueError, match="publishing fence"):
@@ -266,8 +274,7 @@ def test_the_queue_on_the_demo_engine_changes_no_detection(
     plain = demo_run(kind, fault=fault, requests=requests)
     layout = functools.partial(StepTranslator, static=True, kernel=True, bucket=True)
     monkeypatch.setattr(binding, "StepTranslator", layout)
-    monkeypatch.setattr(binding, "queue_moves", lambda device: True)
-    queued = demo_run(kind, fault=fault, requests=requests, backend=Backend.TRITON)
+    queued = demo_run(kind, fault=fault, requests=requests, backend=Backend.TRITON, queue_moves=True)
     keys = [k for k in plain.stats if not k.endswith("_us") and k not in MoveCounts().as_dict()]
     assert {k: plain.stats[k] for k in keys} == {k: queued.stats[k] for k in keys}
     assert [(r.step, r.violations) for r in plain.reports] == [(r.step, r.violations) for r in queued.reports]

@@ -81,9 +81,17 @@ class FakeEngine:
         return kwargs, host
 
 
-def demo_run(kind: str, *, fault: str | None = None, requests: int = 64, backend: Backend = Backend.AUTO) -> RunResult:
+def demo_run(
+    kind: str,
+    *,
+    fault: str | None = None,
+    requests: int = 64,
+    backend: Backend = Backend.AUTO,
+    queue_moves: bool | None = None,
+) -> RunResult:
     follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
     options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10, backend=backend)
+    options = dataclasses.replace(options, queue_moves=queue_moves)
     prompts = build_prompts(requests + follow_up)
     with quiet_engine_logs():
         return run_workload(build_model(kind), prompts, options, label=kind, fault=fault)

@@ -69,6 +69,7 @@ class DemoOptions:
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
+    queue_moves: bool | None = None  # the adapter's option (block moves queued for the step work); None: its default
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.selftest import FAULTS
@@ -242,7 +243,8 @@ def run_workload(
             )
 
     digest = None if options.digest_budget is None else DigestConfig(options.digest_budget)
-    canary = install(model, CanaryConfig(mode=Mode.LOG, digest=digest), backend=options.backend, on_step=on_step)
+    config = CanaryConfig(mode=Mode.LOG, digest=digest)
+    canary = install(model, config, backend=options.backend, on_step=on_step, queue_moves=options.queue_moves)
     injector: FaultHooks | None = None
     try:
         if fault is not None:

@@ -100,9 +100,12 @@ class Binding:
         max_positions: object,
         on_fail_request: FailRequestCallback | None,
         move_counts: MoveCounts | None = None,
+        queue_moves: bool | None = None,
     ) -> Binding:
-        """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``); ``move_counts``: where its
-        queued moves are counted (:mod:`.queued_moves`)."""
+        """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``).  ``queue_moves``: whether
+        the engine's block moves are queued for the step work (:mod:`.queued_moves`) where the layout allows it; None:
+        on CUDA (where the step work is one graph replay; elsewhere the queue's kernel would run in Triton's
+        interpreter).  ``move_counts``: where the queued moves are counted."""
         cache = runner.cache
         geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
         max_batch = int(runner.cb_config.max_requests_per_batch)
@@ -135,7 +138,8 @@ class Binding:
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
         binding = cls(cache, geometries, translator, manager)
-        if config.digest is None and queue_moves(device) and translator.slotted:
+        queue = device.type == "cuda" if queue_moves is None else queue_moves
+        if config.digest is None and queue and translator.slotted:
             binding.moves = binding.queued_moves(move_counts)
         return binding
 
@@ -149,13 +153,6 @@ class Binding:
         if rows is None or len(pages) != 1 or fence is None or fence.seq is None:
             return None
         return QueuedMoves(rows, names, pages.pop(), fence, counts)
-
-
-def queue_moves(device: torch.device) -> bool:
-    """Whether a binding on ``device`` queues the engine's block moves for its step work (:mod:`.queued_moves`): on
-    CUDA, where the step work is one graph replay.  Elsewhere each move is mirrored at once (on the CPU the queue's
-    kernel would run in Triton's interpreter; the tests that cover it there set this)."""
-    return device.type == "cuda"
 
 
 def default_width(reads: int, max_batch: int, n_groups: int, max_positions: object) -> int:
