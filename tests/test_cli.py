@@ -43,6 +43,7 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     [
         (["--async-batching"], EXIT_USAGE, "--async-batching needs --device cuda"),
         (["--cuda-graphs"], EXIT_USAGE, "--cuda-graphs needs --device cuda"),
+        (["--queue-moves"], EXIT_USAGE, "--queue-moves needs --device cuda (the queue rides the canary's step graph)"),
         (["--device", "tpu"], EXIT_USAGE, "--device must be cpu or cuda"),
     ],
 )

@@ -241,7 +241,7 @@ def test_the_adapters_option_is_checked_before_anything_is_installed() -> None:
     from kvcanary.adapters.transformers_cb import TransformersCBAdapter
     from kvcanary.demo import build_model
 
-    with pytest.raises(TypeError, match="queue_moves must be a bool or None, got 'yes'"):
+    with pytest.raises(TypeError, match="queue_moves must be a bool, got 'yes'"):
         TransformersCBAdapter(build_model("dense"), queue_moves="yes")  # type: ignore[arg-type]
 
 

@@ -79,17 +79,24 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+_CUDA_ONLY = (
+    ("--async-batching", "transformers runs it on CUDA only"),
+    ("--cuda-graphs", "transformers runs it on CUDA only"),
+    ("--queue-moves", "the queue rides the canary's step graph"),
+)
+
+
 def refusal(args: argparse.Namespace) -> tuple[int, str] | None:
     """``(exit code, message)`` when an engine-running command's options cannot work here, else ``None``
-    (``--async-batching`` and ``--cuda-graphs`` only where the command has them)."""
+    (``--async-batching``, ``--cuda-graphs`` and ``--queue-moves`` only where the command has them)."""
     on_cuda = str(args.device).startswith("cuda")
     if not on_cuda and str(args.device) != "cpu":
         return EXIT_USAGE, f"--device must be cpu or cuda[:N], got {args.device!r}"
     if on_cuda and not _cuda_available():
         return EXIT_ENVIRONMENT, "--device cuda: torch sees no CUDA device here (run with --device cpu)"
-    for flag in ("--async-batching", "--cuda-graphs"):
+    for flag, why in _CUDA_ONLY:
         if getattr(args, flag[2:].replace("-", "_"), False) and not on_cuda:
-            return EXIT_USAGE, f"{flag} needs --device cuda (transformers runs it on CUDA only)"
+            return EXIT_USAGE, f"{flag} needs --device cuda ({why})"
     if args.backend == "triton":
         if importlib.util.find_spec("triton") is None:
             return EXIT_ENVIRONMENT, "--backend triton: triton is not installed (pip install 'kvcanary[triton]')"

@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--digest", type=float, default=None, metavar="BUDGET",
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
     )  # fmt: skip
+    p.add_argument(
+        "--queue-moves", action="store_true",
+        help="queue the engine's block moves for each step's own device work (CUDA; off by default until measured)",
+    )  # fmt: skip
     add_output_options(p)
 
 
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             async_batching=args.async_batching,
             cuda_graphs=args.cuda_graphs,
             digest_budget=args.digest,
+            queue_moves=args.queue_moves,
         )
 
     return run_engine_command(args, "demo", "transformers 5.24.0", options, run_demo, summary)

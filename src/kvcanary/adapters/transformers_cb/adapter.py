@@ -64,7 +64,7 @@ class TransformersCBAdapter:
         unpinned_cpu_offload: bool = True,
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
-        queue_moves: bool | None = None,
+        queue_moves: bool = False,
     ) -> None:
         model = _model_of(model)
         config = CanaryConfig() if config is None else config
@@ -74,9 +74,9 @@ class TransformersCBAdapter:
             raise TypeError(f"backend must be a kvcanary.Backend, got {backend!r}")
         if max_context is not None and (not isinstance(max_context, int) or max_context <= 0):
             raise ValueError(f"max_context must be a positive int or None, got {max_context!r}")
-        if queue_moves is not None and not isinstance(queue_moves, bool):
-            raise TypeError(f"queue_moves must be a bool or None, got {queue_moves!r}")
-        self._queue_moves = queue_moves  # see Binding.create
+        if not isinstance(queue_moves, bool):
+            raise TypeError(f"queue_moves must be a bool, got {queue_moves!r}")
+        self._queue_moves = queue_moves  # block moves queued for the step work (see Binding.create)
         self._reports = ReportKeeper(max_kept_reports)
         if config.mode is Mode.FAIL_REQUEST and on_fail_request is None:
             raise ValueError("mode fail-request needs an on_fail_request callback")

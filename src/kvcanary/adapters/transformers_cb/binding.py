@@ -100,12 +100,12 @@ class Binding:
         max_positions: object,
         on_fail_request: FailRequestCallback | None,
         move_counts: MoveCounts | None = None,
-        queue_moves: bool | None = None,
+        queue_moves: bool = False,
     ) -> Binding:
         """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``).  ``queue_moves``: whether
-        the engine's block moves are queued for the step work (:mod:`.queued_moves`) where the layout allows it; None:
-        on CUDA (where the step work is one graph replay; elsewhere the queue's kernel would run in Triton's
-        interpreter).  ``move_counts``: where the queued moves are counted."""
+        the engine's block moves are queued for the step work (:mod:`.queued_moves`) where the layout allows it (CUDA,
+        or the CUDA layout under Triton's interpreter); off by default, each move mirrored at once, until the queue is
+        measured on a GPU.  ``move_counts``: where the queued moves are counted."""
         cache = runner.cache
         geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
         max_batch = int(runner.cb_config.max_requests_per_batch)
@@ -138,8 +138,7 @@ class Binding:
             by_name = {g.name: g for g in geometries}
             manager.attach_digests(digest_layouts(cache, by_name, config.digest.layers))
         binding = cls(cache, geometries, translator, manager)
-        queue = device.type == "cuda" if queue_moves is None else queue_moves
-        if config.digest is None and queue and translator.slotted:
+        if config.digest is None and queue_moves and translator.slotted:
             binding.moves = binding.queued_moves(move_counts)
         return binding
 
