@@ -44,7 +44,7 @@ class Binding:
         self.steps = 0  # host steps run on this cache's manager (a report's ``step`` counts the same way)
         self._host_layouts: dict[str, tuple[int, DigestLayout | None]] = {}  # group -> (pool address, layout)
         self._rows: dict[tuple[str, ...], RecordRows | None] = {}  # see rows(): the layout found once
-        self.moves: QueuedMoves | None = None  # the block moves queued for the next step's work (see queue_moves)
+        self.moves: QueuedMoves | None = None  # the block moves queued for the next step's work (see create)
 
     def is_for(self, cache: Any) -> bool:
         return self._cache() is cache

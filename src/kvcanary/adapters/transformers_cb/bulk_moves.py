@@ -200,8 +200,10 @@ def _queued_saves(b: Binding, om: Any, saves: list[byte_moves.HostSave]) -> bool
     if q is None:
         return False
     views = getattr(om, "_cpu_views", {})
-    sizes = {int(views[n].shape[0]) for n in q.names if n in views}
-    if len(sizes) != 1 or not all(n in views for n in q.names):
+    if not all(n in views for n in q.names):
+        return False
+    sizes = {int(views[n].shape[0]) for n in q.names}
+    if len(sizes) != 1:
         return False
     slots = sizes.pop() * q.page
     host = b.host.joint_rows(q.names, slots, q.rows.device, create=False)

@@ -59,19 +59,20 @@ class QueuedMoves:
     ) -> None:
         if fence.seq is None:
             raise ValueError("queued moves need a publishing fence (its seq names the slot the step work reads)")
-        if len(names) != len(rows.links) or len(names) > 62 - GROUP_SHIFT:
+        if len(names) != len(rows.links):
             raise ValueError(f"{len(names)} group names for {len(rows.links)} record rows")
+        if len(names) > 62 - GROUP_SHIFT:
+            raise ValueError(f"{len(names)} groups: an entry's flags name at most {62 - GROUP_SHIFT}")
         self.rows, self.names, self.page = rows, names, page
         self.bits = {n: 1 << (GROUP_SHIFT + g) for g, n in enumerate(names)}
-        self.all_bits = sum(self.bits.values())
         self.device_blocks = rows.num_slots // page
         self.host: RecordRows | None = None
         self.host_blocks = 0
         self._fence = fence
         self._seq = fence.seq
-        self._words = HEAD_WORDS + CAPACITY * ENTRY_WORDS
         pinned = rows.device.type == "cuda"
-        self._slots = torch.zeros((NUM_SLOTS, self._words), dtype=torch.int64, pin_memory=pinned)
+        words = HEAD_WORDS + CAPACITY * ENTRY_WORDS
+        self._slots = torch.zeros((NUM_SLOTS, words), dtype=torch.int64, pin_memory=pinned)
         self._slot_words = [self._slots[i].numpy().data.cast("B").cast("q") for i in range(NUM_SLOTS)]
         self.count = 0  # entries queued for host step ``self._step``
         self._step = -1
