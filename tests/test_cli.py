@@ -43,7 +43,11 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     [
         (["--async-batching"], EXIT_USAGE, "--async-batching needs --device cuda"),
         (["--cuda-graphs"], EXIT_USAGE, "--cuda-graphs needs --device cuda"),
-        (["--queue-moves"], EXIT_USAGE, "--queue-moves needs --device cuda (the queue rides the canary's step graph)"),
+        (
+            ["--no-queue-moves"],
+            EXIT_USAGE,
+            "--no-queue-moves needs --device cuda (the queue rides the canary's step graph, on CUDA only)",
+        ),
         (["--device", "tpu"], EXIT_USAGE, "--device must be cpu or cuda"),
     ],
 )

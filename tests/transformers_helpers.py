@@ -87,7 +87,7 @@ def demo_run(
     fault: str | None = None,
     requests: int = 64,
     backend: Backend = Backend.AUTO,
-    queue_moves: bool = False,
+    queue_moves: bool = True,
 ) -> RunResult:
     follow_up = FOLLOW_UP if fault is None else 0  # the follow-up wave matters for the clean runs' features
     options = DemoOptions(model=kind, requests=requests, follow_up=follow_up, fault_after_step=10, backend=backend)

@@ -10,8 +10,8 @@
 #   cbprof    the workload's graph runs again, each under the tap profiler (cbprof.txt)
 #   old       the same workload against another source tree OLD_SRC (to compare)
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
-#   qdemo     the same demo with the engine's block moves queued for the step work (--queue-moves; demo_queued.txt):
-#             with demo, an A/B of the queue in one tree and one call
+#   oncedemo  the same demo with each of the engine's block moves mirrored at once, not queued for the step work
+#             (--no-queue-moves; demo_at_once.txt): with demo, an A/B of the queue in one tree and one call
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
 #             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
@@ -76,10 +76,10 @@ for s in ${STAGES:-e2e cb demo profile}; do
             timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
               >>"$OUT/demo.txt" 2>&1
           done ;;
-    qdemo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
-             timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" \
-               --queue-moves --quiet >>"$OUT/demo_queued.txt" 2>&1
-           done ;;
+    oncedemo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
+                timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
+                  --rounds "${ROUNDS:-5}" --no-queue-moves --quiet >>"$OUT/demo_at_once.txt" 2>&1
+              done ;;
     olddemo) for model in ${OLD_DEMO_MODELS:-dense hybrid}; do
                PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
                  --model "$model" --device cuda --baseline --rounds "${OLD_ROUNDS:-3}" --quiet >>"$OUT/demo_old.txt" 2>&1

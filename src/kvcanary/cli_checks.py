@@ -79,23 +79,24 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# (flag, the argument it sets, the value it sets, why only CUDA has it)
 _CUDA_ONLY = (
-    ("--async-batching", "transformers runs it on CUDA only"),
-    ("--cuda-graphs", "transformers runs it on CUDA only"),
-    ("--queue-moves", "the queue rides the canary's step graph"),
+    ("--async-batching", "async_batching", True, "transformers runs it on CUDA only"),
+    ("--cuda-graphs", "cuda_graphs", True, "transformers runs it on CUDA only"),
+    ("--no-queue-moves", "queue_moves", False, "the queue rides the canary's step graph, on CUDA only"),
 )
 
 
 def refusal(args: argparse.Namespace) -> tuple[int, str] | None:
     """``(exit code, message)`` when an engine-running command's options cannot work here, else ``None``
-    (``--async-batching``, ``--cuda-graphs`` and ``--queue-moves`` only where the command has them)."""
+    (``--async-batching``, ``--cuda-graphs`` and ``--no-queue-moves`` only where the command has them)."""
     on_cuda = str(args.device).startswith("cuda")
     if not on_cuda and str(args.device) != "cpu":
         return EXIT_USAGE, f"--device must be cpu or cuda[:N], got {args.device!r}"
     if on_cuda and not _cuda_available():
         return EXIT_ENVIRONMENT, "--device cuda: torch sees no CUDA device here (run with --device cpu)"
-    for flag, why in _CUDA_ONLY:
-        if getattr(args, flag[2:].replace("-", "_"), False) and not on_cuda:
+    for flag, dest, value, why in _CUDA_ONLY:
+        if not on_cuda and getattr(args, dest, None) is value:
             return EXIT_USAGE, f"{flag} needs --device cuda ({why})"
     if args.backend == "triton":
         if importlib.util.find_spec("triton") is None:

@@ -69,7 +69,7 @@ class DemoOptions:
     async_batching: bool = False  # the engine's asynchronous batching (CUDA only)
     cuda_graphs: bool = False  # the engine's CUDA graphs (padded batches, warm-up forwards; CUDA only)
     digest_budget: float | None = None  # the KV digest at this budget (design.md §12); None: off
-    queue_moves: bool = False  # the adapter's option: the engine's block moves queued for the step work
+    queue_moves: bool = True  # the adapter's option: the engine's block moves queued for the step work (CUDA)
 
     def __post_init__(self) -> None:
         from kvcanary.adapters.transformers_cb.selftest import FAULTS

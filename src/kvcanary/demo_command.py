@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also check the K/V bytes with the KV digest, re-verifying this share of each step's reads (0-1]",
     )  # fmt: skip
     p.add_argument(
-        "--queue-moves", action="store_true",
-        help="queue the engine's block moves for each step's own device work (CUDA; off by default until measured)",
+        "--no-queue-moves", dest="queue_moves", action="store_false",
+        help="mirror each of the engine's block moves at once instead of queueing it for the step's device work (CUDA)",
     )  # fmt: skip
     add_output_options(p)
 

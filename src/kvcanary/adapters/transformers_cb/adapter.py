@@ -64,7 +64,7 @@ class TransformersCBAdapter:
         unpinned_cpu_offload: bool = True,
         allow_untested_version: bool = False,
         max_kept_reports: int = 32,
-        queue_moves: bool = False,
+        queue_moves: bool = True,
     ) -> None:
         model = _model_of(model)
         config = CanaryConfig() if config is None else config

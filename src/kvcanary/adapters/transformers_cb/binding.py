@@ -100,12 +100,12 @@ class Binding:
         max_positions: object,
         on_fail_request: FailRequestCallback | None,
         move_counts: MoveCounts | None = None,
-        queue_moves: bool = False,
+        queue_moves: bool = True,
     ) -> Binding:
         """Size everything from the cache behind ``runner`` (a transformers ``ModelRunner``).  ``queue_moves``: whether
         the engine's block moves are queued for the step work (:mod:`.queued_moves`) where the layout allows it (CUDA,
-        or the CUDA layout under Triton's interpreter); off by default, each move mirrored at once, until the queue is
-        measured on a GPU.  ``move_counts``: where the queued moves are counted."""
+        or the CUDA layout under Triton's interpreter); False mirrors each move at once.  ``move_counts``: where the
+        queued moves are counted."""
         cache = runner.cache
         geometries = [GroupGeometry.from_allocator(a, cache.num_sectors) for a in cache.cache_allocators.values()]
         max_batch = int(runner.cb_config.max_requests_per_batch)
