@@ -177,7 +177,7 @@ def queued(rows: RecordRows, moves: list[tuple[str, object]], at_once: bool) -> 
         assert prelude is not None and prelude is q.prelude(None)  # one object a prelude: its graph key is found again
         prelude.run()
         q.taken()
-    assert q.count == 0 and q.prelude(None) is None
+    assert q.count == 0
     return q
 
 
@@ -232,9 +232,39 @@ def test_a_move_the_queue_cannot_express_or_hold_is_refused() -> None:
     assert same(rows, want) and q.count == 0 and q.counts.move_entries_applied_at_once == CAPACITY
     assert q.push(copy)
     fence.next_step += 1  # a host step ran without this queue's prelude (not expected): its entries come first
-    assert q.prelude(None) is None and not q.push(copy)
+    assert not q.push(copy)
     q.apply_now()
-    assert q.push(copy) and q.prelude(None) is not None
+    assert q.push(copy)
+    fence.next_step += 1  # likewise, met by the next step's prelude: applied at once before it is handed out
+    assert q.prelude(None) is not None and q.count == 0
+    apply_entries(list(copy) * 2, want, None, PAGE)
+    assert same(rows, want) and q.counts.move_entries_applied_at_once == CAPACITY + 2
+
+
+def test_a_step_with_nothing_queued_applies_nothing_though_its_slot_held_an_earlier_steps_entries() -> None:
+    """The record moves run in every step's prelude: a step with no moves must find its slot empty, also the step
+    that reuses the slot of one that had moves (records scrambled in between, so re-applied entries would show)."""
+    gen = torch.Generator().manual_seed(8)
+    rows = random_rows(2, geometry().num_slots, gen)
+    fence = a_fence(3)
+    q = QueuedMoves(rows, NAMES, PAGE, fence)
+    both = 3 << GROUP_SHIFT
+    assert q.push(array.array("q", (1, 2, both, 2, 5, both, -1, 1, 1 << GROUP_SHIFT)))
+    prelude = q.prelude(None)
+    assert prelude is not None
+    prelude.run()
+    q.taken()
+    for later in (1, NUM_SLOTS):  # the next step, and the one whose slot is step 3's
+        fence.next_step = 3 + later
+        fence.seq.fill_(3 + later)  # type: ignore[union-attr]
+        scrambled = random_rows(2, rows.num_slots, gen)
+        rows.pairs.copy_(scrambled.pairs)
+        rows.links.copy_(scrambled.links)
+        assert q.prelude(None) is prelude
+        prelude.run()
+        q.taken()
+        assert same(rows, scrambled), later
+    assert q.counts.steps_with_queued_moves == 1 and q.counts.queued_move_entries == 3
 
 
 def test_the_adapters_option_is_checked_before_anything_is_installed() -> None:

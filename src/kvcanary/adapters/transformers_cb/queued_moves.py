@@ -4,8 +4,10 @@ Mirrored as it happens, each fork copy, offload or restore cost a dozen torch ca
 tens of microseconds each with the caches cold (on the GPU demo's hybrid model about 0.2 ms a move).  Where the
 staging is slotted (its step work reads pinned slot ``k % NUM_SLOTS`` for host step ``k``, see :mod:`.staging`), a
 move instead writes one entry a moved block into this queue's own pinned slot for the step about to run, and the
-record-move kernel (``ops/kernels/record_moves.py``), added to that step's prelude, applies the entries in order
-inside the canary's step graph, before the step's verify reads the records.  Between two steps nothing but the
+record-move kernel (``ops/kernels/record_moves.py``), in every step's prelude, applies the entries in order inside
+the canary's step graph, before the step's verify reads the records (a slot with no entries costs the kernel one
+read: in every prelude, a step with moves replays the graph of its shape class, where a prelude of its own took a
+second capture a shape class, about 2 ms each on an H100's demo).  Between two steps nothing but the
 canary reads the records, and the entries keep the moves' order, so the records end as the moves one by one would
 leave them.
 
@@ -115,10 +117,15 @@ class QueuedMoves:
         return True
 
     def prelude(self, prelude: Launches | None) -> Launches | None:
-        """The step's prelude with the record moves added when entries are queued for it (the same object for the
-        same ``prelude``, so a steady step's graph key is found again), else ``prelude`` itself."""
-        if not self.count or self._step != self._fence.next_step:
-            return prelude
+        """The step's prelude with the record moves added, in every step (the same object for the same ``prelude``, so
+        a step's graph key is found again: a step with moves needs no graph of its own).  A step with nothing queued
+        gets a slot that says so (its count word was an earlier step's); entries queued for a step that ran without
+        them (not expected) are applied at once first."""
+        step = self._fence.next_step
+        if self.count and self._step != step:
+            self.apply_now()
+        if not self.count:
+            self._slot_words[step % NUM_SLOTS][0] = 0
         kept = self._with.get(id(prelude))
         if kept is None or kept[0] is not prelude:
             if len(self._with) >= _MAX_PRELUDES:
