@@ -7,13 +7,16 @@ from __future__ import annotations
 import array
 import dataclasses
 import functools
+import importlib
 import os
+import types
+from pathlib import Path
 
 import pytest
 import torch
 
 import compiled_build
-from kvcanary.adapters.transformers_cb import binding, mirror, move_entries
+from kvcanary.adapters.transformers_cb import binding, bulk_moves, mirror, move_entries
 from kvcanary.adapters.transformers_cb.byte_moves import BlockWrite, HostSave
 from kvcanary.adapters.transformers_cb.queued_moves import (
     CAPACITY,
@@ -300,11 +303,17 @@ def test_the_queue_on_the_demo_engine_changes_no_detection(
 ) -> None:
     """The demo's engine with the CUDA layout and the kernels (the layout the queue needs: a publishing manager), its
     moves queued for each step's work, against the CPU's layout mirroring them at once: the same steps, verified slots,
-    stamps, violations and reports, with every move queued (the kernels match the reference path word for word)."""
+    stamps, violations and reports, with every move queued (the kernels match the reference path word for word).
+    Queued, the moves make no device op but the host records' allocation, once (counted by the mirror-ops benchmark's
+    windows: each op a launch of host time on CUDA; mirrored at once the hybrid's six requests made 90)."""
     plain = demo_run(kind, fault=fault, requests=requests)
     layout = functools.partial(StepTranslator, static=True, kernel=True, bucket=True)
     monkeypatch.setattr(binding, "StepTranslator", layout)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    windows = importlib.import_module("mirror_ops").MirrorWindows()
+    monkeypatch.setattr(bulk_moves, "time", types.SimpleNamespace(perf_counter_ns=windows.perf_counter_ns))
     queued = demo_run(kind, fault=fault, requests=requests, backend=Backend.TRITON, queue_moves=True)
+    assert windows.windows > 0 and dict(windows.ops) == {"aten.zeros.default": 2}  # the host records' pairs and links
     keys = [k for k in plain.stats if not k.endswith("_us") and k not in MoveCounts().as_dict()]
     assert {k: plain.stats[k] for k in keys} == {k: queued.stats[k] for k in keys}
     assert [(r.step, r.violations) for r in plain.reports] == [(r.step, r.violations) for r in queued.reports]
