@@ -12,6 +12,10 @@
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
 #   oncedemo  the same demo with each of the engine's block moves mirrored at once, not queued for the step work
 #             (--no-queue-moves; demo_at_once.txt): with demo, an A/B of the queue in one tree and one call
+#   ab        the queue's A/B with the order balanced: a discarded warm-up demo first (the first stage of a call ran
+#             slower on work the queue does not touch), then per model the queued demo and the one with every move
+#             mirrored at once, the first of the two alternating from model to model (demo_ab_queued.txt,
+#             demo_ab_at_once.txt)
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
 #             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
@@ -80,6 +84,17 @@ for s in ${STAGES:-e2e cb demo profile}; do
                 timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
                   --rounds "${ROUNDS:-5}" --no-queue-moves --quiet >>"$OUT/demo_at_once.txt" 2>&1
               done ;;
+    ab) timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model dense --device cuda --requests 16 --quiet >/dev/null 2>&1
+        i=0
+        for model in ${DEMO_MODELS:-dense hybrid sliding}; do
+          sides=("queued:" "at_once:--no-queue-moves")
+          [ $((i % 2)) = 1 ] && sides=("at_once:--no-queue-moves" "queued:")
+          for side in "${sides[@]}"; do
+            timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
+              --rounds "${ROUNDS:-5}" ${side#*:} --quiet >>"$OUT/demo_ab_${side%%:*}.txt" 2>&1
+          done
+          i=$((i + 1))
+        done ;;
     olddemo) for model in ${OLD_DEMO_MODELS:-dense hybrid}; do
                PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_DEMO:-60}" python3 -m kvcanary.cli demo \
                  --model "$model" --device cuda --baseline --rounds "${OLD_ROUNDS:-3}" --quiet >>"$OUT/demo_old.txt" 2>&1
