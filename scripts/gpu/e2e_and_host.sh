@@ -62,6 +62,13 @@ export COMMIT=${COMMIT:-unknown}
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
 } 2>&1 | tee -a "$OUT/run.log"
 stage() { echo "=== $1 ($(date -u +%T))" | tee -a "$OUT/run.log" >&2; }
+# demo_run FILE MODEL [FLAG...]: the timed demo (--baseline) of MODEL with FLAGs, appended to $OUT/FILE
+demo_run() {
+  local file=$1 model=$2
+  shift 2
+  timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" \
+    "$@" --quiet >>"$OUT/$file" 2>&1
+}
 for s in ${STAGES:-e2e cb demo profile}; do
   stage "$s"
   case $s in
@@ -76,13 +83,9 @@ for s in ${STAGES:-e2e cb demo profile}; do
     old) PYTHONPATH=$PWD/$OLD_SRC${BASE_PATH:+:$BASE_PATH} timeout "${T_OLD:-90}" python3 \
            scripts/gpu/cb_qwen3_workload.py --out "$OUT" --name cb_qwen3_old --runs b32_graphs,b1_graphs,b32_eager \
            >>"$OUT/run.log" 2>&1 ;;
-    demo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
-            timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" --quiet \
-              >>"$OUT/demo.txt" 2>&1
-          done ;;
+    demo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do demo_run demo.txt "$model"; done ;;
     oncedemo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
-                timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
-                  --rounds "${ROUNDS:-5}" --no-queue-moves --quiet >>"$OUT/demo_at_once.txt" 2>&1
+                demo_run demo_at_once.txt "$model" --no-queue-moves
               done ;;
     ab) timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model dense --device cuda --requests 16 --quiet >/dev/null 2>&1
         i=0
@@ -90,8 +93,7 @@ for s in ${STAGES:-e2e cb demo profile}; do
           sides=("queued:" "at_once:--no-queue-moves")
           [ $((i % 2)) = 1 ] && sides=("at_once:--no-queue-moves" "queued:")
           for side in "${sides[@]}"; do
-            timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline \
-              --rounds "${ROUNDS:-5}" ${side#*:} --quiet >>"$OUT/demo_ab_${side%%:*}.txt" 2>&1
+            demo_run "demo_ab_${side%%:*}.txt" "$model" ${side#*:}
           done
           i=$((i + 1))
         done ;;
