@@ -289,7 +289,7 @@ def test_the_queue_refuses_what_it_cannot_serve() -> None:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CUDA layout on the CPU demo engine runs Triton's interpreter")
-@compiled_build.patches("kvcanary.adapters.transformers_cb.binding")
+@compiled_build.patches("kvcanary.adapters.transformers_cb.binding", "kvcanary.adapters.transformers_cb.queued_moves")
 @pytest.mark.parametrize(
     ("kind", "fault", "requests"),
     [
@@ -304,16 +304,29 @@ def test_the_queue_on_the_demo_engine_changes_no_detection(
     """The demo's engine with the CUDA layout and the kernels (the layout the queue needs: a publishing manager), its
     moves queued for each step's work, against the CPU's layout mirroring them at once: the same steps, verified slots,
     stamps, violations and reports, with every move queued (the kernels match the reference path word for word).
-    Queued, the moves make no device op but the host records' allocation, once (counted by the mirror-ops benchmark's
-    windows: each op a launch of host time on CUDA; mirrored at once the hybrid's six requests made 90)."""
+    Queued, the moves make no device op (counted by the mirror-ops benchmark's windows: each op a launch of host time on
+    CUDA; mirrored at once the hybrid's six requests made 90): the host records are made with the binding, so every
+    step's prelude holds one record-move launch from the first step on (one built at the first offload instead took a
+    second capture of each shape class's step graph on CUDA)."""
     plain = demo_run(kind, fault=fault, requests=requests)
     layout = functools.partial(StepTranslator, static=True, kernel=True, bucket=True)
     monkeypatch.setattr(binding, "StepTranslator", layout)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     windows = importlib.import_module("mirror_ops").MirrorWindows()
     monkeypatch.setattr(bulk_moves, "time", types.SimpleNamespace(perf_counter_ns=windows.perf_counter_ns))
+    handed: list[RecordMovesLaunch] = []  # the record-move launch of each step's prelude (held: ids stay unique)
+    prelude = QueuedMoves.prelude
+
+    def watched(q: QueuedMoves, step: object) -> object:
+        out = prelude(q, step)  # type: ignore[arg-type]
+        handed.append(out.launches[-1])  # type: ignore[union-attr]
+        return out
+
+    monkeypatch.setattr(QueuedMoves, "prelude", watched)
     queued = demo_run(kind, fault=fault, requests=requests, backend=Backend.TRITON, queue_moves=True)
-    assert windows.windows > 0 and dict(windows.ops) == {"aten.zeros.default": 2}  # the host records' pairs and links
+    assert windows.windows > 0 and dict(windows.ops) == {}
+    assert len(handed) == queued.stats["steps"] and len({id(launch) for launch in handed}) == 1
+    assert handed[0].args[5] is not handed[0].args[3]  # it addresses the host records, not the stand-in
     keys = [k for k in plain.stats if not k.endswith("_us") and k not in MoveCounts().as_dict()]
     assert {k: plain.stats[k] for k in keys} == {k: queued.stats[k] for k in keys}
     assert [(r.step, r.violations) for r in plain.reports] == [(r.step, r.violations) for r in queued.reports]

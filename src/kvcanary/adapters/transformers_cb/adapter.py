@@ -255,7 +255,7 @@ class TransformersCBAdapter:
                 self._patches.wrap(owner, p.method, wrappers[(p.owner, p.method)])
 
     def _new_binding(self, runner: Any) -> Binding:
-        return Binding.create(
+        binding = Binding.create(
             runner,
             self._config,
             backend=self._backend,
@@ -265,6 +265,8 @@ class TransformersCBAdapter:
             move_counts=self._move_counts,
             queue_moves=self._queue_moves,
         )
+        self._moves.bound(binding)
+        return binding
 
     def _is_model(self, model: Any) -> bool:
         return model is self._model
