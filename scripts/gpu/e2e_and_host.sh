@@ -12,8 +12,10 @@
 #   demo      kvcanary demo --baseline on the three models (host time per step by phase)
 #   oncedemo  the same demo with each of the engine's block moves mirrored at once, not queued for the step work
 #             (--no-queue-moves; demo_at_once.txt): with demo, an A/B of the queue in one tree and one call
-#   ab        the queue's A/B with the order balanced: a discarded warm-up demo first (the first stage of a call ran
-#             slower on work the queue does not touch), then per model the queued demo and the one with every move
+#   warmup    a discarded demo (the first stage of a call ran slower on work the canary does not touch): put it
+#             before demo
+#   ab        the queue's A/B with the order balanced: a discarded warm-up demo first (see warmup), then per model the
+#             queued demo and the one with every move
 #             mirrored at once, the first of the two alternating from model to model (demo_ab_queued.txt,
 #             demo_ab_at_once.txt)
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
@@ -69,6 +71,10 @@ demo_run() {
   timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model "$model" --device cuda --baseline --rounds "${ROUNDS:-5}" \
     "$@" --quiet >>"$OUT/$file" 2>&1
 }
+# warm_up: a short demo whose output is discarded
+warm_up() {
+  timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model dense --device cuda --requests 16 --quiet >/dev/null 2>&1
+}
 for s in ${STAGES:-e2e cb demo profile}; do
   stage "$s"
   case $s in
@@ -87,7 +93,8 @@ for s in ${STAGES:-e2e cb demo profile}; do
     oncedemo) for model in ${DEMO_MODELS:-dense hybrid sliding}; do
                 demo_run demo_at_once.txt "$model" --no-queue-moves
               done ;;
-    ab) timeout "${T_DEMO:-120}" python3 -m kvcanary.cli demo --model dense --device cuda --requests 16 --quiet >/dev/null 2>&1
+    warmup) warm_up ;;
+    ab) warm_up
         i=0
         for model in ${DEMO_MODELS:-dense hybrid sliding}; do
           sides=("queued:" "at_once:--no-queue-moves")
