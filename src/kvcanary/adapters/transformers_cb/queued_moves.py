@@ -4,12 +4,13 @@ Mirrored as it happens, each fork copy, offload or restore cost a dozen torch ca
 tens of microseconds each with the caches cold (on the GPU demo's hybrid model about 0.2 ms a move).  Where the
 staging is slotted (its step work reads pinned slot ``k % NUM_SLOTS`` for host step ``k``, see :mod:`.staging`), a
 move instead writes one entry a moved block into this queue's own pinned slot for the step about to run, and the
-record-move kernel (``ops/kernels/record_moves.py``), in every step's prelude, applies the entries in order inside
-the canary's step graph, before the step's verify reads the records (a slot with no entries costs the kernel one
-read: in every prelude, a step with moves replays the graph of its shape class, where a prelude of its own took a
-second capture a shape class, about 2 ms each on an H100's demo).  Between two steps nothing but the
-canary reads the records, and the entries keep the moves' order, so the records end as the moves one by one would
-leave them.
+record-move kernel (``ops/kernels/record_moves.py``) applies the entries in order inside the canary's step graph,
+before the step's verify reads the records.  The kernel is in every step's prelude, so a step with moves replays the
+graph of its shape class; a slot with no entries costs it one read.  (Only steps with moves had it at first: each shape
+class was then captured twice, about 2 ms a capture on an H100.)  Between two steps nothing but the canary reads the
+records, and the entries keep the moves' order, so the records end as the moves one by one would leave them.  The
+host pool's records are attached when the binding is made (:func:`.bulk_moves.attach_host_rows`), so the launch is
+built once.
 
 A move this queue cannot express (an index whose values the host does not know, a host block past the host rows,
 records that are not rows of one tensor pair) is mirrored at once as before, after the entries queued so far are
