@@ -15,9 +15,8 @@
 #   warmup    a discarded demo (the first stage of a call ran slower on work the canary does not touch): put it
 #             before demo
 #   ab        the queue's A/B with the order balanced: a discarded warm-up demo first (see warmup), then per model the
-#             queued demo and the one with every move
-#             mirrored at once, the first of the two alternating from model to model (demo_ab_queued.txt,
-#             demo_ab_at_once.txt)
+#             queued demo and the one with every move mirrored at once, the first of the two alternating from model to
+#             model (demo_ab_queued.txt, demo_ab_at_once.txt)
 #   olddemo   the same demo against OLD_SRC (OLD_DEMO_MODELS, default dense hybrid; OLD_ROUNDS pairs, default 3):
 #             a before/after in one call
 #   profile   scripts/gpu/host_profile.py (where the host time goes; PROFILE_MODELS, default dense; PROFILE_TARGETS,
